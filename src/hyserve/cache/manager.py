@@ -1,0 +1,142 @@
+"""The prefix cache as the engine sees it: look up and restore (fail closed), record, release.
+
+Every restore is verified against the matched tokens (token count and content hash) and, where the
+model has attention layers, against the restored KV length. Any mismatch is a miss plus an event and
+the entry is dropped; the request then runs from an empty state, so output stays correct.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..metrics import Metrics
+from ..state import FamilyAdapter, LiveState, token_hash
+from .prefix_tree import PrefixTree, _Node
+from .telemetry import CacheTelemetry
+
+
+@dataclass
+class Restored:
+    state: LiveState
+    cached_tokens: int
+    node: _Node | None  # pinned while the request runs; release() unpins
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, metrics: Metrics, telemetry: CacheTelemetry, enabled: bool = True):
+        self.tree = PrefixTree(budget_bytes)
+        self.metrics = metrics
+        self.telemetry = telemetry
+        self.enabled = enabled
+        self.lookups = 0
+        self.hits = 0
+
+    def _gauges(self) -> None:
+        self.metrics.cache_bytes.set(self.tree.total_bytes)
+        self.metrics.cache_entries.set(self.tree.entries)
+
+    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "") -> Restored:
+        """A live state for `prompt`: restored from the deepest verified checkpoint, or empty."""
+        if not self.enabled:
+            return Restored(adapter.new_state(), 0, None)
+        self.lookups += 1
+        t0 = time.perf_counter()
+        # At least one prompt token is always run, so the first output token has fresh logits.
+        match = self.tree.lookup(prompt, max_length=len(prompt) - 1, truncate=not adapter.has_recurrent_layers)
+        if match is None:
+            self.metrics.cache_misses.labels("no_match").inc()
+            self.telemetry.emit("miss", "no_match", request_id=request_id, prompt_tokens=len(prompt))
+            return Restored(adapter.new_state(), 0, None)
+        snap, node = match.snapshot, match.node
+        expected = prompt[: node.depth] if not match.needs_truncation else node.path_tokens()
+        problem = None
+        if snap.num_tokens != node.depth:
+            problem = "token_count_mismatch"
+        elif snap.prefix_hash != token_hash(expected):
+            problem = "hash_mismatch"
+        state = None
+        if problem is None:
+            state = adapter.restore(snap, expected)
+            attn = adapter.attention_length(state)
+            if attn is not None and attn != snap.num_tokens:
+                problem = "kv_length_mismatch"
+            elif match.needs_truncation:
+                adapter.truncate(state, match.length)
+        if problem is not None:
+            self.tree.remove(node)
+            self._gauges()
+            self.metrics.cache_misses.labels(problem).inc()
+            self.telemetry.emit("miss", problem, request_id=request_id, prompt_tokens=len(prompt),
+                                checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes)
+            return Restored(adapter.new_state(), 0, None)
+        seconds = time.perf_counter() - t0
+        self.hits += 1
+        self.tree.pin(node)
+        self.metrics.cache_hits.inc()
+        self.metrics.cached_tokens.inc(match.length)
+        self.metrics.restore_seconds.observe(seconds)
+        self.metrics.lock_hold.labels("restore").observe(seconds)
+        self.telemetry.emit("hit", "truncated" if match.needs_truncation else "exact", request_id=request_id,
+                            prompt_tokens=len(prompt), cached_tokens=match.length,
+                            checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3))
+        return Restored(state, match.length, node)
+
+    def has(self, tokens: Sequence[int]) -> bool:
+        return self.enabled and self.tree.has(tokens)
+
+    def record(self, adapter: FamilyAdapter, state: LiveState, kind: str, expected_tokens: int,
+               request_id: str = "") -> bool:
+        """Snapshot `state` as a checkpoint if its position is exactly `expected_tokens` and it is new."""
+        if not self.enabled:
+            return False
+        base = dict(request_id=request_id, kind=kind, tokens=expected_tokens)
+        if state.position != expected_tokens:
+            self.telemetry.emit("declined", "position_mismatch", position=state.position, **base)
+            return False
+        attn = adapter.attention_length(state)
+        if attn is not None and attn != state.position:
+            self.telemetry.emit("declined", "kv_length_mismatch", position=attn, **base)
+            return False
+        if self.tree.has(state.tokens):
+            self.telemetry.emit("skipped", "already_cached", **base)
+            return False
+        t0 = time.perf_counter()
+        snap = adapter.snapshot(state)
+        seconds = time.perf_counter() - t0
+        self.metrics.snapshot_seconds.observe(seconds)
+        self.metrics.lock_hold.labels("snapshot").observe(seconds)
+        stored, reason, evicted = self.tree.insert(state.tokens, snap)
+        for old in evicted:
+            self.metrics.cache_evictions.inc()
+            self.telemetry.emit("evicted", "budget", tokens=old.num_tokens, bytes=old.nbytes)
+        self._gauges()
+        if stored:
+            self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
+        else:
+            self.telemetry.emit("declined", reason, bytes=snap.nbytes, **base)
+        return stored
+
+    def release(self, restored: Restored) -> None:
+        if restored.node is not None:
+            self.tree.unpin(restored.node)
+            restored.node = None
+            self._gauges()
+
+    def clear(self) -> int:
+        removed = self.tree.clear()
+        self._gauges()
+        self.telemetry.emit("cleared", "admin", entries=removed)
+        return removed
+
+    def stats(self) -> dict:
+        return {
+            "enabled": self.enabled,
+            "entries": self.tree.entries,
+            "bytes": self.tree.total_bytes,
+            "budget_bytes": self.tree.budget_bytes,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_rate": (self.hits / self.lookups) if self.lookups else 0.0,
+        }

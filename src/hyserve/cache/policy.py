@@ -1,0 +1,80 @@
+"""Where checkpoints are taken. The whole cache policy lives here; the engine only asks.
+
+- history boundary: the prompt rendered for the messages *without* the generation prompt. The next
+  turn's prompt starts with exactly these tokens, whatever the model replies, so it always hits.
+- system-prompt boundary: the rendering of the leading system message alone, shared by new chats.
+- post-decode: prompt + generated tokens, kept only if re-rendering the reply reproduces those ids.
+- block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
+
+Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
+Every boundary is checked to be a strict token prefix of the prompt; if a render fails, that
+boundary is skipped and the request is served anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+log = logging.getLogger("hyserve.cache")
+
+RenderFn = Callable[[list[dict], bool], list[int]]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    length: int
+    kind: str  # "history" | "system" | "block"
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    history_boundary: bool = True
+    system_prompt: bool = True
+    post_decode: bool = True
+    block_size: int | None = None  # set: block-grid baseline; the three exact points above are ignored
+
+    def prefill_boundaries(
+        self, prompt: Sequence[int], messages: list[dict] | None, render: RenderFn, recurrent: bool
+    ) -> tuple[list[Boundary], list[str]]:
+        """Boundaries inside the prompt to snapshot at, and the reasons any were skipped."""
+        if self.block_size:
+            n = len(prompt)
+            return [Boundary(b, "block") for b in range(self.block_size, n, self.block_size)], []
+        if not recurrent or not messages:
+            return [], []
+        found: dict[int, Boundary] = {}
+        skipped: list[str] = []
+        wanted = []
+        if self.system_prompt and messages[0].get("role") in ("system", "developer") and len(messages) > 1:
+            wanted.append(("system", messages[:1]))
+        if self.history_boundary:
+            wanted.append(("history", messages))
+        for kind, msgs in wanted:
+            try:
+                ids = render(msgs, False)
+            except Exception as exc:  # a template that cannot render this subset: skip, serve the request
+                skipped.append(f"{kind}:render_failed:{type(exc).__name__}")
+                continue
+            if not (0 < len(ids) < len(prompt)) or list(prompt[: len(ids)]) != list(ids):
+                skipped.append(f"{kind}:not_a_prefix")
+                continue
+            found.setdefault(len(ids), Boundary(len(ids), kind))
+        return sorted(found.values(), key=lambda b: b.length), skipped
+
+    def post_decode_ok(
+        self, state_tokens: Sequence[int], messages: list[dict] | None, reply_text: str, render: RenderFn
+    ) -> tuple[bool, str]:
+        """Whether the state after decode is a prefix of what the next turn will send."""
+        if not self.post_decode or self.block_size:
+            return False, "disabled"
+        if not messages:
+            return True, "completion"
+        try:
+            ids = render(messages + [{"role": "assistant", "content": reply_text}], False)
+        except Exception as exc:
+            return False, f"render_failed:{type(exc).__name__}"
+        if list(ids[: len(state_tokens)]) != list(state_tokens):
+            return False, "rerender_mismatch"
+        return True, "rerender_match"

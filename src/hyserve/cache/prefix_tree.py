@@ -1,0 +1,211 @@
+"""A radix tree over token ids whose nodes may hold a full state snapshot taken at exactly that depth.
+
+Lookup finds the deepest usable checkpoint for a prompt:
+- exact mode (any model with recurrent layers): only a snapshot whose depth is a prefix of the prompt;
+- truncate mode (attention-only models): any snapshot below the point where the prompt leaves the tree,
+  which the caller cuts back to the match length.
+
+Memory is a byte budget over snapshot sizes; eviction is least-recently-used among unpinned snapshots,
+leaves (nothing cached below) before shared inner prefixes. A pinned snapshot is in use by a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..state import Snapshot
+
+
+class _Node:
+    __slots__ = ("edge", "children", "parent", "depth", "snapshot", "pins", "last_used")
+
+    def __init__(self, edge: tuple[int, ...], parent: "_Node | None", depth: int):
+        self.edge = edge
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.depth = depth
+        self.snapshot: Snapshot | None = None
+        self.pins = 0
+        self.last_used = 0
+
+    def path_tokens(self) -> list[int]:
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.edge)
+            node = node.parent
+        return [t for edge in reversed(parts) for t in edge]
+
+    def walk(self) -> Iterator["_Node"]:
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+@dataclass
+class Match:
+    """A usable checkpoint: restore `snapshot`, cut it to `length` tokens if shorter, prefill the rest."""
+
+    node: _Node
+    snapshot: Snapshot
+    length: int
+
+    @property
+    def needs_truncation(self) -> bool:
+        return self.length < self.snapshot.num_tokens
+
+
+class PrefixTree:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.root = _Node((), None, 0)
+        self.total_bytes = 0
+        self.entries = 0
+        self._clock = itertools.count(1)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def _descend(self, tokens: Sequence[int]) -> tuple[list[_Node], int, _Node | None]:
+        """Nodes fully matched along `tokens`, the matched length, and the child entered part-way (if any)."""
+        node, pos, path = self.root, 0, [self.root]
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return path, pos, None
+            n = _common_len(child.edge, tokens, pos)
+            if n < len(child.edge):
+                return path, pos + n, child
+            node, pos = child, pos + n
+            path.append(node)
+        return path, pos, None
+
+    def lookup(self, tokens: Sequence[int], max_length: int, truncate: bool) -> Match | None:
+        """Deepest checkpoint usable for a prompt, using at most `max_length` of its tokens."""
+        tokens = tokens[:max_length]
+        path, matched, partial = self._descend(tokens)
+        if truncate and matched > 0:
+            start = partial if partial is not None else path[-1]
+            # the shallowest snapshot below the divergence point: least to copy and cut away
+            best = min((n for n in start.walk() if n.snapshot is not None), key=lambda n: n.depth, default=None)
+            if best is not None:
+                return self._touch(Match(best, best.snapshot, matched))
+        for node in reversed(path):
+            if node.snapshot is not None and node.depth > 0:
+                return self._touch(Match(node, node.snapshot, node.depth))
+        return None
+
+    def _touch(self, match: Match) -> Match:
+        match.node.last_used = next(self._clock)
+        return match
+
+    def has(self, tokens: Sequence[int]) -> bool:
+        path, matched, partial = self._descend(tokens)
+        return partial is None and matched == len(tokens) and path[-1].snapshot is not None
+
+    # -- insert / evict --------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], snapshot: Snapshot) -> tuple[bool, str, list[Snapshot]]:
+        """Store `snapshot` at depth len(tokens). Returns (stored, reason, evicted snapshots)."""
+        if snapshot.num_tokens != len(tokens):
+            return False, "token_count_mismatch", []
+        if snapshot.nbytes > self.budget_bytes:
+            return False, "over_budget", []
+        node = self._make_path(tokens)
+        if node.snapshot is not None:
+            return False, "duplicate", []
+        node.snapshot = snapshot
+        node.last_used = next(self._clock)
+        self.total_bytes += snapshot.nbytes
+        self.entries += 1
+        evicted = self._evict(keep=node)
+        return True, "recorded", evicted
+
+    def _make_path(self, tokens: Sequence[int]) -> _Node:
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                new = _Node(tuple(tokens[pos:]), node, len(tokens))
+                node.children[tokens[pos]] = new
+                return new
+            n = _common_len(child.edge, tokens, pos)
+            if n < len(child.edge):  # split the edge at the divergence point
+                mid = _Node(child.edge[:n], node, node.depth + n)
+                node.children[tokens[pos]] = mid
+                child.edge = child.edge[n:]
+                child.parent = mid
+                mid.children[child.edge[0]] = child
+                child = mid
+            node, pos = child, pos + n
+        return node
+
+    def _evict(self, keep: _Node | None = None) -> list[Snapshot]:
+        evicted = []
+        while self.total_bytes > self.budget_bytes:
+            candidates = [n for n in self.root.walk() if n.snapshot is not None and n.pins == 0 and n is not keep]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda n: (_has_snapshot_below(n), n.last_used))
+            evicted.append(self._drop(victim))
+        return evicted
+
+    def remove(self, node: _Node) -> Snapshot | None:
+        return self._drop(node) if node.snapshot is not None else None
+
+    def _drop(self, node: _Node) -> Snapshot:
+        snap, node.snapshot = node.snapshot, None
+        self.total_bytes -= snap.nbytes
+        self.entries -= 1
+        self._prune(node)
+        return snap
+
+    def _prune(self, node: _Node) -> None:
+        """Remove empty leaves and merge single-child inner nodes so the tree stays small."""
+        while node is not self.root and node.snapshot is None and node.pins == 0:
+            parent = node.parent
+            if not node.children:
+                del parent.children[node.edge[0]]
+            elif len(node.children) == 1:
+                (child,) = node.children.values()
+                child.edge = node.edge + child.edge
+                child.parent = parent
+                parent.children[node.edge[0]] = child
+            else:
+                return
+            node = parent
+
+    def clear(self) -> int:
+        removed = 0
+        for node in list(self.root.walk()):
+            if node.snapshot is not None and node.pins == 0:
+                self._drop(node)
+                removed += 1
+        return removed
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, node: _Node) -> None:
+        node.pins += 1
+
+    def unpin(self, node: _Node) -> None:
+        node.pins -= 1
+        if node.pins == 0 and node.snapshot is None:
+            self._prune(node)
+        self._evict()
+
+    def snapshots(self) -> Iterator[tuple[_Node, Snapshot]]:
+        for node in self.root.walk():
+            if node.snapshot is not None:
+                yield node, node.snapshot
+
+
+def _common_len(edge: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+    n = 0
+    limit = min(len(edge), len(tokens) - pos)
+    while n < limit and edge[n] == tokens[pos + n]:
+        n += 1
+    return n
+
+
+def _has_snapshot_below(node: _Node) -> bool:
+    return any(n.snapshot is not None for child in node.children.values() for n in child.walk())

@@ -1,0 +1,104 @@
+"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .cache.policy import CheckpointPolicy
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
+    p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
+    p.add_argument("--cache-bytes", type=int, default=None, help="prefix-cache byte budget (default: 25%% of RAM)")
+    p.add_argument("--no-history-checkpoint", action="store_true")
+    p.add_argument("--no-system-checkpoint", action="store_true")
+    p.add_argument("--no-post-decode-checkpoint", action="store_true")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
+    p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+
+
+def service_config_from_args(args) -> "ServiceConfig":
+    from .service import ServiceConfig, default_cache_bytes
+
+    policy = CheckpointPolicy(
+        history_boundary=not args.no_history_checkpoint,
+        system_prompt=not args.no_system_checkpoint,
+        post_decode=not args.no_post_decode_checkpoint,
+        block_size=args.block_size,
+    )
+    return ServiceConfig(
+        model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, cache_enabled=not args.no_cache,
+        cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
+        policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
+    )
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .runtime import UnsupportedModelError
+    from .server.app import create_app
+    from .service import build_service
+
+    try:
+        service = build_service(service_config_from_args(args))
+    except (UnsupportedModelError, FileNotFoundError, ValueError) as exc:
+        print(f"hyserve: cannot load model: {exc}", file=sys.stderr)
+        return 2
+    print(f"hyserve: serving {service.model_name} ({service.runtime.model.config.model_type}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from .tiny import make_tiny_model
+
+    out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed)
+    print(f"wrote a random-init {args.arch} ({args.size}) model to {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(arch=args.arch, cache_dir=args.cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .tiny import ARCHS
+
+    parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="serve a Hugging Face model directory over the OpenAI API")
+    p.add_argument("model_dir")
+    _add_serve_options(p)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("make-tiny-model", help="write a small random-init model + tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
+    p.add_argument("--size", default="tiny", choices=["tiny", "bench"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+    p = sub.add_parser("demo", help="build a tiny model, serve it, chat two turns through the openai client")
+    p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Runs one request against the model: restore from the prefix cache, prefill with checkpoints at the
+policy's boundaries, decode, record the post-decode checkpoint.
+
+Requests run one at a time on a single worker thread holding the runtime lock; the HTTP layer talks to
+it through `stream()` (async) and never touches the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Sequence
+
+from .cache.manager import PrefixCache
+from .cache.policy import CheckpointPolicy
+from .detokenize import IncrementalDetokenizer, StopStringFilter
+from .metrics import Metrics
+from .runtime import ModelRuntime
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger("hyserve.engine")
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled"
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float | None
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Emit = Callable[[object], None]
+
+
+class Engine:
+    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
+                 prefill_chunk: int = 512):
+        self.runtime = runtime
+        self.cache = cache
+        self.policy = policy
+        self.metrics = metrics
+        self.prefill_chunk = prefill_chunk
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
+        self._worker.start()
+
+    # -- public API ------------------------------------------------------------------------
+    def generate(self, req: GenerationRequest) -> Finished:
+        """Blocking: run `req` on the calling thread (benchmarks and tests without HTTP)."""
+        out: list = []
+        self._run(req, out.append)
+        last = out[-1]
+        if isinstance(last, Failed):
+            raise RuntimeError(last.message)
+        return last
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[object]:
+        """Yield Delta items then one Finished (or Failed); cancels the request if the consumer goes away."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        self._queue.put((req, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+        try:
+            while True:
+                item = await items.get()
+                yield item
+                if isinstance(item, (Finished, Failed)):
+                    return
+        finally:
+            req.cancelled.set()
+
+    # -- worker ----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            req, emit = self._queue.get()
+            if req.cancelled.is_set():
+                emit(Finished("cancelled", "", [], len(req.prompt), 0, None))
+                continue
+            self._run(req, emit)
+
+    def _run(self, req: GenerationRequest, emit: Emit) -> None:
+        rt = self.runtime
+        boundaries, skipped = self.policy.prefill_boundaries(
+            req.prompt, req.messages, rt.render_chat, rt.has_recurrent_layers
+        ) if self.cache.enabled else ([], [])
+        for reason in skipped:
+            self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
+        with rt.lock:
+            self.metrics.running.inc()
+            restored = self.cache.restore(rt.adapter, req.prompt, req.request_id)
+            try:
+                self._generate(req, restored, boundaries, emit)
+            except Exception as exc:  # never leave the client hanging; the cache only holds verified snapshots
+                log.exception("request %s failed", req.request_id)
+                emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self.cache.release(restored)
+                self.metrics.running.dec()
+
+    def _prefill_to(self, state, prompt: Sequence[int], end: int):
+        logits = None
+        while state.position < end:
+            stop = min(end, state.position + self.prefill_chunk)
+            logits = self.runtime.adapter.forward(state, prompt[state.position : stop])
+        return logits
+
+    def _generate(self, req: GenerationRequest, restored, boundaries, emit: Emit) -> None:
+        rt, adapter, state = self.runtime, self.runtime.adapter, restored.state
+        prompt = req.prompt
+        for b in boundaries:
+            if b.length <= state.position:
+                continue
+            if self.cache.has(prompt[: b.length]):
+                self.cache.telemetry.emit("skipped", "already_cached", request_id=req.request_id,
+                                          kind=b.kind, tokens=b.length)
+                continue
+            self._prefill_to(state, prompt, b.length)
+            self.cache.record(adapter, state, b.kind, b.length, req.request_id)
+        computed = len(prompt) - state.position
+        logits = self._prefill_to(state, prompt, len(prompt))
+        self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.prefill_tokens.inc(computed)
+
+        sampler = Sampler(req.sampling)
+        detok = IncrementalDetokenizer(rt.tokenizer)
+        stops = StopStringFilter(req.stop)
+        generated: list[int] = []
+        text_parts: list[str] = []
+        ttft, last_emit = None, None
+        reason = "length"
+        for step in itertools.count():
+            if req.cancelled.is_set():
+                reason = "cancelled"
+                break
+            token = sampler(logits)
+            generated.append(token)
+            self.metrics.generated_tokens.inc()
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - req.arrival
+                self.metrics.ttft.observe(ttft)
+            elif last_emit is not None:
+                self.metrics.itl.observe(now - last_emit)
+            last_emit = now
+            if token in rt.eos_token_ids:
+                reason = "stop"
+                break
+            piece = stops.feed(detok.add(token))
+            if piece or step == 0:
+                text_parts.append(piece)
+                emit(Delta(piece, [token]))
+            if stops.stopped:
+                reason = "stop"
+                break
+            if len(generated) >= req.max_tokens:
+                break
+            logits = adapter.forward(state, [token])
+        if reason != "stop" or not stops.stopped:
+            tail = stops.feed(detok.flush()) + stops.flush()
+            if tail:
+                text_parts.append(tail)
+                emit(Delta(tail, []))
+        text = "".join(text_parts)
+        if reason == "cancelled":
+            self.cache.telemetry.emit("declined", "cancelled", request_id=req.request_id, kind="post_decode")
+        else:
+            ok, why = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat)
+            if ok:
+                self.cache.record(adapter, state, "post_decode", len(prompt) + len(generated) - 1, req.request_id)
+            elif self.cache.enabled:
+                if why == "rerender_mismatch":
+                    self.metrics.rerender_mismatch.inc()
+                self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
+                                          tokens=state.position)
+        emit(Finished(reason, text, generated, len(prompt), restored.cached_tokens, ttft))

@@ -1,0 +1,34 @@
+"""Prometheus metrics, one registry per server so tests can run several side by side."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("hyserve_requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("hyserve_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generated_tokens = Counter("hyserve_generation_tokens", "Tokens generated", registry=r)
+        self.prefill_tokens = Counter("hyserve_prefill_tokens_computed", "Prompt tokens actually run through the model", registry=r)
+        self.ttft = Histogram("hyserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("hyserve_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY, registry=r)
+        self.running = Gauge("hyserve_requests_running", "Requests being generated", registry=r)
+        self.cache_hits = Counter("hyserve_cache_hits", "Prefix-cache lookups that restored a checkpoint", registry=r)
+        self.cache_misses = Counter("hyserve_cache_misses", "Prefix-cache lookups that found nothing usable", ["reason"], registry=r)
+        self.cached_tokens = Counter("hyserve_cache_cached_tokens", "Prompt tokens served from the cache", registry=r)
+        self.cache_events = Counter("hyserve_cache_events", "Cache decisions", ["event", "reason"], registry=r)
+        self.cache_bytes = Gauge("hyserve_cache_bytes", "Bytes held by cached snapshots", registry=r)
+        self.cache_entries = Gauge("hyserve_cache_entries", "Cached snapshots", registry=r)
+        self.cache_evictions = Counter("hyserve_cache_evictions", "Snapshots evicted for the byte budget", registry=r)
+        self.snapshot_seconds = Histogram("hyserve_cache_snapshot_seconds", "Time to copy a live state into a snapshot", buckets=_FAST, registry=r)
+        self.restore_seconds = Histogram("hyserve_cache_restore_seconds", "Time to restore a snapshot into a live state", buckets=_FAST, registry=r)
+        self.lock_hold = Histogram("hyserve_runtime_lock_hold_seconds", "Time the runtime lock is held per cache operation", ["op"], buckets=_FAST, registry=r)
+        self.rerender_mismatch = Counter("hyserve_cache_post_decode_rerender_mismatch", "Post-decode checkpoints declined because the re-rendered reply did not reproduce the generated ids", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,101 @@
+"""Load a Hugging Face model directory and hold what every request needs from it.
+
+Weights come only from the local directory (never a hub download). The family adapter is chosen from
+`config.model_type`, so an unknown family fails at start-up with the list of supported ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass
+class ModelRuntime:
+    """The loaded model, its tokenizer and adapter; `lock` serialises every forward pass on the model."""
+
+    model: object
+    tokenizer: object
+    adapter: FamilyAdapter
+    model_dir: Path
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    lock: threading.Lock
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+        model_type = json.loads(config_path.read_text()).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
+        device = resolve_device(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
+        model.to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        eos: set[int] = set()
+        try:
+            gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+            eos.update(_as_list(gen.eos_token_id))
+        except OSError:
+            pass
+        eos.update(_as_list(model.config.get_text_config().eos_token_id))
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        text_config = model.config.get_text_config()
+        max_len = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
+        if not isinstance(max_len, int) or max_len > 10**7:
+            max_len = 32768
+        return cls(model, tokenizer, adapter_for(model), model_dir, frozenset(eos), int(max_len), threading.Lock())
+
+    # -- prompts ---------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of the model's own chat template; this is also how checkpoint boundaries are found."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return self.adapter.has_recurrent_layers
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

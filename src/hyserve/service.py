@@ -1,0 +1,61 @@
+"""Wire a model directory into a running engine: runtime, prefix cache, policy, metrics, telemetry."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cache.manager import PrefixCache
+from .cache.policy import CheckpointPolicy
+from .cache.telemetry import CacheTelemetry
+from .engine import Engine
+from .metrics import Metrics
+from .runtime import ModelRuntime
+
+
+def default_cache_bytes(fraction: float = 0.25) -> int:
+    """A quarter of physical RAM: room for many checkpoints while leaving the model and OS theirs."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+@dataclass
+class ServiceConfig:
+    model_dir: Path
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    cache_enabled: bool = True
+    cache_bytes: int = field(default_factory=default_cache_bytes)
+    policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    log_cache_events: str | None = None
+    prefill_chunk: int = 512
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+@dataclass
+class Service:
+    config: ServiceConfig
+    runtime: ModelRuntime
+    metrics: Metrics
+    cache: PrefixCache
+    engine: Engine
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+
+def build_service(config: ServiceConfig) -> Service:
+    runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
+    metrics = Metrics()
+    telemetry = CacheTelemetry(metrics, config.log_cache_events)
+    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
+    engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk)
+    return Service(config, runtime, metrics, cache, engine)

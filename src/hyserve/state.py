@@ -1,0 +1,183 @@
+"""Model state per family: run tokens into it, snapshot it, restore it, truncate it where that is exact.
+
+A live state is a transformers `Cache` plus the token ids it has absorbed. What differs between model
+families sits in one `FamilyAdapter` subclass each: whether every layer can be cut back to a shorter
+prefix (attention KV can; conv + SSM/delta-rule state cannot), and how the model's forward is called.
+
+Like mlx-lm's cache types, each kind of layer says plainly whether it can be trimmed:
+
+=====================  ===========  ==========================================
+cache layer            trimmable    saved / restored as
+=====================  ===========  ==========================================
+DynamicLayer (KV)      yes          copies of keys/values [b, heads, T, d]
+LinearAttentionLayer   no           copies of conv + recurrent state (fixed size)
+sliding-window KV      no           (old tokens already dropped)
+=====================  ===========  ==========================================
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterable, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+def token_hash(tokens: Sequence[int]) -> str:
+    """Content hash of a token prefix; stored with each snapshot so a tampered or misfiled one is never used."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens))
+    return h.hexdigest()
+
+
+def _cache_tensors(cache) -> Iterable[torch.Tensor]:
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                yield t
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                yield from (t for t in states.values() if isinstance(t, torch.Tensor))
+
+
+def cache_nbytes(cache) -> int:
+    """Real bytes held by the cache's tensors (storage size, so a view never under-counts)."""
+    seen, total = set(), 0
+    for t in _cache_tensors(cache):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A standalone copy of the full state after exactly `num_tokens` tokens."""
+
+    cache: object
+    num_tokens: int
+    prefix_hash: str
+    nbytes: int
+
+
+@dataclass
+class LiveState:
+    """The state a request is extending, and the exact tokens it has absorbed (its canonical position)."""
+
+    cache: object
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+
+class FamilyAdapter:
+    """How one model family's state is created, advanced, copied and cut back."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    has_recurrent_layers: ClassVar[bool] = True
+
+    def __init__(self, model):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.24 names it `cache`; keep older names working.
+        self._cache_kw = next(k for k in ("cache", "past_key_values", "cache_params") if k in params)
+
+    # -- live state -------------------------------------------------------------------------
+    def new_state(self) -> LiveState:
+        return LiveState(cache=DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def forward(self, state: LiveState, token_ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all ([n, vocab])."""
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        device = self.model.device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        out = self.model(
+            input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_kw: state.cache}
+        )
+        state.tokens.extend(int(t) for t in token_ids)
+        logits = out.logits[0].float()
+        return logits if all_logits else logits[-1]
+
+    # -- snapshot / restore -----------------------------------------------------------------
+    def snapshot(self, state: LiveState) -> Snapshot:
+        """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
+        cache = copy.deepcopy(state.cache)
+        return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
+
+    def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
+        """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests."""
+        return LiveState(cache=copy.deepcopy(snapshot.cache), tokens=list(tokens))
+
+    def attention_length(self, state: LiveState) -> int | None:
+        """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
+        for layer in state.cache.layers:
+            if type(layer) is DynamicLayer:
+                return layer.get_seq_length()
+        return None
+
+    # -- truncation -------------------------------------------------------------------------
+    def can_truncate(self, state: LiveState) -> bool:
+        """True only when every layer is plain attention KV, which can be cut to any shorter prefix exactly."""
+        return all(type(layer) is DynamicLayer for layer in state.cache.layers)
+
+    def truncate(self, state: LiveState, num_tokens: int) -> None:
+        if not self.can_truncate(state):
+            raise ValueError("this state has recurrent or sliding-window layers and cannot be truncated")
+        if num_tokens > state.position:
+            raise ValueError("cannot truncate to a longer prefix")
+        for layer in state.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :num_tokens, :].clone()
+                layer.values = layer.values[..., :num_tokens, :].clone()
+        del state.tokens[num_tokens:]
+
+
+class HybridLinearAttentionAdapter(FamilyAdapter):
+    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3-Next."""
+
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+
+
+class Mamba2Adapter(FamilyAdapter):
+    """Pure state-space model: every layer is conv + SSM state; nothing can be truncated."""
+
+    model_types = ("mamba2",)
+
+
+class AttentionAdapter(FamilyAdapter):
+    """Plain attention models: the KV cache truncates to any prefix."""
+
+    model_types = ("qwen3", "qwen2", "llama")
+    has_recurrent_layers = False
+
+
+ADAPTERS: tuple[type[FamilyAdapter], ...] = (HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter)
+SUPPORTED_MODEL_TYPES = tuple(t for a in ADAPTERS for t in a.model_types)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def adapter_for(model) -> FamilyAdapter:
+    model_type = model.config.model_type
+    for cls in ADAPTERS:
+        if model_type in cls.model_types:
+            return cls(model)
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )

@@ -1,0 +1,149 @@
+"""Build small random-init model directories, so tests, the demo and benchmarks never download weights.
+
+Each directory is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a ChatML chat template) that `hyserve serve` loads like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{{- part['text'] }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_TRAINING_TEXT = """
+The quick brown fox jumps over the lazy dog. A recurrent model keeps a fixed size state that
+summarises everything it has read so far, while an attention layer keeps one key and one value for
+every token. You are a helpful assistant. Please answer the question briefly and clearly.
+What is the capital of France? The capital of France is Paris. How many legs does a spider have?
+Write a function that returns the sum of two numbers. def add(a, b): return a + b
+Here is the file you asked about, with the change applied. Thank you for the explanation!
+Tell me a story about a robot who learns to paint. Once upon a time there was a small robot.
+The weather today is sunny with a light breeze from the west, and tomorrow it may rain.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / \\ = + * #
+Unicode: café naïve über 東京 😀 — “quotes” and ‘apostrophes’.
+"""
+
+# Family -> config overrides. Sizes follow the guide: hidden 64-128, 2-4 layers for tests.
+_TINY = {
+    "qwen3_5": dict(
+        model_type="qwen3_5_text",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096,
+    ),
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        max_position_embeddings=4096,
+    ),
+    "mamba2": dict(
+        model_type="mamba2",
+        hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
+        expand=2, n_groups=1, conv_kernel=4, chunk_size=32,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=4096,
+    ),
+}
+
+# A bench-sized variant (~tens of millions of parameters) for benchmarks/, never for unit tests.
+_BENCH = {
+    "qwen3_5": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        max_position_embeddings=32768,
+    ),
+    "mamba2": dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, chunk_size=128),
+    "qwen3": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+    ),
+}
+
+ARCHS = tuple(_TINY)
+
+
+def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on a built-in text: every byte string is encodable, like real Qwen tokenizers."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=4096,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path."""
+    if arch not in _TINY:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    overrides = dict(_TINY[arch])
+    if size == "bench":
+        if arch not in _BENCH:
+            raise ValueError(f"no bench size for {arch!r}; choose one of {', '.join(_BENCH)}")
+        overrides.update(_BENCH[arch])
+        tokenizer.model_max_length = overrides.get("max_position_embeddings", 32768)
+    elif size != "tiny":
+        raise ValueError("size must be 'tiny' or 'bench'")
+    model_type = overrides.pop("model_type")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=pad,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,48 @@
+"""Checkpoint boundaries are strict token prefixes of the prompt; failures skip, never break."""
+
+from hyserve.cache.policy import CheckpointPolicy
+
+
+def test_history_and_system_boundaries_are_prefixes(runtimes):
+    rt = runtimes("qwen3_5")
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    prompt = rt.render_chat(msgs, True)
+    bounds, skipped = CheckpointPolicy().prefill_boundaries(prompt, msgs, rt.render_chat, recurrent=True)
+    assert [b.kind for b in bounds] == ["system", "history"] and not skipped
+    for b in bounds:
+        assert 0 < b.length < len(prompt)
+    assert bounds[1].length == len(rt.render_chat(msgs, False))
+
+
+def test_not_a_prefix_is_skipped():
+    prompt = [1, 2, 3, 4]
+    bounds, skipped = CheckpointPolicy().prefill_boundaries(
+        prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True)
+    assert bounds == [] and skipped == ["history:not_a_prefix"]
+
+
+def test_render_failure_is_skipped():
+    def boom(m, g):
+        raise ValueError("template")
+    bounds, skipped = CheckpointPolicy().prefill_boundaries([1, 2], [{"role": "user", "content": "x"}], boom, True)
+    assert bounds == [] and skipped[0].startswith("history:render_failed")
+
+
+def test_attention_only_models_need_no_prefill_boundaries(runtimes):
+    rt = runtimes("qwen3")
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert CheckpointPolicy().prefill_boundaries(rt.render_chat(msgs, True), msgs, rt.render_chat, False) == ([], [])
+
+
+def test_block_grid_baseline():
+    bounds, _ = CheckpointPolicy(block_size=4).prefill_boundaries(list(range(10)), None, None, True)
+    assert [b.length for b in bounds] == [4, 8]
+
+
+def test_post_decode_rerender_check():
+    pol = CheckpointPolicy()
+    render = lambda msgs, g: [1, 2, 3, 4, 5]
+    assert pol.post_decode_ok([1, 2, 3], [{"role": "user", "content": "x"}], "r", render) == (True, "rerender_match")
+    assert pol.post_decode_ok([1, 2, 7], [{"role": "user", "content": "x"}], "r", render) == (False, "rerender_mismatch")
+    assert pol.post_decode_ok([1], None, "r", render) == (True, "completion")
+    assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, "r", render)[0] is False

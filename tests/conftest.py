@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random-init models built once per session, services and real servers on them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyserve.cache.policy import CheckpointPolicy
+from hyserve.runtime import ModelRuntime
+from hyserve.service import ServiceConfig, build_service
+from hyserve.tiny import ARCHS, make_tiny_model
+
+FAMILIES = ARCHS  # qwen3_5, qwen3_next, mamba2, qwen3
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def runtimes(model_dirs):
+    cache: dict[str, ModelRuntime] = {}
+
+    def get(arch: str) -> ModelRuntime:
+        if arch not in cache:
+            cache[arch] = ModelRuntime.load(model_dirs[arch], device="cpu")
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_service(model_dirs):
+    """Build a fresh service (own cache and metrics) for a family; options go to ServiceConfig."""
+
+    def make(arch: str, **overrides):
+        cfg = dict(model_dir=model_dirs[arch], served_model_name=f"tiny-{arch}", device="cpu",
+                   cache_bytes=64 << 20, policy=CheckpointPolicy())
+        cfg.update(overrides)
+        return build_service(ServiceConfig(**cfg))
+
+    return make
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param

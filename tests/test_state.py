@@ -1,0 +1,97 @@
+"""State interface per family: split prefill through snapshot/restore equals one prefill, exactly."""
+
+import pytest
+import torch
+
+from hyserve.runtime import ModelRuntime
+from hyserve.state import UnsupportedModelError, token_hash
+
+from .conftest import FAMILIES
+
+
+def _ids(rt, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, len(rt.tokenizer), (n,), generator=g).tolist()
+
+
+def _greedy(adapter, state, logits, n):
+    out = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        logits = adapter.forward(state, [tok])
+    return out
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_split_prefill_through_snapshot_equals_full_prefill(runtimes, arch):
+    rt = runtimes(arch)
+    ad = rt.adapter
+    ids = _ids(rt, 40)
+    full = ad.new_state()
+    ref_logits = ad.forward(full, ids)
+    ref_cont = _greedy(ad, full, ref_logits, 12)
+
+    part = ad.new_state()
+    ad.forward(part, ids[:25])
+    snap = ad.snapshot(part)
+    assert snap.num_tokens == 25 and snap.prefix_hash == token_hash(ids[:25]) and snap.nbytes > 0
+    for _ in range(2):  # the snapshot stays pristine: restoring twice gives the same result
+        live = ad.restore(snap, ids[:25])
+        logits = ad.forward(live, ids[25:])
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        assert _greedy(ad, live, logits, 12) == ref_cont
+    assert snap.num_tokens == 25
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_snapshot_is_a_copy_not_a_view(runtimes, arch):
+    rt = runtimes(arch)
+    ad = rt.adapter
+    ids = _ids(rt, 20, seed=1)
+    live = ad.new_state()
+    ad.forward(live, ids)
+    snap = ad.snapshot(live)
+    before = [t.clone() for t in _tensors(snap.cache)]
+    ad.forward(live, ids[:7])  # advancing the live state must not change the snapshot
+    assert all(torch.equal(a, b) for a, b in zip(before, _tensors(snap.cache)))
+
+
+def _tensors(cache):
+    from hyserve.state import _cache_tensors
+    return list(_cache_tensors(cache))
+
+
+def test_truncate_attention_only(runtimes):
+    rt = runtimes("qwen3")
+    ad = rt.adapter
+    ids = _ids(rt, 40, seed=2)
+    ref = ad.forward(ad.new_state(), ids)
+    other = _ids(rt, 15, seed=3)
+    live = ad.new_state()
+    ad.forward(live, ids[:25] + other)
+    assert ad.can_truncate(live)
+    ad.truncate(live, 25)
+    assert live.position == 25 and ad.attention_length(live) == 25
+    torch.testing.assert_close(ad.forward(live, ids[25:]), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "mamba2"])
+def test_recurrent_states_refuse_truncation(runtimes, arch):
+    rt = runtimes(arch)
+    live = rt.adapter.new_state()
+    rt.adapter.forward(live, _ids(rt, 10))
+    assert not rt.adapter.can_truncate(live)
+    with pytest.raises(ValueError):
+        rt.adapter.truncate(live, 5)
+
+
+def test_unknown_model_type_names_supported(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_bigcode"}')
+    with pytest.raises(UnsupportedModelError, match="qwen3_5.*mamba2"):
+        ModelRuntime.load(tmp_path)
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ModelRuntime.load(tmp_path)
