@@ -138,11 +138,9 @@ class Engine:
         rt, adapter, state = self.runtime, self.runtime.adapter, restored.state
         prompt = req.prompt
         for b in boundaries:
-            if b.length <= state.position:
-                continue
-            if self.cache.has(prompt[: b.length]):
-                self.cache.telemetry.emit("skipped", "already_cached", request_id=req.request_id,
-                                          kind=b.kind, tokens=b.length)
+            if b.length <= state.position or self.cache.has(prompt[: b.length]):
+                why = "behind_restored_state" if b.length <= state.position else "already_cached"
+                self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
                 continue
             self._prefill_to(state, prompt, b.length)
             self.cache.record(adapter, state, b.kind, b.length, req.request_id)
@@ -194,12 +192,13 @@ class Engine:
         if reason == "cancelled":
             self.cache.telemetry.emit("declined", "cancelled", request_id=req.request_id, kind="post_decode")
         else:
-            ok, why = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat)
+            ok, why = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
+                                                 rt.has_recurrent_layers)
+            if why == "rerender_mismatch" and self.cache.enabled:
+                self.metrics.rerender_mismatch.inc()
             if ok:
                 self.cache.record(adapter, state, "post_decode", len(prompt) + len(generated) - 1, req.request_id)
             elif self.cache.enabled:
-                if why == "rerender_mismatch":
-                    self.metrics.rerender_mismatch.inc()
                 self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
                                           tokens=state.position)
         emit(Finished(reason, text, generated, len(prompt), restored.cached_tokens, ttft))

@@ -44,5 +44,7 @@ def test_post_decode_rerender_check():
     render = lambda msgs, g: [1, 2, 3, 4, 5]
     assert pol.post_decode_ok([1, 2, 3], [{"role": "user", "content": "x"}], "r", render) == (True, "rerender_match")
     assert pol.post_decode_ok([1, 2, 7], [{"role": "user", "content": "x"}], "r", render) == (False, "rerender_mismatch")
+    assert pol.post_decode_ok([1, 2, 7], [{"role": "user", "content": "x"}], "r", render, recurrent=False) == (
+        True, "rerender_mismatch")  # attention KV still truncates to the shared part
     assert pol.post_decode_ok([1], None, "r", render) == (True, "completion")
     assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, "r", render)[0] is False

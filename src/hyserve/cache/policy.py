@@ -64,9 +64,13 @@ class CheckpointPolicy:
         return sorted(found.values(), key=lambda b: b.length), skipped
 
     def post_decode_ok(
-        self, state_tokens: Sequence[int], messages: list[dict] | None, reply_text: str, render: RenderFn
+        self, state_tokens: Sequence[int], messages: list[dict] | None, reply_text: str, render: RenderFn,
+        recurrent: bool = True,
     ) -> tuple[bool, str]:
-        """Whether the state after decode is a prefix of what the next turn will send."""
+        """Whether to keep the state after decode: it must be a prefix of what the next turn will send.
+
+        Attention-only states are kept even when the re-render differs: the shared part still truncates.
+        """
         if not self.post_decode or self.block_size:
             return False, "disabled"
         if not messages:
@@ -76,5 +80,5 @@ class CheckpointPolicy:
         except Exception as exc:
             return False, f"render_failed:{type(exc).__name__}"
         if list(ids[: len(state_tokens)]) != list(state_tokens):
-            return False, "rerender_mismatch"
+            return (not recurrent), "rerender_mismatch"
         return True, "rerender_match"

@@ -1,0 +1,157 @@
+"""The prefix cache never changes output: cache on == cache off, token for token (greedy)."""
+
+import random
+
+import pytest
+
+from hyserve.engine import GenerationRequest
+from hyserve.sampling import SamplingParams
+
+from .conftest import FAMILIES
+
+GREEDY = SamplingParams(temperature=0.0)
+LONG = " ".join(["The quick brown fox jumps over the lazy dog while the robot paints."] * 6)
+
+SCRIPT = [  # (system prompt, user message); a changed system prompt starts sharing afresh
+    ("You are a helpful assistant.", "What is the capital of France? " + LONG),
+    ("You are a helpful assistant.", "Why?"),  # a turn under 64 tokens
+    ("You are a helpful assistant.", "Tell me a story about a robot who learns to paint. " + LONG),
+    ("You are a pirate.", "Numbers: 0 1 2 3 4 5"),  # system prompt changed: history not shared
+    ("You are a pirate.", "Write a function that returns the sum of two numbers."),
+    ("You are a pirate.", "Thank you!"),
+]
+
+
+def run_chat(service, script=SCRIPT, max_tokens=8):
+    """Drive a multi-turn chat like a client: the reply *text* goes back into the history."""
+    history, results, system = [], [], None
+    for sys_prompt, user in script:
+        if sys_prompt != system:
+            history, system = [], sys_prompt
+        messages = [{"role": "system", "content": sys_prompt}] + history + [{"role": "user", "content": user}]
+        prompt = service.runtime.render_chat(messages, True)
+        fin = service.engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY,
+                                                        messages=messages))
+        boundary = len(service.runtime.render_chat(messages, False))
+        results.append((fin.token_ids, fin.cached_tokens, len(prompt), boundary))
+        history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
+    return results
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_six_turn_chat_matches_cache_off(make_service, arch):
+    on = run_chat(make_service(arch))
+    off = run_chat(make_service(arch, cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+    assert all(r[1] == 0 for r in off)
+    cached = [r[1] for r in on]
+    assert cached[0] == 0
+    for turn in (1, 2, 4, 5):  # history shared with the previous turn
+        assert cached[turn] > 0, (turn, cached)
+        assert cached[turn] < on[turn][2]
+        # At least the previous turn's whole history (its prompt minus the generation prompt) is reused.
+        assert cached[turn] >= on[turn - 1][3]
+
+
+def _hf_generate(rt, prompt, n):
+    import torch
+    out = rt.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                            pad_token_id=rt.tokenizer.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cached_turn_equals_transformers_generate(make_service, arch):
+    svc = make_service(arch)
+    run_chat(svc, SCRIPT[:2])
+    messages = [{"role": "system", "content": SCRIPT[0][0]}, {"role": "user", "content": "Hello again " + LONG}]
+    prompt = svc.runtime.render_chat(messages, True)
+    for _ in range(2):  # second time is served from the history checkpoint
+        fin = svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=10, sampling=GREEDY, messages=messages))
+        ref = _hf_generate(svc.runtime, prompt, 10)
+        assert fin.token_ids == ref[: len(fin.token_ids)] and (len(fin.token_ids) == 10 or fin.reason == "stop")
+    assert fin.cached_tokens > 0
+
+
+def _random_conversations(rng, n):
+    words = LONG.split() + ["café", "東京", "robot", "paint", "42", "?", "!"]
+    convos = []
+    for _ in range(n):
+        turns = [" ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(rng.randint(1, 4))]
+        convos.append(turns)
+    return convos
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_randomized_branching_conversations_match_cache_off(make_service, arch):
+    """Many short chats through one shared cache, with edits of earlier messages and regenerations."""
+    rng = random.Random(1234)
+    on, off = make_service(arch, cache_bytes=2 << 20), make_service(arch, cache_enabled=False)
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    for turns in _random_conversations(rng, 6):
+        history = [system]
+        for user in turns:
+            action = rng.random()
+            if action < 0.2 and len(history) > 2:  # edit an earlier user message: branch the tree
+                history = history[:-2]
+            messages = history + [{"role": "user", "content": user}]
+            prompt = on.runtime.render_chat(messages, True)
+            for _ in range(2 if action > 0.8 else 1):  # sometimes regenerate
+                req = dict(prompt=prompt, max_tokens=rng.randint(1, 6), sampling=GREEDY, messages=messages)
+                a = on.engine.generate(GenerationRequest(**req))
+                b = off.engine.generate(GenerationRequest(**req))
+                assert a.token_ids == b.token_ids
+                assert a.cached_tokens < len(prompt)
+            history = messages + [{"role": "assistant", "content": a.text}]
+    assert on.cache.hits > 0
+    assert on.cache.tree.total_bytes <= 2 << 20
+
+
+@pytest.mark.parametrize("field,reason", [("num_tokens", "token_count_mismatch"), ("prefix_hash", "hash_mismatch")])
+def test_tampered_snapshot_is_never_restored(make_service, field, reason):
+    svc, ref = make_service("qwen3_5"), make_service("qwen3_5", cache_enabled=False)
+    run_chat(svc, SCRIPT[:1])
+    for _, s in svc.cache.tree.snapshots():
+        object.__setattr__(s, field, s.num_tokens + 1 if field == "num_tokens" else "0" * 32)
+    got = run_chat(svc, SCRIPT[:2])
+    want = run_chat(ref, SCRIPT[:2])
+    assert [g[0] for g in got] == [w[0] for w in want]
+    events = list(svc.cache.telemetry.recent)
+    assert any(e["event"] == "miss" and e["reason"] == reason for e in events)
+
+
+def test_snapshot_with_wrong_kv_length_is_never_restored(make_service):
+    svc, ref = make_service("qwen3_5"), make_service("qwen3_5", cache_enabled=False)
+    run_chat(svc, SCRIPT[:1])
+    for _, s in svc.cache.tree.snapshots():
+        layer = s.cache.layers[3]  # the full-attention layer
+        layer.keys, layer.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+    assert [g[0] for g in run_chat(svc, SCRIPT[:2])] == [w[0] for w in run_chat(ref, SCRIPT[:2])]
+    assert any(e["reason"] == "kv_length_mismatch" for e in svc.cache.telemetry.recent)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
+def test_tiny_budget_evicts_and_stays_correct(make_service, arch):
+    probe = make_service(arch)
+    run_chat(probe, SCRIPT[:1])
+    one = max(s.nbytes for _, s in probe.cache.tree.snapshots())
+    budget = int(one * 2.5)
+    svc, ref = make_service(arch, cache_bytes=budget), make_service(arch, cache_enabled=False)
+    got, want = run_chat(svc), run_chat(ref)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert svc.cache.tree.total_bytes <= budget
+    assert any(e["event"] == "evicted" for e in svc.cache.telemetry.recent)
+
+
+def test_no_duplicate_checkpoints_on_regeneration(make_service):
+    svc = make_service("qwen3_5")
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hello " + LONG}]
+    prompt = svc.runtime.render_chat(messages, True)
+    recorded = []
+    for _ in range(3):
+        svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=3, sampling=GREEDY, messages=messages))
+        recorded.append(sum(e["event"] == "recorded" for e in svc.cache.telemetry.recent))
+    assert recorded[0] >= 2 and recorded[1] == recorded[2] == recorded[0]  # regenerations record nothing new
+    depths = [s.num_tokens for _, s in svc.cache.tree.snapshots()]
+    assert len(depths) == len(set(depths))
+    assert any(e["event"] == "skipped" for e in svc.cache.telemetry.recent)
