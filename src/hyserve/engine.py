@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import itertools
 import queue
 import threading
 import time
@@ -153,41 +152,43 @@ class Engine:
         detok = IncrementalDetokenizer(rt.tokenizer)
         stops = StopStringFilter(req.stop)
         generated: list[int] = []
+        unsent: list[int] = []  # token ids not yet carried by a Delta (their text may be held back)
         text_parts: list[str] = []
         ttft, last_emit = None, None
         reason = "length"
-        for step in itertools.count():
+        while True:
             if req.cancelled.is_set():
                 reason = "cancelled"
                 break
             token = sampler(logits)
             generated.append(token)
+            unsent.append(token)
             self.metrics.generated_tokens.inc()
             now = time.perf_counter()
             if ttft is None:
                 ttft = now - req.arrival
                 self.metrics.ttft.observe(ttft)
-            elif last_emit is not None:
+            else:
                 self.metrics.itl.observe(now - last_emit)
             last_emit = now
             if token in rt.eos_token_ids:
                 reason = "stop"
                 break
             piece = stops.feed(detok.add(token))
-            if piece or step == 0:
+            if piece:
                 text_parts.append(piece)
-                emit(Delta(piece, [token]))
+                emit(Delta(piece, unsent))
+                unsent = []
             if stops.stopped:
                 reason = "stop"
                 break
             if len(generated) >= req.max_tokens:
                 break
             logits = adapter.forward(state, [token])
-        if reason != "stop" or not stops.stopped:
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                text_parts.append(tail)
-                emit(Delta(tail, []))
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        if tail or unsent:
+            text_parts.append(tail)
+            emit(Delta(tail, unsent))
         text = "".join(text_parts)
         if reason == "cancelled":
             self.cache.telemetry.emit("declined", "cancelled", request_id=req.request_id, kind="post_decode")

@@ -48,7 +48,7 @@ def create_app(service: Service) -> FastAPI:
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
-        rid = fmt.id
+        rid = req.request_id = fmt.id  # one id in headers, responses and cache events
         if body.stream:
             async def events():
                 status = "ok"
@@ -56,7 +56,7 @@ def create_app(service: Service) -> FastAPI:
                     yield {"data": json.dumps(fmt("start", None))}
                     async for item in service.engine.stream(req):
                         if isinstance(item, Delta):
-                            yield {"data": json.dumps(fmt("delta", item.text))}
+                            yield {"data": json.dumps(fmt("delta", item))}
                         elif isinstance(item, Finished):
                             yield {"data": json.dumps(fmt("final", item))}
                             if body.include_usage:
@@ -103,7 +103,7 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         req = build_request(body, prompt, messages)
-        return await run("chat", body, req, request, _ChatFormat(service.model_name))
+        return await run("chat", body, req, request, _ChatFormat(service.model_name, body.return_token_ids))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -118,7 +118,8 @@ def create_app(service: Service) -> FastAPI:
         if not prompt:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
         req = build_request(body, prompt, None)
-        return await run("completions", body, req, request, _CompletionFormat(service.model_name))
+        return await run("completions", body, req, request,
+                         _CompletionFormat(service.model_name, body.return_token_ids))
 
     @app.get("/v1/models")
     async def models():
@@ -154,52 +155,62 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-class _ChatFormat:
-    def __init__(self, model: str):
-        self.model, self.id, self.created = model, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+class _Format:
+    """Builds one endpoint's JSON: kind is 'start', 'delta', 'final', 'usage' (streaming) or 'full'."""
 
-    def _chunk(self, delta: dict, finish=None) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    object_name = ""
+    prefix = ""
+
+    def __init__(self, model: str, token_ids: bool = False):
+        self.model, self.token_ids = model, token_ids
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def _envelope(self, choices: list, obj: str | None = None) -> dict:
+        return {"id": self.id, "object": obj or self.object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _choice(self, text: str, ids: list[int] | None, finish: str | None) -> dict:
+        raise NotImplementedError
 
     def __call__(self, kind: str, payload):
         if kind == "start":
-            return self._chunk({"role": "assistant", "content": ""})
+            return self._envelope([self._choice("", None, None, start=True)])
         if kind == "delta":
-            return self._chunk({"content": payload})
+            return self._envelope([self._choice(payload.text, payload.token_ids, None)])
         if kind == "final":
-            return self._chunk({}, _finish(payload))
+            return self._envelope([self._choice("", [], _finish(payload))])
         if kind == "usage":
-            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [], "usage": payload}
+            return {**self._envelope([]), "usage": payload}
         fin: Finished = payload
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
-                             "logprobs": None, "finish_reason": _finish(fin)}],
-                "usage": _usage(fin)}
-
-
-class _CompletionFormat:
-    def __init__(self, model: str):
-        self.model, self.id, self.created = model, f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def _body(self, text: str, finish=None) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-    def __call__(self, kind: str, payload):
-        if kind == "start":
-            return self._body("")
-        if kind == "delta":
-            return self._body(payload)
-        if kind == "final":
-            return self._body("", _finish(payload))
-        if kind == "usage":
-            return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [], "usage": payload}
-        out = self._body(payload.text, _finish(payload))
-        out["usage"] = _usage(payload)
+        out = self._envelope([self._choice(fin.text, fin.token_ids, _finish(fin), full=True)], self.full_object)
+        out["usage"] = _usage(fin)
         return out
+
+
+class _ChatFormat(_Format):
+    object_name, full_object, prefix = "chat.completion.chunk", "chat.completion", "chatcmpl"
+
+    def _choice(self, text, ids, finish, start=False, full=False):
+        if full:
+            body = {"message": {"role": "assistant", "content": text}}
+        elif start:
+            body = {"delta": {"role": "assistant", "content": ""}}
+        else:
+            body = {"delta": {"content": text} if text or ids else {}}
+        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+        if self.token_ids and ids is not None:
+            choice["token_ids"] = ids
+        return choice
+
+
+class _CompletionFormat(_Format):
+    object_name, full_object, prefix = "text_completion", "text_completion", "cmpl"
+
+    def _choice(self, text, ids, finish, start=False, full=False):
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.token_ids and ids is not None:
+            choice["token_ids"] = ids
+        return choice
 
 
 def _finish(fin: Finished) -> str:

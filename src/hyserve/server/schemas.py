@@ -47,6 +47,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
 
     @field_validator("stop")
     @classmethod

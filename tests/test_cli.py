@@ -1,0 +1,33 @@
+"""The console script: make-tiny-model writes a loadable model; demo runs end to end; bad dirs fail clearly."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "hyserve.cli", *args], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_make_tiny_model(tmp_path):
+    r = run("make-tiny-model", str(tmp_path / "m"), "--arch", "mamba2")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["model_type"] == "mamba2"
+    assert (tmp_path / "m" / "tokenizer.json").exists() and list((tmp_path / "m").glob("*.safetensors"))
+
+
+def test_serve_rejects_unsupported_model(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    r = run("serve", str(tmp_path), "--port", "0")
+    assert r.returncode == 2
+    assert "not supported" in r.stderr and "qwen3_5" in r.stderr
+
+
+def test_demo_runs_two_turns(tmp_path):
+    r = run("demo", "--cache-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "turn 2 usage" in r.stdout and "gibberish" in r.stdout
+    turn2 = [l for l in r.stdout.splitlines() if l.startswith("turn 2 usage")][0]
+    assert int(turn2.rsplit("cached_tokens=", 1)[1]) > 0
