@@ -25,10 +25,15 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
     p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--speculative", choices=["off", "prompt-lookup"], default="off",
+                   help="prompt-lookup speculative decoding (used for greedy requests)")
+    p.add_argument("--spec-tokens", type=int, default=6, help="proposals per verify pass (k)")
+    p.add_argument("--spec-ngram", type=int, default=3, help="suffix length that must recur in the context (n)")
 
 
 def service_config_from_args(args) -> "ServiceConfig":
     from .service import ServiceConfig, default_cache_bytes
+    from .speculative import SpeculativeConfig
 
     policy = CheckpointPolicy(
         history_boundary=not args.no_history_checkpoint,
@@ -41,6 +46,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         device=args.device, cache_enabled=not args.no_cache,
         cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
+        speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
     )
 
 

@@ -18,10 +18,11 @@ from typing import AsyncIterator, Callable, Sequence
 
 from .cache.manager import PrefixCache
 from .cache.policy import CheckpointPolicy
-from .detokenize import IncrementalDetokenizer, StopStringFilter
 from .metrics import Metrics
 from .runtime import ModelRuntime
 from .sampling import Sampler, SamplingParams
+from .sequence import OutputSequence
+from .speculative import PromptLookup, SpeculativeConfig, accepted_prefix
 
 log = logging.getLogger("hyserve.engine")
 
@@ -64,12 +65,14 @@ Emit = Callable[[object], None]
 
 class Engine:
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None):
         self.runtime = runtime
         self.cache = cache
         self.policy = policy
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
+        # Builds a proposer (extend(tokens), propose() -> ids) per request; tests may swap in their own.
+        self.make_proposer = (lambda prompt: PromptLookup(speculative, prompt)) if speculative else None
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
@@ -126,6 +129,31 @@ class Engine:
                 self.cache.release(restored)
                 self.metrics.running.dec()
 
+    def _speculate(self, state, token: int, proposals: list[int], out: OutputSequence, lookup):
+        """Verify `proposals` after `token` in one pass; push the accepted ones through `out` like any
+        decoded token; leave `state` at exactly prompt + generated[:-1]. Returns (next logits, finish)."""
+        adapter = self.runtime.adapter
+        t0 = time.perf_counter()
+        point = adapter.rollback_point(state)
+        all_logits = adapter.forward(state, [token] + proposals, all_logits=True)
+        accepted = accepted_prefix(all_logits, proposals)
+        keep, reason = accepted + 1, None  # tokens of [token] + proposals the state should hold
+        for i, d in enumerate(proposals[:accepted]):
+            reason = out.push(d)
+            lookup.extend([d])
+            if reason is not None:
+                keep = i + 1
+                break
+        logits = all_logits[keep - 1]
+        if keep < len(proposals) + 1:
+            rerun = adapter.rewind(state, point, ([token] + proposals)[:keep])
+            if rerun is not None:
+                logits = rerun
+        self.metrics.spec_proposed.inc(len(proposals))
+        self.metrics.spec_accepted.inc(keep - 1 if reason else accepted)
+        self.metrics.spec_seconds.observe(time.perf_counter() - t0)
+        return logits, reason
+
     def _prefill_to(self, state, prompt: Sequence[int], end: int):
         logits = None
         while state.position < end:
@@ -149,47 +177,29 @@ class Engine:
         self.metrics.prefill_tokens.inc(computed)
 
         sampler = Sampler(req.sampling)
-        detok = IncrementalDetokenizer(rt.tokenizer)
-        stops = StopStringFilter(req.stop)
-        generated: list[int] = []
-        unsent: list[int] = []  # token ids not yet carried by a Delta (their text may be held back)
-        text_parts: list[str] = []
-        ttft, last_emit = None, None
-        reason = "length"
-        while True:
+        out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival, self.metrics,
+                             lambda text, ids: emit(Delta(text, list(ids))))
+        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
+        lookup = self.make_proposer(prompt) if self.make_proposer and req.sampling.greedy else None
+        reason = None
+        while reason is None:
             if req.cancelled.is_set():
                 reason = "cancelled"
                 break
             token = sampler(logits)
-            generated.append(token)
-            unsent.append(token)
-            self.metrics.generated_tokens.inc()
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - req.arrival
-                self.metrics.ttft.observe(ttft)
-            else:
-                self.metrics.itl.observe(now - last_emit)
-            last_emit = now
-            if token in rt.eos_token_ids:
-                reason = "stop"
+            reason = out.push(token)
+            if reason is not None:
                 break
-            piece = stops.feed(detok.add(token))
-            if piece:
-                text_parts.append(piece)
-                emit(Delta(piece, unsent))
-                unsent = []
-            if stops.stopped:
-                reason = "stop"
-                break
-            if len(generated) >= req.max_tokens:
-                break
-            logits = adapter.forward(state, [token])
-        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        if tail or unsent:
-            text_parts.append(tail)
-            emit(Delta(tail, unsent))
-        text = "".join(text_parts)
+            proposals = []
+            if lookup is not None:
+                lookup.extend([token])
+                proposals = lookup.propose()[: req.max_tokens - len(out.generated)]
+            if not proposals:
+                logits = adapter.forward(state, [token])
+                continue
+            logits, reason = self._speculate(state, token, proposals, out, lookup)
+        text = out.close(reason)
+        generated = out.generated
         if reason == "cancelled":
             self.cache.telemetry.emit("declined", "cancelled", request_id=req.request_id, kind="post_decode")
         else:
@@ -202,4 +212,4 @@ class Engine:
             elif self.cache.enabled:
                 self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
                                           tokens=state.position)
-        emit(Finished(reason, text, generated, len(prompt), restored.cached_tokens, ttft))
+        emit(Finished(reason, text, generated, len(prompt), restored.cached_tokens, out.ttft))

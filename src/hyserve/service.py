@@ -12,6 +12,7 @@ from .cache.telemetry import CacheTelemetry
 from .engine import Engine
 from .metrics import Metrics
 from .runtime import ModelRuntime
+from .speculative import SpeculativeConfig
 
 
 def default_cache_bytes(fraction: float = 0.25) -> int:
@@ -33,6 +34,7 @@ class ServiceConfig:
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     log_cache_events: str | None = None
     prefill_chunk: int = 512
+    speculative: SpeculativeConfig | None = None  # prompt-lookup speculation (greedy requests only)
 
     @property
     def model_name(self) -> str:
@@ -57,5 +59,6 @@ def build_service(config: ServiceConfig) -> Service:
     metrics = Metrics()
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
     cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
-    engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk)
+    engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
+                    speculative=config.speculative)
     return Service(config, runtime, metrics, cache, engine)

@@ -146,6 +146,37 @@ class FamilyAdapter:
         del state.tokens[num_tokens:]
 
 
+    # -- rollback (speculative decoding) --------------------------------------------------
+    def rollback_point(self, state: LiveState) -> "RollbackPoint":
+        """Cheap save before a verify pass: copies of every non-KV layer (fixed size), KV only by length."""
+        saved = {i: copy.deepcopy(layer) for i, layer in enumerate(state.cache.layers) if type(layer) is not DynamicLayer}
+        return RollbackPoint(state.position, saved)
+
+    def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
+        """Make `state` equal to point + `keep` tokens (which it absorbed, along with rejected ones).
+
+        Attention-only: cut the KV, no compute, returns None. Otherwise restore the saved recurrent
+        layers, cut the KV back to the point and re-run `keep`, returning its last logits.
+        """
+        if not point.saved:
+            self.truncate(state, point.position + len(keep))
+            return None
+        for i, layer in point.saved.items():
+            state.cache.layers[i] = layer
+        for layer in state.cache.layers:
+            if type(layer) is DynamicLayer and layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., : point.position, :]
+                layer.values = layer.values[..., : point.position, :]
+        del state.tokens[point.position :]
+        return self.forward(state, keep) if keep else None
+
+
+@dataclass
+class RollbackPoint:
+    position: int
+    saved: dict[int, object]
+
+
 class HybridLinearAttentionAdapter(FamilyAdapter):
     """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3-Next."""
 

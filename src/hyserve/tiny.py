@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -140,6 +141,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
         tie_word_embeddings=False,
         **overrides,
     )
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = eos

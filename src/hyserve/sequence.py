@@ -1,0 +1,67 @@
+"""The output side of one request: every generated token, decoded or accepted from speculation, goes
+through `push`, which owns stop conditions, streaming text, usage counts and latency metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .detokenize import IncrementalDetokenizer, StopStringFilter
+
+
+class OutputSequence:
+    def __init__(self, tokenizer, eos_token_ids, stop, max_tokens: int, arrival: float, metrics,
+                 emit: Callable[[str, list[int]], None]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringFilter(stop)
+        self.eos = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival = arrival
+        self.metrics = metrics
+        self._emit = emit
+        self.generated: list[int] = []
+        self.unsent: list[int] = []  # token ids not yet carried by a delta (their text may be held back)
+        self.text_parts: list[str] = []
+        self.ttft: float | None = None
+        self._last = None
+        self.finish_reason: str | None = None
+
+    def push(self, token: int) -> str | None:
+        """Add one generated token; return the finish reason if this token ends the request."""
+        self.generated.append(token)
+        self.unsent.append(token)
+        self.metrics.generated_tokens.inc()
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.arrival
+            self.metrics.ttft.observe(self.ttft)
+        else:
+            self.metrics.itl.observe(now - self._last)
+        self._last = now
+        if token in self.eos:
+            return self._finish("stop")
+        piece = self.stops.feed(self.detok.add(token))
+        if piece:
+            self.text_parts.append(piece)
+            self._emit(piece, self.unsent)
+            self.unsent = []
+        if self.stops.stopped:
+            return self._finish("stop")
+        if len(self.generated) >= self.max_tokens:
+            return self._finish("length")
+        return None
+
+    def _finish(self, reason: str) -> str:
+        self.finish_reason = reason
+        return reason
+
+    def close(self, reason: str | None = None) -> str:
+        """Flush held-back text (unless a stop string cut it) and return the full reply text."""
+        if reason is not None:
+            self.finish_reason = reason
+        tail = "" if self.stops.stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        if tail or self.unsent:
+            self.text_parts.append(tail)
+            self._emit(tail, self.unsent)
+            self.unsent = []
+        return "".join(self.text_parts)
