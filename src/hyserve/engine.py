@@ -1,30 +1,34 @@
-"""Runs one request against the model: restore from the prefix cache, prefill with checkpoints at the
-policy's boundaries, decode, record the post-decode checkpoint.
+"""The engine: one worker thread steps every running request forward, under the runtime lock.
 
-Requests run one at a time on a single worker thread holding the runtime lock; the HTTP layer talks to
-it through `stream()` (async) and never touches the model.
+A step (1) admits waiting requests, restoring each from the prefix cache, (2) runs one prefill chunk
+of the oldest request still in prefill, splitting it at the policy's checkpoint boundaries, and
+(3) samples one token for every request past prefill and runs them all through one batched decode
+pass (or a speculative verify pass for a request that has proposals). Finished requests record the
+post-decode checkpoint and free their state at once. The HTTP layer only calls `submit`/`stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
-from .cache.manager import PrefixCache
-from .cache.policy import CheckpointPolicy
+from .cache.manager import PrefixCache, Restored
+from .cache.policy import Boundary, CheckpointPolicy
 from .metrics import Metrics
 from .runtime import ModelRuntime
 from .sampling import Sampler, SamplingParams
+from .scheduler import QueueFull, Scheduler
 from .sequence import OutputSequence
 from .speculative import PromptLookup, SpeculativeConfig, accepted_prefix
 
 log = logging.getLogger("hyserve.engine")
+
+__all__ = ["Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]
 
 
 @dataclass
@@ -34,6 +38,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
+    cache_salt: str = ""  # tenant namespace of the prefix cache
+    timeout: float | None = None  # seconds from arrival
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
@@ -47,7 +53,7 @@ class Delta:
 
 @dataclass
 class Finished:
-    reason: str  # "stop" | "length" | "cancelled"
+    reason: str  # "stop" | "length" | "cancelled" | "timeout"
     text: str
     token_ids: list[int]
     prompt_tokens: int
@@ -63,35 +69,69 @@ class Failed:
 Emit = Callable[[object], None]
 
 
+@dataclass
+class _Run:
+    """A request being served: its live state, what is left to prefill, and its output."""
+
+    req: GenerationRequest
+    emit: Emit
+    boundaries: list[Boundary] = field(default_factory=list)
+    restored: Restored | None = None
+    out: OutputSequence | None = None
+    sampler: Sampler | None = None
+    proposer: object | None = None
+    logits: object | None = None  # next-token logits once prefill is done
+
+    @property
+    def state(self):
+        return self.restored.state
+
+    @property
+    def decoding(self) -> bool:
+        return self.logits is not None
+
+
 class Engine:
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None):
+                 prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None,
+                 max_running: int = 8, max_waiting: int = 64):
         self.runtime = runtime
         self.cache = cache
         self.policy = policy
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
+        self.scheduler = Scheduler(max_running, max_waiting)
         # Builds a proposer (extend(tokens), propose() -> ids) per request; tests may swap in their own.
         self.make_proposer = (lambda prompt: PromptLookup(speculative, prompt)) if speculative else None
-        self._queue: queue.Queue = queue.Queue()
+        self._stopping = False
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
+    def submit(self, req: GenerationRequest, emit: Emit) -> None:
+        """Queue `req`; `emit` is called from the worker thread. Raises QueueFull at capacity."""
+        self.scheduler.add(_Run(req, emit))
+
     def generate(self, req: GenerationRequest) -> Finished:
-        """Blocking: run `req` on the calling thread (benchmarks and tests without HTTP)."""
-        out: list = []
-        self._run(req, out.append)
-        last = out[-1]
-        if isinstance(last, Failed):
-            raise RuntimeError(last.message)
-        return last
+        """Blocking: run `req` to completion (benchmarks and tests without HTTP)."""
+        done, out = threading.Event(), []
+
+        def emit(item):
+            if isinstance(item, (Finished, Failed)):
+                out.append(item)
+                done.set()
+
+        self.submit(req, emit)
+        done.wait()
+        if isinstance(out[0], Failed):
+            raise RuntimeError(out[0].message)
+        return out[0]
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[object]:
         """Yield Delta items then one Finished (or Failed); cancels the request if the consumer goes away."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        self._queue.put((req, lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+        self.submit(req, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
         try:
             while True:
                 item = await items.get()
@@ -101,38 +141,127 @@ class Engine:
         finally:
             req.cancelled.set()
 
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def stop(self) -> None:
+        self._stopping = True
+
     # -- worker ----------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            req, emit = self._queue.get()
-            if req.cancelled.is_set():
-                emit(Finished("cancelled", "", [], len(req.prompt), 0, None))
-                continue
-            self._run(req, emit)
-
-    def _run(self, req: GenerationRequest, emit: Emit) -> None:
-        rt = self.runtime
-        boundaries, skipped = self.policy.prefill_boundaries(
-            req.prompt, req.messages, rt.render_chat, rt.has_recurrent_layers
-        ) if self.cache.enabled else ([], [])
-        for reason in skipped:
-            self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
-        with rt.lock:
-            self.metrics.running.inc()
-            restored = self.cache.restore(rt.adapter, req.prompt, req.request_id)
+        while not self._stopping:
+            self.scheduler.wait_for_work()
             try:
-                self._generate(req, restored, boundaries, emit)
-            except Exception as exc:  # never leave the client hanging; the cache only holds verified snapshots
-                log.exception("request %s failed", req.request_id)
-                emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
-            finally:
-                self.cache.release(restored)
-                self.metrics.running.dec()
+                self.step()
+            except Exception:  # a bug in a step must not kill the worker; the runs involved were failed
+                log.exception("engine step failed")
 
-    def _speculate(self, state, token: int, proposals: list[int], out: OutputSequence, lookup):
-        """Verify `proposals` after `token` in one pass; push the accepted ones through `out` like any
-        decoded token; leave `state` at exactly prompt + generated[:-1]. Returns (next logits, finish)."""
-        adapter = self.runtime.adapter
+    def step(self) -> None:
+        sched = self.scheduler
+        for run in sched.take_waiting(lambda r: r.req.cancelled.is_set()):
+            run.emit(Finished("cancelled", "", [], len(run.req.prompt), 0, None))
+        new = sched.admit()
+        for run in new:  # renders for checkpoint boundaries happen outside the lock
+            self._plan(run)
+        rt = self.runtime
+        with rt.lock:
+            for run in new:
+                run.restored = self.cache.restore(rt.adapter, run.req.prompt, run.req.request_id, run.req.cache_salt)
+                self.metrics.running.inc()
+            now = time.perf_counter()
+            for run in list(sched.running):
+                r = run.req
+                if r.cancelled.is_set():
+                    self._finish(run, "cancelled")
+                elif r.timeout is not None and now - r.arrival > r.timeout:
+                    self._finish(run, "timeout")
+            prefilling = next((r for r in sched.running if not r.decoding), None)
+            if prefilling is not None:
+                self._guard([prefilling], self._prefill_chunk, prefilling)
+            decoding = [r for r in sched.running if r.decoding]
+            if decoding:
+                self._guard(decoding, self._decode, decoding)
+
+    def _guard(self, runs, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # never leave a client hanging; the cache only holds verified snapshots
+            log.exception("request(s) %s failed", [r.req.request_id for r in runs])
+            for run in runs:
+                if run in self.scheduler.running:
+                    self._release(run)
+                    run.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    # -- phases ----------------------------------------------------------------------------
+    def _plan(self, run: _Run) -> None:
+        req, rt = run.req, self.runtime
+        if self.cache.enabled:
+            try:
+                run.boundaries, skipped = self.policy.prefill_boundaries(
+                    req.prompt, req.messages, rt.render_chat, rt.has_recurrent_layers)
+            except Exception as exc:
+                run.boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
+            for reason in skipped:
+                self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
+        run.sampler = Sampler(req.sampling)
+        run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
+                                 self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
+        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
+        if self.make_proposer and req.sampling.greedy:
+            run.proposer = self.make_proposer(req.prompt)
+
+    def _prefill_chunk(self, run: _Run) -> None:
+        """Advance one chunk, never past the next checkpoint boundary; snapshot on reaching it."""
+        req, state, adapter = run.req, run.state, self.runtime.adapter
+        prompt = req.prompt
+        while run.boundaries and (run.boundaries[0].length <= state.position
+                                  or self.cache.has(prompt[: run.boundaries[0].length], req.cache_salt)):
+            b = run.boundaries.pop(0)
+            why = "behind_restored_state" if b.length <= state.position else "already_cached"
+            self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
+        end = min(len(prompt), state.position + self.prefill_chunk)
+        if run.boundaries:
+            end = min(end, run.boundaries[0].length)
+        start = state.position
+        logits = adapter.forward(state, prompt[start:end])
+        self.metrics.prefill_tokens.inc(end - start)
+        if run.boundaries and run.boundaries[0].length == state.position:
+            b = run.boundaries.pop(0)
+            self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt)
+        if state.position == len(prompt):
+            self.metrics.prompt_tokens.inc(len(prompt))
+            run.logits = logits
+
+    def _decode(self, runs: list[_Run]) -> None:
+        """Sample one token per request; verify speculative runs alone, batch the rest in one pass."""
+        batch, tokens = [], []
+        for run in runs:
+            token = run.sampler(run.logits)
+            reason = run.out.push(token)
+            if reason is not None:
+                self._finish(run, reason)
+                continue
+            proposals = []
+            if run.proposer is not None:
+                run.proposer.extend([token])
+                proposals = run.proposer.propose()[: run.req.max_tokens - len(run.out.generated)]
+            if proposals:
+                run.logits, reason = self._speculate(run, token, proposals)
+                if reason is not None:
+                    self._finish(run, reason)
+            else:
+                batch.append(run)
+                tokens.append(token)
+        if batch:
+            logits = self.runtime.adapter.forward_batch([r.state for r in batch], tokens)
+            for i, run in enumerate(batch):
+                run.logits = logits[i]
+
+    def _speculate(self, run: _Run, token: int, proposals: list[int]):
+        """Verify `proposals` after `token` in one pass; push the accepted ones through the output like
+        any decoded token; leave the state at exactly prompt + generated[:-1]. Returns (logits, finish)."""
+        adapter, state, out = self.runtime.adapter, run.state, run.out
         t0 = time.perf_counter()
         point = adapter.rollback_point(state)
         all_logits = adapter.forward(state, [token] + proposals, all_logits=True)
@@ -140,7 +269,7 @@ class Engine:
         keep, reason = accepted + 1, None  # tokens of [token] + proposals the state should hold
         for i, d in enumerate(proposals[:accepted]):
             reason = out.push(d)
-            lookup.extend([d])
+            run.proposer.extend([d])
             if reason is not None:
                 keep = i + 1
                 break
@@ -154,62 +283,31 @@ class Engine:
         self.metrics.spec_seconds.observe(time.perf_counter() - t0)
         return logits, reason
 
-    def _prefill_to(self, state, prompt: Sequence[int], end: int):
-        logits = None
-        while state.position < end:
-            stop = min(end, state.position + self.prefill_chunk)
-            logits = self.runtime.adapter.forward(state, prompt[state.position : stop])
-        return logits
-
-    def _generate(self, req: GenerationRequest, restored, boundaries, emit: Emit) -> None:
-        rt, adapter, state = self.runtime, self.runtime.adapter, restored.state
-        prompt = req.prompt
-        for b in boundaries:
-            if b.length <= state.position or self.cache.has(prompt[: b.length]):
-                why = "behind_restored_state" if b.length <= state.position else "already_cached"
-                self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
-                continue
-            self._prefill_to(state, prompt, b.length)
-            self.cache.record(adapter, state, b.kind, b.length, req.request_id)
-        computed = len(prompt) - state.position
-        logits = self._prefill_to(state, prompt, len(prompt))
-        self.metrics.prompt_tokens.inc(len(prompt))
-        self.metrics.prefill_tokens.inc(computed)
-
-        sampler = Sampler(req.sampling)
-        out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival, self.metrics,
-                             lambda text, ids: emit(Delta(text, list(ids))))
-        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
-        lookup = self.make_proposer(prompt) if self.make_proposer and req.sampling.greedy else None
-        reason = None
-        while reason is None:
-            if req.cancelled.is_set():
-                reason = "cancelled"
-                break
-            token = sampler(logits)
-            reason = out.push(token)
-            if reason is not None:
-                break
-            proposals = []
-            if lookup is not None:
-                lookup.extend([token])
-                proposals = lookup.propose()[: req.max_tokens - len(out.generated)]
-            if not proposals:
-                logits = adapter.forward(state, [token])
-                continue
-            logits, reason = self._speculate(state, token, proposals, out, lookup)
-        text = out.close(reason)
-        generated = out.generated
-        if reason == "cancelled":
-            self.cache.telemetry.emit("declined", "cancelled", request_id=req.request_id, kind="post_decode")
+    def _finish(self, run: _Run, reason: str) -> None:
+        req, rt, state = run.req, self.runtime, run.state
+        text = run.out.close(reason)
+        generated = run.out.generated
+        if reason in ("cancelled", "timeout") or not run.decoding:
+            self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
             ok, why = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
                                                  rt.has_recurrent_layers)
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()
             if ok:
-                self.cache.record(adapter, state, "post_decode", len(prompt) + len(generated) - 1, req.request_id)
+                self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
+                                  req.request_id, req.cache_salt)
             elif self.cache.enabled:
                 self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
                                           tokens=state.position)
-        emit(Finished(reason, text, generated, len(prompt), restored.cached_tokens, out.ttft))
+        cached = run.restored.cached_tokens
+        self._release(run)
+        run.emit(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
+
+    def _release(self, run: _Run) -> None:
+        """Free the live state and unpin its checkpoint: the slot is free for the next step."""
+        self.scheduler.remove(run)
+        if run.restored is not None:
+            self.cache.release(run.restored)
+            run.restored = None
+            self.metrics.running.dec()

@@ -112,6 +112,24 @@ class FamilyAdapter:
         logits = out.logits[0].float()
         return logits if all_logits else logits[-1]
 
+    @torch.inference_mode()
+    def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode token for each of several requests in one pass; returns logits [len(states), vocab]."""
+        if len(states) == 1:
+            return self.forward(states[0], tokens)[None]
+        from .batching import gather, scatter
+
+        batch, mask, positions = gather(states, self.model.config, self.model.device)
+        ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: batch},
+                         **self.batch_inputs(mask, positions))
+        scatter(batch, states, tokens)
+        return out.logits[:, -1].float()
+
+    def batch_inputs(self, mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Padding mask and per-row positions for a batch whose attention KV lengths differ."""
+        return {"attention_mask": mask, "position_ids": positions}
+
     # -- snapshot / restore -----------------------------------------------------------------
     def snapshot(self, state: LiveState) -> Snapshot:
         """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
@@ -187,6 +205,9 @@ class Mamba2Adapter(FamilyAdapter):
     """Pure state-space model: every layer is conv + SSM state; nothing can be truncated."""
 
     model_types = ("mamba2",)
+
+    def batch_inputs(self, mask, positions) -> dict:
+        return {}  # no attention and no positions: fixed-size states stack as they are
 
 
 class AttentionAdapter(FamilyAdapter):

@@ -82,7 +82,7 @@ def _generated_total(srv) -> float:
 def _wait_idle(srv, timeout=20):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if not srv.service.runtime.lock.locked() and srv.service.engine._queue.empty():
+        if srv.service.engine.idle:
             return
         time.sleep(0.05)
     raise AssertionError("engine did not become idle")

@@ -37,14 +37,15 @@ class PrefixCache:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
         self.metrics.cache_entries.set(self.tree.entries)
 
-    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "") -> Restored:
+    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "") -> Restored:
         """A live state for `prompt`: restored from the deepest verified checkpoint, or empty."""
         if not self.enabled:
             return Restored(adapter.new_state(), 0, None)
         self.lookups += 1
         t0 = time.perf_counter()
         # At least one prompt token is always run, so the first output token has fresh logits.
-        match = self.tree.lookup(prompt, max_length=len(prompt) - 1, truncate=not adapter.has_recurrent_layers)
+        match = self.tree.lookup(prompt, max_length=len(prompt) - 1, truncate=not adapter.has_recurrent_layers,
+                                 salt=salt)
         if match is None:
             self.metrics.cache_misses.labels("no_match").inc()
             self.telemetry.emit("miss", "no_match", request_id=request_id, prompt_tokens=len(prompt))
@@ -83,11 +84,11 @@ class PrefixCache:
                             checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3))
         return Restored(state, match.length, node)
 
-    def has(self, tokens: Sequence[int]) -> bool:
-        return self.enabled and self.tree.has(tokens)
+    def has(self, tokens: Sequence[int], salt: str = "") -> bool:
+        return self.enabled and self.tree.has(tokens, salt)
 
     def record(self, adapter: FamilyAdapter, state: LiveState, kind: str, expected_tokens: int,
-               request_id: str = "") -> bool:
+               request_id: str = "", salt: str = "") -> bool:
         """Snapshot `state` as a checkpoint if its position is exactly `expected_tokens` and it is new."""
         if not self.enabled:
             return False
@@ -99,7 +100,7 @@ class PrefixCache:
         if attn is not None and attn != state.position:
             self.telemetry.emit("declined", "kv_length_mismatch", position=attn, **base)
             return False
-        if self.tree.has(state.tokens):
+        if self.tree.has(state.tokens, salt):
             self.telemetry.emit("skipped", "already_cached", **base)
             return False
         t0 = time.perf_counter()
@@ -107,22 +108,24 @@ class PrefixCache:
         seconds = time.perf_counter() - t0
         self.metrics.snapshot_seconds.observe(seconds)
         self.metrics.lock_hold.labels("snapshot").observe(seconds)
-        stored, reason, evicted = self.tree.insert(state.tokens, snap)
-        for old in evicted:
-            self.metrics.cache_evictions.inc()
-            self.telemetry.emit("evicted", "budget", tokens=old.num_tokens, bytes=old.nbytes)
-        self._gauges()
+        stored, reason, evicted = self.tree.insert(state.tokens, snap, salt)
+        self._evicted(evicted)
         if stored:
             self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
         else:
             self.telemetry.emit("declined", reason, bytes=snap.nbytes, **base)
         return stored
 
+    def _evicted(self, evicted) -> None:
+        for old in evicted:
+            self.metrics.cache_evictions.inc()
+            self.telemetry.emit("evicted", "budget", tokens=old.num_tokens, bytes=old.nbytes)
+        self._gauges()
+
     def release(self, restored: Restored) -> None:
         if restored.node is not None:
-            self.tree.unpin(restored.node)
+            self._evicted(self.tree.unpin(restored.node))
             restored.node = None
-            self._gauges()
 
     def clear(self) -> int:
         removed = self.tree.clear()

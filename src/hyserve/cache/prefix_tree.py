@@ -5,7 +5,8 @@ Lookup finds the deepest usable checkpoint for a prompt:
 - truncate mode (attention-only models): any snapshot below the point where the prompt leaves the tree,
   which the caller cuts back to the match length.
 
-Memory is a byte budget over snapshot sizes; eviction is least-recently-used among unpinned snapshots,
+Each cache salt (tenant) has its own root, so one tenant can neither reuse nor time-probe another's
+prefixes; the byte budget is shared. Memory is a byte budget over snapshot sizes; eviction is least-recently-used among unpinned snapshots,
 leaves (nothing cached below) before shared inner prefixes. A pinned snapshot is in use by a request.
 """
 
@@ -61,15 +62,29 @@ class Match:
 class PrefixTree:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self.root = _Node((), None, 0)
+        self.roots: dict[str, _Node] = {"": _Node((), None, 0)}
         self.total_bytes = 0
         self.entries = 0
         self._clock = itertools.count(1)
 
+    @property
+    def root(self) -> _Node:
+        return self.roots[""]
+
+    def _root(self, salt: str) -> _Node:
+        if salt not in self.roots:
+            self.roots[salt] = _Node((), None, 0)
+        return self.roots[salt]
+
+    def _all_nodes(self) -> Iterator[_Node]:
+        for root in list(self.roots.values()):
+            yield from root.walk()
+
     # -- lookup ----------------------------------------------------------------------------
-    def _descend(self, tokens: Sequence[int]) -> tuple[list[_Node], int, _Node | None]:
+    def _descend(self, tokens: Sequence[int], salt: str = "") -> tuple[list[_Node], int, _Node | None]:
         """Nodes fully matched along `tokens`, the matched length, and the child entered part-way (if any)."""
-        node, pos, path = self.root, 0, [self.root]
+        root = self.roots.get(salt) or _Node((), None, 0)
+        node, pos, path = root, 0, [root]
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -81,10 +96,10 @@ class PrefixTree:
             path.append(node)
         return path, pos, None
 
-    def lookup(self, tokens: Sequence[int], max_length: int, truncate: bool) -> Match | None:
+    def lookup(self, tokens: Sequence[int], max_length: int, truncate: bool, salt: str = "") -> Match | None:
         """Deepest checkpoint usable for a prompt, using at most `max_length` of its tokens."""
         tokens = tokens[:max_length]
-        path, matched, partial = self._descend(tokens)
+        path, matched, partial = self._descend(tokens, salt)
         if truncate and matched > 0:
             start = partial if partial is not None else path[-1]
             # the shallowest snapshot below the divergence point: least to copy and cut away
@@ -100,18 +115,18 @@ class PrefixTree:
         match.node.last_used = next(self._clock)
         return match
 
-    def has(self, tokens: Sequence[int]) -> bool:
-        path, matched, partial = self._descend(tokens)
+    def has(self, tokens: Sequence[int], salt: str = "") -> bool:
+        path, matched, partial = self._descend(tokens, salt)
         return partial is None and matched == len(tokens) and path[-1].snapshot is not None
 
     # -- insert / evict --------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], snapshot: Snapshot) -> tuple[bool, str, list[Snapshot]]:
+    def insert(self, tokens: Sequence[int], snapshot: Snapshot, salt: str = "") -> tuple[bool, str, list[Snapshot]]:
         """Store `snapshot` at depth len(tokens). Returns (stored, reason, evicted snapshots)."""
         if snapshot.num_tokens != len(tokens):
             return False, "token_count_mismatch", []
         if snapshot.nbytes > self.budget_bytes:
             return False, "over_budget", []
-        node = self._make_path(tokens)
+        node = self._make_path(tokens, self._root(salt))
         if node.snapshot is not None:
             return False, "duplicate", []
         node.snapshot = snapshot
@@ -121,8 +136,8 @@ class PrefixTree:
         evicted = self._evict(keep=node)
         return True, "recorded", evicted
 
-    def _make_path(self, tokens: Sequence[int]) -> _Node:
-        node, pos = self.root, 0
+    def _make_path(self, tokens: Sequence[int], root: _Node) -> _Node:
+        node, pos = root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -143,7 +158,7 @@ class PrefixTree:
     def _evict(self, keep: _Node | None = None) -> list[Snapshot]:
         evicted = []
         while self.total_bytes > self.budget_bytes:
-            candidates = [n for n in self.root.walk() if n.snapshot is not None and n.pins == 0 and n is not keep]
+            candidates = [n for n in self._all_nodes() if n.snapshot is not None and n.pins == 0 and n is not keep]
             if not candidates:
                 break
             victim = min(candidates, key=lambda n: (_has_snapshot_below(n), n.last_used))
@@ -162,7 +177,7 @@ class PrefixTree:
 
     def _prune(self, node: _Node) -> None:
         """Remove empty leaves and merge single-child inner nodes so the tree stays small."""
-        while node is not self.root and node.snapshot is None and node.pins == 0:
+        while node.parent is not None and node.snapshot is None and node.pins == 0:
             parent = node.parent
             if not node.children:
                 del parent.children[node.edge[0]]
@@ -177,7 +192,7 @@ class PrefixTree:
 
     def clear(self) -> int:
         removed = 0
-        for node in list(self.root.walk()):
+        for node in list(self._all_nodes()):
             if node.snapshot is not None and node.pins == 0:
                 self._drop(node)
                 removed += 1
@@ -187,14 +202,14 @@ class PrefixTree:
     def pin(self, node: _Node) -> None:
         node.pins += 1
 
-    def unpin(self, node: _Node) -> None:
+    def unpin(self, node: _Node) -> list[Snapshot]:
         node.pins -= 1
         if node.pins == 0 and node.snapshot is None:
             self._prune(node)
-        self._evict()
+        return self._evict()
 
     def snapshots(self) -> Iterator[tuple[_Node, Snapshot]]:
-        for node in self.root.walk():
+        for node in self._all_nodes():
             if node.snapshot is not None:
                 yield node, node.snapshot
 

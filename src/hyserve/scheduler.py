@@ -1,0 +1,62 @@
+"""Admission and ordering: a bounded waiting queue, at most `max_running` requests with live states.
+
+Each engine step runs one prefill chunk (first come, first served) and one batched decode token for
+every request past prefill, so a long new prompt delays other streams by one chunk, not its length.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: the server answers 429."""
+
+
+class Scheduler:
+    def __init__(self, max_running: int = 8, max_waiting: int = 64):
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.cond = threading.Condition()
+
+    def add(self, item) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"server is at capacity ({self.max_running} running, {self.max_waiting} waiting)")
+            self.waiting.append(item)
+            self.cond.notify()
+
+    def wait_for_work(self, timeout: float = 0.5) -> None:
+        with self.cond:
+            if not self.waiting and not self.running:
+                self.cond.wait(timeout)
+
+    def admit(self) -> list:
+        """Move waiting requests into free running slots; returns the newly admitted ones."""
+        admitted = []
+        with self.cond:
+            while self.waiting and len(self.running) < self.max_running:
+                item = self.waiting.popleft()
+                self.running.append(item)
+                admitted.append(item)
+        return admitted
+
+    def take_waiting(self, pred) -> list:
+        """Remove and return waiting items matching `pred` (cancelled before they started)."""
+        with self.cond:
+            gone = [w for w in self.waiting if pred(w)]
+            for w in gone:
+                self.waiting.remove(w)
+        return gone
+
+    def remove(self, item) -> None:
+        with self.cond:
+            if item in self.running:
+                self.running.remove(item)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
