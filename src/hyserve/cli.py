@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,17 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup speculative decoding (used for greedy requests)")
     p.add_argument("--spec-tokens", type=int, default=6, help="proposals per verify pass (k)")
     p.add_argument("--spec-ngram", type=int, default=3, help="suffix length that must recur in the context (n)")
+    p.add_argument("--max-running", type=int, default=8, help="requests decoded together (batch size)")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
+    p.add_argument("--api-key", default=os.environ.get("HYSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (comma-separated for several tenants; "
+                        "env HYSERVE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-messages", type=int, default=2048)
+    p.add_argument("--graceful-shutdown", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
 
 
 def service_config_from_args(args) -> "ServiceConfig":
@@ -47,14 +59,15 @@ def service_config_from_args(args) -> "ServiceConfig":
         cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
+        max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
+        api_keys=tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip()),
+        max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
     )
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from .runtime import UnsupportedModelError
-    from .server.app import create_app
+    from .server.run import serve_forever
     from .service import build_service
 
     try:
@@ -64,7 +77,7 @@ def cmd_serve(args) -> int:
         return 2
     print(f"hyserve: serving {service.model_name} ({service.runtime.model.config.model_type}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
+    serve_forever(service, args.host, args.port, args.graceful_shutdown)
     return 0
 
 

@@ -127,11 +127,15 @@ class Engine:
             raise RuntimeError(out[0].message)
         return out[0]
 
-    async def stream(self, req: GenerationRequest) -> AsyncIterator[object]:
-        """Yield Delta items then one Finished (or Failed); cancels the request if the consumer goes away."""
+    def stream(self, req: GenerationRequest) -> AsyncIterator[object]:
+        """Queue `req` now (raising QueueFull at capacity) and return an async iterator of its Delta items
+        and one Finished (or Failed). Leaving the iteration early cancels the request."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         self.submit(req, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        return self._drain(req, items)
+
+    async def _drain(self, req: GenerationRequest, items: asyncio.Queue) -> AsyncIterator[object]:
         try:
             while True:
                 item = await items.get()
@@ -162,6 +166,7 @@ class Engine:
         for run in sched.take_waiting(lambda r: r.req.cancelled.is_set()):
             run.emit(Finished("cancelled", "", [], len(run.req.prompt), 0, None))
         new = sched.admit()
+        self.metrics.waiting.set(len(sched.waiting))
         for run in new:  # renders for checkpoint boundaries happen outside the lock
             self._plan(run)
         rt = self.runtime
@@ -254,6 +259,7 @@ class Engine:
                 batch.append(run)
                 tokens.append(token)
         if batch:
+            self.metrics.decode_batch.observe(len(batch))
             logits = self.runtime.adapter.forward_batch([r.state for r in batch], tokens)
             for i, run in enumerate(batch):
                 run.logits = logits[i]

@@ -30,6 +30,9 @@ class Metrics:
         self.lock_hold = Histogram("hyserve_runtime_lock_hold_seconds", "Time the runtime lock is held per cache operation", ["op"], buckets=_FAST, registry=r)
         self.rerender_mismatch = Counter("hyserve_cache_post_decode_rerender_mismatch", "Post-decode checkpoints declined because the re-rendered reply did not reproduce the generated ids", registry=r)
 
+        self.decode_batch = Histogram("hyserve_decode_batch_size", "Requests per batched decode pass",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.waiting = Gauge("hyserve_requests_waiting", "Requests queued for a slot", registry=r)
         self.spec_proposed = Counter("hyserve_spec_proposed_tokens", "Speculative tokens proposed (prompt lookup)", registry=r)
         self.spec_accepted = Counter("hyserve_spec_accepted_tokens", "Speculative tokens accepted and used", registry=r)
         self.spec_seconds = Histogram("hyserve_spec_verify_seconds", "Time per verify pass incl. rollback", buckets=_FAST, registry=r)

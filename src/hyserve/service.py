@@ -35,6 +35,13 @@ class ServiceConfig:
     log_cache_events: str | None = None
     prefill_chunk: int = 512
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculation (greedy requests only)
+    max_running: int = 8
+    max_waiting: int = 64
+    request_timeout: float | None = None  # seconds
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_body_bytes: int = 8 << 20
+    max_tokens_cap: int | None = None
+    max_messages: int = 2048
 
     @property
     def model_name(self) -> str:
@@ -48,6 +55,7 @@ class Service:
     metrics: Metrics
     cache: PrefixCache
     engine: Engine
+    draining: bool = False  # set on SIGTERM: running requests finish, new ones get 503
 
     @property
     def model_name(self) -> str:
@@ -60,5 +68,6 @@ def build_service(config: ServiceConfig) -> Service:
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
     cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
-                    speculative=config.speculative)
+                    speculative=config.speculative, max_running=config.max_running,
+                    max_waiting=config.max_waiting)
     return Service(config, runtime, metrics, cache, engine)

@@ -13,16 +13,18 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Delta, Failed, Finished, GenerationRequest
+from ..engine import Delta, Failed, Finished, GenerationRequest, QueueFull
 from ..sampling import SamplingParams
 from ..service import Service
 from .errors import APIError, install_handlers
+from .guards import GuardMiddleware, bearer, tenant_salt
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="hyserve", docs_url=None, redoc_url=None)
     install_handlers(app)
+    app.add_middleware(GuardMiddleware, service=service)
     app.state.service = service
     metrics = service.metrics
     rt = service.runtime
@@ -32,9 +34,14 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(404, f"The model `{name}` does not exist. Available: {service.model_name}",
                            "not_found_error", "model", "model_not_found")
 
-    def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None) -> GenerationRequest:
+    cfg = service.config
+
+    def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
+                      request: Request) -> GenerationRequest:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
+        if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
+            raise APIError(400, f"max_tokens is capped at {cfg.max_tokens_cap} on this server", param="max_tokens")
         if room <= 0 or (wanted is not None and wanted > room):
             raise APIError(
                 400,
@@ -43,20 +50,31 @@ def create_app(service: Service) -> FastAPI:
                 param="messages" if messages is not None else "prompt", code="context_length_exceeded",
             )
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
-        return GenerationRequest(prompt=prompt, max_tokens=wanted or room, sampling=sampling, stop=body.stop,
-                                 messages=messages)
+        max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
+        salt = tenant_salt(bearer(request.scope) if cfg.api_keys else None, body.cache_salt)
+        return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
+                                 messages=messages, cache_salt=salt, timeout=cfg.request_timeout)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
         rid = req.request_id = fmt.id  # one id in headers, responses and cache events
+        try:
+            items = service.engine.stream(req)
+        except QueueFull as exc:
+            metrics.requests.labels(endpoint, "rejected").inc()
+            raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
         if body.stream:
             async def events():
                 status = "ok"
                 try:
                     yield {"data": json.dumps(fmt("start", None))}
-                    async for item in service.engine.stream(req):
+                    async for item in items:
                         if isinstance(item, Delta):
                             yield {"data": json.dumps(fmt("delta", item))}
+                        elif isinstance(item, Finished) and item.reason == "timeout":
+                            status = "timeout"
+                            yield {"data": json.dumps({"error": {"message": "request timed out", "type": "timeout",
+                                                                 "param": None, "code": "request_timeout"}})}
                         elif isinstance(item, Finished):
                             yield {"data": json.dumps(fmt("final", item))}
                             if body.include_usage:
@@ -83,7 +101,7 @@ def create_app(service: Service) -> FastAPI:
         watcher = asyncio.create_task(watch_disconnect())
         try:
             result = None
-            async for item in service.engine.stream(req):
+            async for item in items:
                 if isinstance(item, (Finished, Failed)):
                     result = item
         finally:
@@ -91,18 +109,23 @@ def create_app(service: Service) -> FastAPI:
         if isinstance(result, Failed) or result is None:
             metrics.requests.labels(endpoint, "error").inc()
             raise APIError(500, result.message if result else "generation failed", "server_error")
+        if result.reason == "timeout":
+            metrics.requests.labels(endpoint, "timeout").inc()
+            raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
         metrics.requests.labels(endpoint, "cancelled" if result.reason == "cancelled" else "ok").inc()
         return JSONResponse(fmt("full", result), headers={"X-Request-Id": rid})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        if len(body.messages) > cfg.max_messages:
+            raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = await run_in_threadpool(rt.render_chat, messages, True)
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
-        req = build_request(body, prompt, messages)
+        req = build_request(body, prompt, messages, request)
         return await run("chat", body, req, request, _ChatFormat(service.model_name, body.return_token_ids))
 
     @app.post("/v1/completions")
@@ -117,7 +140,7 @@ def create_app(service: Service) -> FastAPI:
             prompt = list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
-        req = build_request(body, prompt, None)
+        req = build_request(body, prompt, None, request)
         return await run("completions", body, req, request,
                          _CompletionFormat(service.model_name, body.return_token_ids))
 
@@ -130,6 +153,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        # The service exists only once the model is loaded; while draining, load balancers should stop.
+        if service.draining:
+            return JSONResponse({"status": "draining", "model": service.model_name}, status_code=503)
         return {"status": "ok", "model": service.model_name}
 
     @app.get("/metrics")

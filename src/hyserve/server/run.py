@@ -18,6 +18,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM/SIGINT mark the service draining (new requests 503) while uvicorn lets
+    running requests finish for up to `timeout_graceful_shutdown` seconds."""
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve_forever(service: Service, host: str, port: int, graceful_seconds: float = 30.0) -> None:
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette would cut every open stream on SIGTERM; let them finish, bounded by uvicorn's timeout.
+    AppStatus.disable_automatic_graceful_drain()
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=graceful_seconds)
+    try:
+        DrainingServer(config, service).run()
+    finally:
+        service.engine.stop()
+
+
 class BackgroundServer:
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int | None = None):
         self.service = service

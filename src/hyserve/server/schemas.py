@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
+    cache_salt: str | None = Field(default=None, max_length=256)  # vLLM extension: prefix-cache namespace
 
     @field_validator("stop")
     @classmethod
