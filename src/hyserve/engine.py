@@ -81,6 +81,7 @@ class _Run:
     sampler: Sampler | None = None
     proposer: object | None = None
     logits: object | None = None  # next-token logits once prefill is done
+    snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)
 
     @property
     def state(self):
@@ -171,22 +172,28 @@ class Engine:
             self._plan(run)
         rt = self.runtime
         with rt.lock:
-            for run in new:
-                run.restored = self.cache.restore(rt.adapter, run.req.prompt, run.req.request_id, run.req.cache_salt)
-                self.metrics.running.inc()
-            now = time.perf_counter()
-            for run in list(sched.running):
-                r = run.req
-                if r.cancelled.is_set():
-                    self._finish(run, "cancelled")
-                elif r.timeout is not None and now - r.arrival > r.timeout:
-                    self._finish(run, "timeout")
-            prefilling = next((r for r in sched.running if not r.decoding), None)
-            if prefilling is not None:
-                self._guard([prefilling], self._prefill_chunk, prefilling)
-            decoding = [r for r in sched.running if r.decoding]
-            if decoding:
-                self._guard(decoding, self._decode, decoding)
+            held = time.perf_counter()
+            self._locked_step(new)
+            self.metrics.lock_hold.labels("step").observe(time.perf_counter() - held)
+
+    def _locked_step(self, new: list) -> None:
+        rt, sched = self.runtime, self.scheduler
+        for run in new:
+            run.restored = self.cache.restore(rt.adapter, run.req.prompt, run.req.request_id, run.req.cache_salt)
+            self.metrics.running.inc()
+        now = time.perf_counter()
+        for run in list(sched.running):
+            r = run.req
+            if r.cancelled.is_set():
+                self._finish(run, "cancelled")
+            elif r.timeout is not None and now - r.arrival > r.timeout:
+                self._finish(run, "timeout")
+        prefilling = next((r for r in sched.running if not r.decoding), None)
+        if prefilling is not None:
+            self._guard([prefilling], self._prefill_chunk, prefilling)
+        decoding = [r for r in sched.running if r.decoding]
+        if decoding:
+            self._guard(decoding, self._decode, decoding)
 
     def _guard(self, runs, fn, *args) -> None:
         try:
@@ -233,7 +240,7 @@ class Engine:
         self.metrics.prefill_tokens.inc(end - start)
         if run.boundaries and run.boundaries[0].length == state.position:
             b = run.boundaries.pop(0)
-            self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt)
+            run.snapshots += self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt)
         if state.position == len(prompt):
             self.metrics.prompt_tokens.inc(len(prompt))
             run.logits = logits
@@ -301,12 +308,14 @@ class Engine:
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()
             if ok:
-                self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
-                                  req.request_id, req.cache_salt)
+                run.snapshots += self.cache.record(rt.adapter, state, "post_decode",
+                                                   len(req.prompt) + len(generated) - 1, req.request_id,
+                                                   req.cache_salt)
             elif self.cache.enabled:
                 self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
                                           tokens=state.position)
         cached = run.restored.cached_tokens
+        self.metrics.snapshots_per_request.observe(run.snapshots)
         self._release(run)
         run.emit(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
 

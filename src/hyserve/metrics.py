@@ -30,6 +30,8 @@ class Metrics:
         self.lock_hold = Histogram("hyserve_runtime_lock_hold_seconds", "Time the runtime lock is held per cache operation", ["op"], buckets=_FAST, registry=r)
         self.rerender_mismatch = Counter("hyserve_cache_post_decode_rerender_mismatch", "Post-decode checkpoints declined because the re-rendered reply did not reproduce the generated ids", registry=r)
 
+        self.snapshots_per_request = Histogram("hyserve_cache_snapshots_per_request", "Checkpoints recorded per request",
+                                               buckets=(0, 1, 2, 3, 4, 8), registry=r)
         self.decode_batch = Histogram("hyserve_decode_batch_size", "Requests per batched decode pass",
                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.waiting = Gauge("hyserve_requests_waiting", "Requests queued for a slot", registry=r)

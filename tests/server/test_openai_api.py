@@ -129,7 +129,9 @@ def test_models_health_metrics_cache_admin(qwen35_server):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("hyserve_requests", "hyserve_prompt_tokens", "hyserve_generation_tokens",
                  "hyserve_time_to_first_token_seconds", "hyserve_inter_token_latency_seconds",
-                 "hyserve_cache_hits", "hyserve_cache_bytes", "hyserve_cache_snapshot_seconds"):
+                 "hyserve_cache_hits", "hyserve_cache_bytes", "hyserve_cache_snapshot_seconds",
+                 "hyserve_runtime_lock_hold_seconds", "hyserve_cache_snapshots_per_request",
+                 "hyserve_decode_batch_size", "hyserve_spec_proposed_tokens"):
         assert name in families, name
     gen = sum(s.value for s in families["hyserve_generation_tokens"].samples if s.name.endswith("_total"))
     assert gen >= 3
