@@ -39,26 +39,20 @@ Unicode: café naïve über 東京 😀 — “quotes” and ‘apostrophes’.
 """
 
 # Family -> config overrides. Sizes follow the guide: hidden 64-128, 2-4 layers for tests.
+_GATED_DELTANET = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    max_position_embeddings=4096,
+)
 _TINY = {
-    "qwen3_5": dict(
-        model_type="qwen3_5_text",
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        max_position_embeddings=4096,
-    ),
+    "qwen3_5": dict(model_type="qwen3_5_text", **_GATED_DELTANET),
     "qwen3_next": dict(
-        model_type="qwen3_next",
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        model_type="qwen3_next", **_GATED_DELTANET,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, decoder_sparse_step=1,
-        max_position_embeddings=4096,
     ),
     "mamba2": dict(
         model_type="mamba2",
