@@ -1,0 +1,32 @@
+"""Loading: a multimodal Qwen3.5 checkpoint (how real ones ship) is served as its text model."""
+
+import json
+
+import torch
+
+from hyserve.runtime import ModelRuntime
+from hyserve.tiny import _TINY, train_tokenizer
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tok = train_tokenizer()
+    text = {k: v for k, v in _TINY["qwen3_5"].items() if k != "model_type"}
+    text.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                             num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    vlm = Qwen3_5ForConditionalGeneration(cfg).eval()
+    vlm.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
+
+    rt = ModelRuntime.load(tmp_path, device="cpu")
+    assert type(rt.model).__name__ == "Qwen3_5ForCausalLM" and rt.has_recurrent_layers
+    ids = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        want = vlm(input_ids=torch.tensor([ids])).logits[0, -1]
+    got = rt.adapter.forward(rt.adapter.new_state(), ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert rt.eos_token_ids == {tok.eos_token_id}
