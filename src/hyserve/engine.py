@@ -69,6 +69,10 @@ class Failed:
 Emit = Callable[[object], None]
 
 
+def _expired(req: GenerationRequest, now: float) -> bool:
+    return req.timeout is not None and now - req.arrival > req.timeout
+
+
 @dataclass
 class _Run:
     """A request being served: its live state, what is left to prefill, and its output."""
@@ -164,8 +168,10 @@ class Engine:
 
     def step(self) -> None:
         sched = self.scheduler
-        for run in sched.take_waiting(lambda r: r.req.cancelled.is_set()):
-            run.emit(Finished("cancelled", "", [], len(run.req.prompt), 0, None))
+        now = time.perf_counter()
+        for run in sched.take_waiting(lambda r: r.req.cancelled.is_set() or _expired(r.req, now)):
+            reason = "cancelled" if run.req.cancelled.is_set() else "timeout"
+            run.emit(Finished(reason, "", [], len(run.req.prompt), 0, None))
         new = sched.admit()
         self.metrics.waiting.set(len(sched.waiting))
         for run in new:  # renders for checkpoint boundaries happen outside the lock
@@ -186,7 +192,7 @@ class Engine:
             r = run.req
             if r.cancelled.is_set():
                 self._finish(run, "cancelled")
-            elif r.timeout is not None and now - r.arrival > r.timeout:
+            elif _expired(r, now):
                 self._finish(run, "timeout")
         prefilling = next((r for r in sched.running if not r.decoding), None)
         if prefilling is not None:
