@@ -34,13 +34,18 @@ def runtimes(model_dirs):
 def make_service(model_dirs):
     """Build a fresh service (own cache and metrics) for a family; options go to ServiceConfig."""
 
+    built = []
+
     def make(arch: str, **overrides):
         cfg = dict(model_dir=model_dirs[arch], served_model_name=f"tiny-{arch}", device="cpu",
                    cache_bytes=64 << 20, policy=CheckpointPolicy())
         cfg.update(overrides)
-        return build_service(ServiceConfig(**cfg))
+        built.append(build_service(ServiceConfig(**cfg)))
+        return built[-1]
 
-    return make
+    yield make
+    for svc in built:  # a worker thread left inside torch at interpreter exit would abort the process
+        svc.engine.stop()
 
 
 @pytest.fixture(params=FAMILIES)

@@ -155,3 +155,33 @@ def test_no_duplicate_checkpoints_on_regeneration(make_service):
     depths = [s.num_tokens for _, s in svc.cache.tree.snapshots()]
     assert len(depths) == len(set(depths))
     assert any(e["event"] == "skipped" for e in svc.cache.telemetry.recent)
+
+
+def _wait_idle(svc, timeout=30):
+    import time
+    deadline = time.time() + timeout
+    while not svc.engine.idle:  # includes idle-time rebuilds
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+def test_reply_that_does_not_retokenize_is_rebuilt_in_idle_time(make_service, arch):
+    """Random weights emit replies whose ids do not survive decode+re-encode; after an idle moment
+    the next turn still reuses *all* prior history, and outputs still equal cache-off."""
+    on, off = make_service(arch), make_service(arch, cache_enabled=False)
+    history, full_hits = [{"role": "system", "content": "You are a helpful assistant."}], 0
+    for user in ["What is the capital of France?", "Why?", "Tell me a story about a robot."]:
+        messages = history + [{"role": "user", "content": user}]
+        prompt = on.runtime.render_chat(messages, True)
+        req = dict(prompt=prompt, max_tokens=12, sampling=GREEDY, messages=messages)
+        a, b = on.engine.generate(GenerationRequest(**req)), off.engine.generate(GenerationRequest(**req))
+        assert a.token_ids == b.token_ids
+        if len(history) > 1:
+            prior = len(on.runtime.render_chat(history, False))
+            assert a.cached_tokens == prior  # everything before the new user message
+            full_hits += 1
+        history = messages + [{"role": "assistant", "content": a.text}]
+        _wait_idle(on)
+    assert full_hits == 2
+    assert any(e["event"] == "recorded" and e["kind"] == "reply_rerender" for e in on.cache.telemetry.recent)

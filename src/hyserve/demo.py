@@ -41,4 +41,5 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
                          {"role": "user", "content": "Tell me a story about a robot."}]
         stats = client.get("/cache", cast_to=object)
         print(f"prefix cache: {stats}")
+    service.engine.stop()
     return 0

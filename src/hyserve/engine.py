@@ -109,6 +109,7 @@ class Engine:
         # Builds a proposer (extend(tokens), propose() -> ids) per request; tests may swap in their own.
         self.make_proposer = (lambda prompt: PromptLookup(speculative, prompt)) if speculative else None
         self._stopping = False
+        self._rebuilding = False
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
@@ -152,10 +153,15 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and not self._rebuilding
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the worker after its current step (a thread left inside torch at exit would abort)."""
         self._stopping = True
+        with self.scheduler.cond:
+            self.scheduler.cond.notify_all()
+        if self._worker is not threading.current_thread():
+            self._worker.join(timeout)
 
     # -- worker ----------------------------------------------------------------------------
     def _work(self) -> None:
@@ -177,10 +183,44 @@ class Engine:
         for run in new:  # renders for checkpoint boundaries happen outside the lock
             self._plan(run)
         rt = self.runtime
+        if not sched.busy and sched.background:
+            self._rebuilding = True
+            try:
+                self._rebuild(sched.background.pop())
+            finally:
+                self._rebuilding = False
+            return
         with rt.lock:
             held = time.perf_counter()
             self._locked_step(new)
             self.metrics.lock_hold.labels("step").observe(time.perf_counter() - held)
+
+    def _rebuild(self, job: tuple[list[int], str, str]) -> None:
+        """Idle time: build the state of a re-rendered history from its deepest checkpoint, one chunk per
+        lock hold, giving up as soon as real requests arrive."""
+        tokens, salt, request_id = job
+        rt = self.runtime
+        with rt.lock:
+            restored = self.cache.restore(rt.adapter, tokens, request_id, salt, count=False, keep_last=False)
+        try:
+            state = restored.state
+            if len(tokens) - state.position > self.policy.max_rebuild_tokens:
+                self.cache.telemetry.emit("declined", "rebuild_too_long", request_id=request_id,
+                                          kind="reply_rerender", tokens=len(tokens))
+                return
+            while state.position < len(tokens):
+                if self.scheduler.busy:
+                    self.cache.telemetry.emit("declined", "preempted", request_id=request_id,
+                                              kind="reply_rerender", tokens=len(tokens))
+                    return
+                with rt.lock:
+                    end = min(len(tokens), state.position + self.prefill_chunk)
+                    rt.adapter.forward(state, tokens[state.position : end])
+            with rt.lock:
+                self.cache.record(rt.adapter, state, "reply_rerender", len(tokens), request_id, salt)
+        finally:
+            with rt.lock:
+                self.cache.release(restored)
 
     def _locked_step(self, new: list) -> None:
         rt, sched = self.runtime, self.scheduler
@@ -309,8 +349,10 @@ class Engine:
         if reason in ("cancelled", "timeout") or not run.decoding:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
-            ok, why = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
-                                                 rt.has_recurrent_layers)
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
+                                                          rt.has_recurrent_layers)
+            if rebuild and self.cache.enabled and not self.cache.has(rebuild, req.cache_salt):
+                self.scheduler.add_background((rebuild, req.cache_salt, req.request_id))
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()
             if ok:

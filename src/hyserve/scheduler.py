@@ -20,6 +20,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque = deque()
         self.running: list = []
+        self.background: deque = deque()  # idle-time jobs (reply re-render rebuilds), newest last
         self.cond = threading.Condition()
 
     def add(self, item) -> None:
@@ -31,7 +32,7 @@ class Scheduler:
 
     def wait_for_work(self, timeout: float = 0.5) -> None:
         with self.cond:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.background:
                 self.cond.wait(timeout)
 
     def admit(self) -> list:
@@ -57,6 +58,18 @@ class Scheduler:
             if item in self.running:
                 self.running.remove(item)
 
+    def add_background(self, job, limit: int = 64) -> None:
+        with self.cond:
+            self.background.append(job)
+            while len(self.background) > limit:
+                self.background.popleft()
+            self.cond.notify()
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or running: background work must wait."""
+        return bool(self.waiting or self.running)
+
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.background

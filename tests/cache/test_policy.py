@@ -42,9 +42,12 @@ def test_block_grid_baseline():
 def test_post_decode_rerender_check():
     pol = CheckpointPolicy()
     render = lambda msgs, g: [1, 2, 3, 4, 5]
-    assert pol.post_decode_ok([1, 2, 3], [{"role": "user", "content": "x"}], "r", render) == (True, "rerender_match")
-    assert pol.post_decode_ok([1, 2, 7], [{"role": "user", "content": "x"}], "r", render) == (False, "rerender_mismatch")
-    assert pol.post_decode_ok([1, 2, 7], [{"role": "user", "content": "x"}], "r", render, recurrent=False) == (
-        True, "rerender_mismatch")  # attention KV still truncates to the shared part
-    assert pol.post_decode_ok([1], None, "r", render) == (True, "completion")
+    msgs = [{"role": "user", "content": "x"}]
+    assert pol.post_decode_ok([1, 2, 3], msgs, "r", render) == (True, "rerender_match", None)
+    # a mismatch on a recurrent model: drop the state, rebuild the re-rendered history instead
+    assert pol.post_decode_ok([1, 2, 7], msgs, "r", render) == (False, "rerender_mismatch", [1, 2, 3, 4, 5])
+    assert pol.post_decode_ok([1, 2, 7], msgs, "r", render, recurrent=False) == (
+        True, "rerender_mismatch", None)  # attention KV still truncates to the shared part
+    assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, "r", render)[2] is None
+    assert pol.post_decode_ok([1], None, "r", render) == (True, "completion", None)
     assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, "r", render)[0] is False

@@ -37,17 +37,21 @@ class PrefixCache:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
         self.metrics.cache_entries.set(self.tree.entries)
 
-    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "") -> Restored:
-        """A live state for `prompt`: restored from the deepest verified checkpoint, or empty."""
+    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "",
+                count: bool = True, keep_last: bool = True) -> Restored:
+        """A live state for `prompt`: restored from the deepest verified checkpoint, or empty.
+
+        `keep_last`: leave at least the last prompt token to run, so the first output token has fresh
+        logits. `count=False` (idle-time rebuilds) keeps it out of the hit-rate and cached-token figures."""
         if not self.enabled:
             return Restored(adapter.new_state(), 0, None)
-        self.lookups += 1
+        self.lookups += count
         t0 = time.perf_counter()
-        # At least one prompt token is always run, so the first output token has fresh logits.
-        match = self.tree.lookup(prompt, max_length=len(prompt) - 1, truncate=not adapter.has_recurrent_layers,
+        match = self.tree.lookup(prompt, max_length=len(prompt) - keep_last, truncate=not adapter.has_recurrent_layers,
                                  salt=salt)
         if match is None:
-            self.metrics.cache_misses.labels("no_match").inc()
+            if count:
+                self.metrics.cache_misses.labels("no_match").inc()
             self.telemetry.emit("miss", "no_match", request_id=request_id, prompt_tokens=len(prompt))
             return Restored(adapter.new_state(), 0, None)
         snap, node = match.snapshot, match.node
@@ -73,10 +77,11 @@ class PrefixCache:
                                 checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes)
             return Restored(adapter.new_state(), 0, None)
         seconds = time.perf_counter() - t0
-        self.hits += 1
         self.tree.pin(node)
-        self.metrics.cache_hits.inc()
-        self.metrics.cached_tokens.inc(match.length)
+        if count:
+            self.hits += 1
+            self.metrics.cache_hits.inc()
+            self.metrics.cached_tokens.inc(match.length)
         self.metrics.restore_seconds.observe(seconds)
         self.metrics.lock_hold.labels("restore").observe(seconds)
         self.telemetry.emit("hit", "truncated" if match.needs_truncation else "exact", request_id=request_id,

@@ -4,6 +4,9 @@
   turn's prompt starts with exactly these tokens, whatever the model replies, so it always hits.
 - system-prompt boundary: the rendering of the leading system message alone, shared by new chats.
 - post-decode: prompt + generated tokens, kept only if re-rendering the reply reproduces those ids.
+- re-rendered reply: when it does not (non-canonical merges, invalid UTF-8 bytes, templates that
+  drop thinking blocks), the engine rebuilds, in idle time, the state of the history as the next
+  turn will send it, from the deepest checkpoint, so turn N+1 still pays only for its new message.
 - block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
 
 Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
@@ -33,6 +36,8 @@ class CheckpointPolicy:
     history_boundary: bool = True
     system_prompt: bool = True
     post_decode: bool = True
+    reply_rerender: bool = True
+    max_rebuild_tokens: int = 4096  # a re-rendered reply needing more prefill than this is not rebuilt
     block_size: int | None = None  # set: block-grid baseline; the three exact points above are ignored
 
     def prefill_boundaries(
@@ -66,19 +71,21 @@ class CheckpointPolicy:
     def post_decode_ok(
         self, state_tokens: Sequence[int], messages: list[dict] | None, reply_text: str, render: RenderFn,
         recurrent: bool = True,
-    ) -> tuple[bool, str]:
+    ) -> tuple[bool, str, list[int] | None]:
         """Whether to keep the state after decode: it must be a prefix of what the next turn will send.
 
+        Returns (keep, reason, the re-rendered history ids to rebuild in idle time or None).
         Attention-only states are kept even when the re-render differs: the shared part still truncates.
         """
         if not self.post_decode or self.block_size:
-            return False, "disabled"
+            return False, "disabled", None
         if not messages:
-            return True, "completion"
+            return True, "completion", None
         try:
             ids = render(messages + [{"role": "assistant", "content": reply_text}], False)
         except Exception as exc:
-            return False, f"render_failed:{type(exc).__name__}"
+            return False, f"render_failed:{type(exc).__name__}", None
         if list(ids[: len(state_tokens)]) != list(state_tokens):
-            return (not recurrent), "rerender_mismatch"
-        return True, "rerender_match"
+            rebuild = ids if recurrent and self.reply_rerender else None
+            return (not recurrent), "rerender_mismatch", rebuild
+        return True, "rerender_match", None
