@@ -113,7 +113,7 @@ def test_timeout_body_limit_caps_and_draining(make_service):
         url = f"{srv.base_url}/v1/chat/completions"
         msgs = [{"role": "user", "content": "hi"}]
         r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 2900}, timeout=30)
-        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
         r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "x" * 5000}]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 3500})
