@@ -109,3 +109,23 @@ def test_sampling_requests_do_not_speculate(make_service):
     spec.engine.generate(GenerationRequest(prompt=prompt, max_tokens=20, sampling=SamplingParams(temperature=0.8,
                                                                                                 seed=1)))
     assert spec.metrics.spec_proposed._value.get() == 0
+
+
+def test_proposals_that_keep_failing_back_off(make_service):
+    """A verify pass that accepts nothing costs more than a plain step: stop proposing for a while."""
+    plain, spec = make_service("qwen3_5"), make_service("qwen3_5", speculative=SpeculativeConfig())
+
+    class Wrong:
+        def extend(self, tokens):
+            pass
+
+        def propose(self):
+            return [1, 1, 1]  # never what the model produces
+
+    ref = generate(plain, 40)
+    spec.engine.make_proposer = lambda prompt: Wrong()
+    got = generate(spec, 40)
+    assert got.token_ids == ref.token_ids
+    passes = spec.metrics.spec_seconds._sum is not None and sum(
+        b.get() for b in spec.metrics.spec_seconds._buckets)
+    assert 0 < passes <= 6  # cooldowns 2, 4, 8, 16, 32 steps: not one pass per step

@@ -86,6 +86,8 @@ class _Run:
     proposer: object | None = None
     logits: object | None = None  # next-token logits once prefill is done
     snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)
+    spec_misses: int = 0  # verify passes in a row that accepted nothing
+    spec_cooldown: int = 0  # decode steps to wait before proposing again
 
     @property
     def state(self):
@@ -303,7 +305,10 @@ class Engine:
             proposals = []
             if run.proposer is not None:
                 run.proposer.extend([token])
-                proposals = run.proposer.propose()[: run.req.max_tokens - len(run.out.generated)]
+                if run.spec_cooldown > 0:
+                    run.spec_cooldown -= 1
+                else:
+                    proposals = run.proposer.propose()[: run.req.max_tokens - len(run.out.generated)]
             if proposals:
                 run.logits, reason = self._speculate(run, token, proposals)
                 if reason is not None:
@@ -337,8 +342,15 @@ class Engine:
             rerun = adapter.rewind(state, point, ([token] + proposals)[:keep])
             if rerun is not None:
                 logits = rerun
+        # A rejected verify pass costs more than a plain step (recurrent state is restored and re-run),
+        # so after passes that accept nothing, stop proposing for 2, 4, ... 32 steps.
+        if accepted == 0:
+            run.spec_misses += 1
+            run.spec_cooldown = min(32, 2 ** run.spec_misses)
+        else:
+            run.spec_misses = 0
         self.metrics.spec_proposed.inc(len(proposals))
-        self.metrics.spec_accepted.inc(keep - 1 if reason else accepted)
+        self.metrics.spec_accepted.inc(keep if reason else accepted)  # proposals emitted as output
         self.metrics.spec_seconds.observe(time.perf_counter() - t0)
         return logits, reason
 

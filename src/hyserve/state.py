@@ -176,17 +176,17 @@ class FamilyAdapter:
         Attention-only: cut the KV, no compute, returns None. Otherwise restore the saved recurrent
         layers, cut the KV back to the point and re-run `keep`, returning its last logits.
         """
-        if not point.saved:
-            self.truncate(state, point.position + len(keep))
-            return None
+        recurrent = bool(point.saved)
         for i, layer in point.saved.items():
             state.cache.layers[i] = layer
+        # Views, not copies: the next forward concatenates into a fresh tensor anyway.
+        length = point.position if recurrent else point.position + len(keep)
         for layer in state.cache.layers:
             if type(layer) is DynamicLayer and layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., : point.position, :]
-                layer.values = layer.values[..., : point.position, :]
-        del state.tokens[point.position :]
-        return self.forward(state, keep) if keep else None
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+        del state.tokens[length:]
+        return self.forward(state, keep) if recurrent and keep else None
 
 
 @dataclass
