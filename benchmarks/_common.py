@@ -1,0 +1,321 @@
+"""Shared helpers for the benchmark scripts: model folders, synthetic text, machine description, stats.
+
+Nothing here downloads anything: models are random-init folders built by `hyserve.tiny` into
+benchmarks/.models/ (gitignored) and reused on later runs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+MODELS_DIR = BENCH_DIR / ".models"
+RESULTS_DIR = BENCH_DIR / "results"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def setup_torch(threads: int = 2) -> int:
+    """Pin intra-op threads explicitly so numbers are comparable between runs."""
+    import torch
+
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return torch.get_num_threads()
+
+
+def ensure_model(arch: str, size: str) -> Path:
+    """Path of a random-init `arch` model of `size` ("tiny" | "bench"), built once and reused."""
+    out = MODELS_DIR / f"{size}-{arch}"
+    if _complete(out):
+        return out
+    from hyserve.tiny import make_tiny_model
+
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = MODELS_DIR / f".tmp-{size}-{arch}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"building random-init {size} {arch} model in {out} ...", file=sys.stderr, flush=True)
+    make_tiny_model(tmp, arch, size=size)
+    if _complete(out):  # another benchmark process finished the same folder first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    if out.exists():  # a half-written folder from a crashed build
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)  # atomic: readers never see a half-written folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(out):
+            raise
+    return out
+
+
+def _complete(d: Path) -> bool:
+    return all((d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json",
+                                          "tokenizer_config.json"))
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        mem_gib = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def warn_if_busy(threshold: float = 0.7) -> None:
+    load = _loadavg()
+    if load and load[0] > threshold:
+        print(f"WARNING: 1-minute load average is {load[0]} on {os.cpu_count()} cores; other processes will "
+              f"inflate the timings.", file=sys.stderr, flush=True)
+
+
+# -- background load ----------------------------------------------------------------------------
+def _proc_stat() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine from /proc/stat, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]
+    total = sum(fields)
+    return total - idle, total
+
+
+def _own_cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class CpuMonitor:
+    """Share of the machine's CPU used by *other* processes between start() and stop() (0..1).
+
+    A benchmark on 2 cores is only meaningful if this stays near 0: two torch threads contending with
+    another CPU-bound process slow down by far more than 2x (OpenMP barriers spin).
+    """
+
+    def __init__(self):
+        self.start()
+
+    def start(self) -> "CpuMonitor":
+        self._stat, self._own = _proc_stat(), _own_cpu_seconds()
+        return self
+
+    def stop(self) -> float | None:
+        now, own = _proc_stat(), _own_cpu_seconds()
+        if now is None or self._stat is None:
+            return None
+        busy, total = now[0] - self._stat[0], now[1] - self._stat[1]
+        if total <= 0:
+            return None
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        others = busy - (own - self._own) * hz
+        return round(min(1.0, max(0.0, others / total)), 3)
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.15, sample: float = 2.0) -> dict:
+    """Wait (at most `max_wait` seconds) until other processes use < `threshold` of the CPU over a
+    `sample`-second window. Returns {"waited": s, "others_busy": last sample}; never raises."""
+    t0 = time.perf_counter()
+    busy = None
+    while True:
+        mon = CpuMonitor()
+        time.sleep(sample)
+        busy = mon.stop()
+        waited = time.perf_counter() - t0
+        if busy is None or busy < threshold or waited >= max_wait:
+            break
+    if busy is not None and busy >= threshold:
+        print(f"WARNING: other processes still use {busy:.0%} of the CPU after waiting {waited:.0f}s; "
+              f"timings will be inflated", file=sys.stderr, flush=True)
+    return {"waited": round(waited, 1), "others_busy": busy}
+
+
+# -- synthetic text ------------------------------------------------------------------------------
+_WORDS = """
+ability absence academy account acoustic adapter advance adventure afternoon agreement airport alarm
+album algebra almond amber analysis anchor ancient angle animal answer antenna apple archive arena
+argument arrow article artist aspect assembly atlas attempt attic audience autumn avenue balance
+balcony bamboo banner barrel basket battery beacon beauty bicycle biscuit blanket blossom border bottle
+boulder bracket branch bridge brother bucket budget buffer bundle butter cabin cable cactus calendar
+camera canal candle canvas canyon capital captain carbon carpet castle catalog cattle ceiling cellar
+century ceramic chamber channel chapter charcoal cherry chimney circle citizen climate clover cluster
+coastline coffee collar colony column comet compass concert copper corner cottage cotton council
+country courage cousin crater crayon creature crystal culture cupboard current cushion custom dancer
+daylight decade delta desert detail diagram diamond dinner distance doctor dolphin domain doorway
+dragon drawer dream driver eagle echo editor elbow element elephant empire engine entrance envelope
+episode equator estate evening example factory falcon family feather festival fiction figure filter
+finger fireplace fishing flavor fleet flower forest formula fortune fountain fragment freedom friend
+frontier galaxy garden garlic gateway gazette glacier glimpse globe gravel guitar habit hammer harbor
+harvest hazard heading helmet highway history hollow horizon hospital humor hunter iceberg idea
+island ivory jacket jasmine journal journey jungle kernel kettle kingdom kitchen ladder lagoon lantern
+laptop lattice lavender leader legend lemon lesson letter library lighthouse limestone lobster locket
+lumber machine magnet mammal manner marble market meadow medal melody memory mentor mercury message
+meteor method meadow mirror module moment monarch monsoon morning mosaic mountain muscle museum
+napkin narrative nation nectar needle network noodle notebook novel number oasis ocean office olive
+onion orbit orchard orchestra origin outline oxygen paddle palace panel paper parade parcel pattern
+pebble pencil pepper period pillow pioneer planet plaza pocket poem portrait potato powder prairie
+prism problem program project pumpkin puzzle pyramid quarry quartz question rabbit radar railway
+rainbow random reason record reef region remedy report ribbon riddle river rocket saddle sailor
+salmon sample satellite scholar school science season segment sequence shadow shelter signal silver
+sketch socket soldier sonnet spectrum spider spiral sponge station statue stone story stream string
+summer summit sunrise surface symbol system tablet teacher telescope temple theory thunder ticket
+timber tomato tower tractor traffic trail treasure triangle trumpet tunnel turbine umbrella uniform
+valley vapor velvet venture village violin volcano voyage wagon walnut wander warden waterfall weather
+whistle willow window winter wizard wonder workshop yellow zebra zenith
+""".split()
+_VERBS = """
+builds carries changes collects describes discovers explains follows gathers guides holds improves
+keeps measures moves notices opens paints protects reaches records remembers repairs returns reveals
+shapes shares shows sorts studies supports teaches tracks turns visits watches writes
+""".split()
+_ADJ = """
+bright calm careful clever cold curious distant early empty famous fragile gentle golden heavy hidden
+honest huge little lively modern narrow noisy old patient quiet rapid rare rough silent simple slow
+smooth strange sudden tall tiny warm wide wild wise young
+""".split()
+
+
+def _sentence(rng: random.Random) -> str:
+    n = rng.randint(2, 4)
+    parts = []
+    for _ in range(n):
+        parts.append(f"the {rng.choice(_ADJ)} {rng.choice(_WORDS)} {rng.choice(_VERBS)} a {rng.choice(_WORDS)}")
+    s = (", and " if rng.random() < 0.5 else " while ").join(parts)
+    if rng.random() < 0.2:
+        s += f" near {rng.randint(2, 9999)} {rng.choice(_WORDS)}s"
+    end = rng.choice([".", ".", ".", "?", "!"])
+    return s[0].upper() + s[1:] + end
+
+
+def prose(rng: random.Random, n_words: int) -> str:
+    out, words = [], 0
+    while words < n_words:
+        s = _sentence(rng)
+        out.append(s)
+        words += s.count(" ") + 1
+    return " ".join(out)
+
+
+def code_file(rng: random.Random, n_functions: int) -> list[str]:
+    """A synthetic Python module as a list of lines (the agent workload edits and resends it)."""
+    lines = ['"""Synthetic module used by the agent workload."""', "", "import math", ""]
+    for i in range(n_functions):
+        a, b = rng.choice(_WORDS), rng.choice(_WORDS)
+        lines += [
+            f"def {a}_{b}_{i}(value, scale={rng.randint(1, 9)}):",
+            f'    """Return the {rng.choice(_ADJ)} {a} of value."""',
+            f"    total = value * scale + {rng.randint(0, 99)}",
+            f"    if total > {rng.randint(100, 999)}:",
+            f"        return math.sqrt(total) - {rng.randint(1, 9)}",
+            "    return total",
+            "",
+        ]
+    return lines
+
+
+def fit_tokens(tokenizer, text: str, n_tokens: int) -> str:
+    """`text` cut at a word boundary so that it encodes to about `n_tokens` tokens (never more)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if len(offsets) <= n_tokens:
+        return text
+    cut = offsets[n_tokens - 1][1]
+    head = text[:cut]
+    space = head.rfind(" ")
+    return head[:space] if space > 0 else head
+
+
+def text_of_tokens(tokenizer, rng: random.Random, n_tokens: int) -> str:
+    """Synthetic English prose of about `n_tokens` tokens under `tokenizer`."""
+    words = max(8, n_tokens)  # the bench tokenizer needs > 1 token per word, so this always over-generates
+    return fit_tokens(tokenizer, prose(rng, words), n_tokens)
+
+
+# -- stats ---------------------------------------------------------------------------------------
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def fmt_s(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_ratio(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(headers: list[str], rows: list[list], markdown: bool = True) -> str:
+    """A Markdown table (also readable as plain text)."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    def line(vals):
+        return "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+    out = [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
