@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--json", dest="json_out", default=None, help="write all measurements to this JSON file")
     p.add_argument("--check", action="store_true", help="exit 1 if the warm on/bare ratio misses the target")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--final-tokens", type=int, default=None,
+                   help="make the last user message this many tokens (e.g. 64: a short turn after a long history)")
     args = p.parse_args(argv)
     args.turns = args.turns or (3 if args.quick else 8)
     args.target_tokens = args.target_tokens or (600 if args.quick else 4000)
@@ -66,14 +68,20 @@ def parse_args(argv=None):
     return args
 
 
-def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: int, seed: int):
+def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: int, seed: int,
+                       final_tokens: int | None = None):
     rng = random.Random(seed)
     system = C.text_of_tokens(tokenizer, rng, 48)
     system = "You are a helpful assistant. " + system
     sys_tokens = len(tokenizer.encode(system))
     overhead = 12  # chat-template tokens per user+assistant pair, roughly
-    per_turn = max(16, (target_tokens - sys_tokens) // turns - max_tokens - overhead)
-    users = [f"Turn {t + 1}. " + C.text_of_tokens(tokenizer, rng, per_turn) for t in range(turns)]
+    if final_tokens:
+        per_turn = max(16, (target_tokens - sys_tokens - final_tokens) // max(1, turns - 1) - max_tokens - overhead)
+        sizes = [per_turn] * (turns - 1) + [final_tokens]
+    else:
+        per_turn = max(16, (target_tokens - sys_tokens) // turns - max_tokens - overhead)
+        sizes = [per_turn] * turns
+    users = [f"Turn {t + 1}. " + C.text_of_tokens(tokenizer, rng, n) for t, n in enumerate(sizes)]
     return system, users
 
 
@@ -174,7 +182,8 @@ def main(argv=None) -> int:
     on = build_service(ServiceConfig(cache_enabled=True, **common))
     off = build_service(ServiceConfig(cache_enabled=False, **common))
     tok = on.runtime.tokenizer
-    system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed)
+    system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed,
+                                       args.final_tokens)
     info = C.machine_info()
     info["torch_threads"] = threads
     print(f"model {name} ({sum(p.numel() for p in on.runtime.model.parameters()) / 1e6:.1f}M params), "
