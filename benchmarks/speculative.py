@@ -531,20 +531,10 @@ def loadavg():
 
 
 def machine_info() -> dict:
-    import torch
-    import transformers
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-            "loadavg_start": loadavg()}
+    return _common.machine_info()
 
 
 # -- main ----------------------------------------------------------------------------------------------
