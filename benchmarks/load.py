@@ -19,7 +19,9 @@ the same server with a bounded cache (--cache-mib, default 512), sampling this p
     python benchmarks/load.py                   # full: bench qwen3_5, N=1,4,16, 4 turns, soak 300 s
     python benchmarks/load.py --quick           # tiny qwen3_5, N=1,4, 2 turns, soak 10 s (< 1 minute)
     python benchmarks/load.py --sessions 1,16 --turns 3 --soak 0
-    python benchmarks/load.py --json benchmarks/results/load.json   # (the default output file)
+    python benchmarks/load.py --probe-only      # only the decode-step probe (batched vs unbatched decode)
+
+Results: benchmarks/results/load.json (full) or load-quick.json (--quick); --json overrides.
 
 Everything is loopback-only, bounded in count (sessions x turns) and time (--soak, --phase-timeout),
 and stops by itself. Exit status is 1 if any request failed.
@@ -63,13 +65,18 @@ def parse_args(argv=None):
     p.add_argument("--request-timeout", type=float, default=300.0, help="client timeout per request, s")
     p.add_argument("--probe-ctx", type=int, default=None,
                    help="context tokens per state in the decode-step probe (default 1000; quick 500; 0 = skip)")
+    p.add_argument("--probe-only", action="store_true",
+                   help="only the decode-step probe (no server, no load, no soak); prints its table, writes no JSON")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--json", dest="json_out", default=str(C.RESULTS_DIR / "load.json"),
-                   help="result file (default benchmarks/results/load.json)")
+    p.add_argument("--json", dest="json_out", default=None,
+                   help="result file (default benchmarks/results/load.json; quick: load-quick.json, so a smoke "
+                        "test never overwrites full results)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.sessions = [int(x) for x in (args.sessions or ("1,4" if args.quick else "1,4,16")).split(",") if x]
     args.turns = args.turns or (2 if args.quick else 4)
+    if args.json_out is None:
+        args.json_out = str(C.RESULTS_DIR / ("load-quick.json" if args.quick else "load.json"))
     if args.soak is None:
         args.soak = 10.0 if args.quick else 300.0
     if args.probe_ctx is None:
@@ -550,6 +557,14 @@ async def amain(args) -> int:
                         cache_bytes=args.cache_mib << 20,
                         **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}))
     service = build_service(cfg)
+    if args.probe_only:
+        rows = decode_probe(service, sorted(set(args.sessions)), args.probe_ctx or 1000)
+        print(probe_table(rows))
+        if len(rows) > 1:
+            print(f"probe batched tok/s N={rows[-1]['n']} / N={rows[0]['n']} = "
+                  f"{rows[-1]['batched_tok_s'] / rows[0]['batched_tok_s']:.2f}x")
+        service.engine.stop()
+        return 0
     tok = service.runtime.tokenizer
     info = C.machine_info()
     info["torch_threads"] = threads

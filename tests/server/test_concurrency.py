@@ -108,7 +108,8 @@ def test_api_key_and_tenant_isolation(make_service):
 
 
 def test_timeout_body_limit_caps_and_draining(make_service):
-    svc = make_service("qwen3_5", request_timeout=0.3, max_body_bytes=2000, max_tokens_cap=3000, max_messages=3)
+    # 20 ms: far less than 2900 tokens take, and too soon for the random model to emit EOS by chance
+    svc = make_service("qwen3_5", request_timeout=0.02, max_body_bytes=2000, max_tokens_cap=3000, max_messages=3)
     with BackgroundServer(svc) as srv:
         url = f"{srv.base_url}/v1/chat/completions"
         msgs = [{"role": "user", "content": "hi"}]
