@@ -22,8 +22,9 @@ SCRIPT = [  # (system prompt, user message); a changed system prompt starts shar
 ]
 
 
-def run_chat(service, script=SCRIPT, max_tokens=8):
-    """Drive a multi-turn chat like a client: the reply *text* goes back into the history."""
+def run_chat(service, script=SCRIPT, max_tokens=8, pause=True):
+    """Drive a multi-turn chat like a client: the reply *text* goes back into the history.
+    `pause`: after each reply wait, as a reader does, until the engine's idle-time checkpoint work is done."""
     history, results, system = [], [], None
     for sys_prompt, user in script:
         if sys_prompt != system:
@@ -35,6 +36,8 @@ def run_chat(service, script=SCRIPT, max_tokens=8):
         boundary = len(service.runtime.render_chat(messages, False))
         results.append((fin.token_ids, fin.cached_tokens, len(prompt), boundary))
         history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
+        if pause:
+            _wait_idle(service)
     return results
 
 
@@ -51,6 +54,32 @@ def test_six_turn_chat_matches_cache_off(make_service, arch):
         assert cached[turn] < on[turn][2]
         # At least the previous turn's whole history (its prompt minus the generation prompt) is reused.
         assert cached[turn] >= on[turn - 1][3]
+
+
+def test_back_to_back_turns_take_over_deferred_checkpoints(make_service):
+    """A client that sends turn N+1 the moment turn N ends leaves no idle time: turn N+1 records the
+    checkpoints turn N deferred inside its own prefill, and output still equals cache-off."""
+    on, off = make_service("qwen3_5"), make_service("qwen3_5", cache_enabled=False)
+    got, want = run_chat(on, SCRIPT[:3], pause=False), run_chat(off, SCRIPT[:3], pause=False)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    events = list(on.cache.telemetry.recent)
+    deferred = [e for e in events if e["event"] == "deferred" and e["reason"] == "short_tail"]
+    assert {e["kind"] for e in deferred} == {"history"} and len(deferred) == 3
+    for turn in (1, 2):  # restored at least from the previous turn's own restore point
+        assert got[turn][1] >= got[turn - 1][1] and got[turn][1] > 0
+    # every deferred history boundary of turns 1 and 2 ends up in the tree, by a job or by the next turn
+    _wait_idle(on)
+    depths = {s.num_tokens for _, s in on.cache.tree.snapshots()}
+    assert {got[0][3], got[1][3]} <= depths
+
+
+def test_deferral_off_splits_the_prefill_inline(make_service):
+    from hyserve.cache.policy import CheckpointPolicy
+    svc = make_service("qwen3_5", policy=CheckpointPolicy(defer_tail=0))
+    got = run_chat(svc, SCRIPT[:2], pause=False)
+    events = list(svc.cache.telemetry.recent)
+    assert not any(e["event"] == "deferred" for e in events)
+    assert got[1][1] >= got[0][3]  # no idle time needed: the history checkpoint was taken mid-prefill
 
 
 def _hf_generate(rt, prompt, n):
@@ -150,7 +179,8 @@ def test_no_duplicate_checkpoints_on_regeneration(make_service):
     recorded = []
     for _ in range(3):
         svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=3, sampling=GREEDY, messages=messages))
-        # idle-time reply rebuilds (kind reply_rerender) may land between requests; count the rest
+        _wait_idle(svc)  # the deferred history checkpoint is recorded in idle time
+        # idle-time reply rebuilds (kind reply_rerender) differ with each random reply; count the rest
         recorded.append(sum(e["event"] == "recorded" and e["kind"] != "reply_rerender"
                             for e in svc.cache.telemetry.recent))
     assert recorded[0] >= 2 and recorded[1] == recorded[2] == recorded[0]  # regenerations record nothing new

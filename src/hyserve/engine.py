@@ -5,6 +5,12 @@ of the oldest request still in prefill, splitting it at the policy's checkpoint 
 (3) samples one token for every request past prefill and runs them all through one batched decode
 pass (or a speculative verify pass for a request that has proposals). Finished requests record the
 post-decode checkpoint and free their state at once. The HTTP layer only calls `submit`/`stream`.
+
+Checkpoints that are cheaper to build later than to split the prefill for (the policy says which),
+and the re-rendered history of a reply that does not re-tokenize, become background jobs. A job runs
+when no request is waiting or running, from the deepest checkpoint, and gives way to real requests;
+a new request whose prompt extends a pending job takes the job's checkpoints over as its own
+boundaries, so that work is done once, inside the prefill that needs those tokens anyway.
 """
 
 from __future__ import annotations
@@ -69,6 +75,20 @@ class Failed:
 Emit = Callable[[object], None]
 
 
+@dataclass
+class _Job:
+    """Background work: build the state of `tokens` from the deepest checkpoint, recording each stop."""
+
+    tokens: list[int]
+    stops: list[Boundary]  # ascending; the last one may be at len(tokens)
+    salt: str
+    request_id: str
+
+    def extended_by(self, prompt: Sequence[int], salt: str) -> bool:
+        n = len(self.tokens)
+        return salt == self.salt and n < len(prompt) and list(prompt[:n]) == self.tokens
+
+
 def _expired(req: GenerationRequest, now: float) -> bool:
     return req.timeout is not None and now - req.arrival > req.timeout
 
@@ -80,6 +100,8 @@ class _Run:
     req: GenerationRequest
     emit: Emit
     boundaries: list[Boundary] = field(default_factory=list)
+    deferred: list[Boundary] = field(default_factory=list)  # left to a background job (policy.split_now)
+    checkpoint: int = 0  # deepest checkpoint this request restored or recorded: where a later build starts
     restored: Restored | None = None
     out: OutputSequence | None = None
     sampler: Sampler | None = None
@@ -197,29 +219,32 @@ class Engine:
             self._locked_step(new)
             self.metrics.lock_hold.labels("step").observe(time.perf_counter() - held)
 
-    def _rebuild(self, job: tuple[list[int], str, str]) -> None:
-        """Idle time: build the state of a re-rendered history from its deepest checkpoint, one chunk per
-        lock hold, giving up as soon as real requests arrive."""
-        tokens, salt, request_id = job
-        rt = self.runtime
+    def _rebuild(self, job: _Job) -> None:
+        """Idle time: build `job.tokens` from their deepest checkpoint, one chunk per lock hold, recording
+        every stop on the way; as soon as real requests arrive, put what is left back in the queue."""
+        rt, tokens, rid = self.runtime, job.tokens, job.request_id
         with rt.lock:
-            restored = self.cache.restore(rt.adapter, tokens, request_id, salt, count=False, keep_last=False)
+            restored = self.cache.restore(rt.adapter, tokens, rid, job.salt, count=False, keep_last=False)
         try:
             state = restored.state
+            stops = [b for b in job.stops if b.length > state.position]
+            kinds = ",".join(b.kind for b in stops)
             if len(tokens) - state.position > self.policy.max_rebuild_tokens:
-                self.cache.telemetry.emit("declined", "rebuild_too_long", request_id=request_id,
-                                          kind="reply_rerender", tokens=len(tokens))
+                self.cache.telemetry.emit("declined", "rebuild_too_long", request_id=rid, kind=kinds,
+                                          tokens=len(tokens))
                 return
-            while state.position < len(tokens):
-                if self.scheduler.busy:
-                    self.cache.telemetry.emit("declined", "preempted", request_id=request_id,
-                                              kind="reply_rerender", tokens=len(tokens))
+            while stops:
+                if self.scheduler.busy:  # back in the queue: a new request that extends it takes it over
+                    self.cache.telemetry.emit("deferred", "preempted", request_id=rid, kind=kinds,
+                                              tokens=len(tokens))
+                    self.scheduler.add_background(_Job(tokens, stops, job.salt, rid))
                     return
                 with rt.lock:
-                    end = min(len(tokens), state.position + self.prefill_chunk)
+                    end = min(stops[0].length, state.position + self.prefill_chunk)
                     rt.adapter.forward(state, tokens[state.position : end])
-            with rt.lock:
-                self.cache.record(rt.adapter, state, "reply_rerender", len(tokens), request_id, salt)
+                    if end == stops[0].length:
+                        b = stops.pop(0)
+                        self.cache.record(rt.adapter, state, b.kind, b.length, rid, job.salt)
         finally:
             with rt.lock:
                 self.cache.release(restored)
@@ -228,6 +253,7 @@ class Engine:
         rt, sched = self.runtime, self.scheduler
         for run in new:
             run.restored = self.cache.restore(rt.adapter, run.req.prompt, run.req.request_id, run.req.cache_salt)
+            run.checkpoint = run.restored.cached_tokens
             self.metrics.running.inc()
         now = time.perf_counter()
         for run in list(sched.running):
@@ -264,6 +290,11 @@ class Engine:
                 run.boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
             for reason in skipped:
                 self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
+            # pending background jobs this prompt extends: their checkpoints are recorded in its prefill
+            for job in self.scheduler.take_background(lambda j: j.extended_by(req.prompt, req.cache_salt)):
+                known = {b.length for b in run.boundaries}
+                run.boundaries += [b for b in job.stops if b.length not in known]
+                run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
         run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
                                  self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
@@ -279,7 +310,14 @@ class Engine:
                                   or self.cache.has(prompt[: run.boundaries[0].length], req.cache_salt)):
             b = run.boundaries.pop(0)
             why = "behind_restored_state" if b.length <= state.position else "already_cached"
+            if why == "already_cached":
+                run.checkpoint = b.length
             self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
+        while run.boundaries and not self.policy.split_now(run.boundaries[0], run.checkpoint, len(prompt)):
+            b = run.boundaries.pop(0)
+            run.deferred.append(b)
+            self.cache.telemetry.emit("deferred", "short_tail", request_id=req.request_id, kind=b.kind,
+                                      tokens=b.length, from_tokens=run.checkpoint)
         end = min(len(prompt), state.position + self.prefill_chunk)
         if run.boundaries:
             end = min(end, run.boundaries[0].length)
@@ -288,7 +326,9 @@ class Engine:
         self.metrics.prefill_tokens.inc(end - start)
         if run.boundaries and run.boundaries[0].length == state.position:
             b = run.boundaries.pop(0)
-            run.snapshots += self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt)
+            if self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt):
+                run.snapshots += 1
+                run.checkpoint = b.length
         if state.position == len(prompt):
             self.metrics.prompt_tokens.inc(len(prompt))
             run.logits = logits
@@ -358,13 +398,12 @@ class Engine:
         req, rt, state = run.req, self.runtime, run.state
         text = run.out.close(reason)
         generated = run.out.generated
+        rebuild = None
         if reason in ("cancelled", "timeout") or not run.decoding:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
             ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
                                                           rt.has_recurrent_layers)
-            if rebuild and self.cache.enabled and not self.cache.has(rebuild, req.cache_salt):
-                self.scheduler.add_background((rebuild, req.cache_salt, req.request_id))
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()
             if ok:
@@ -374,10 +413,25 @@ class Engine:
             elif self.cache.enabled:
                 self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
                                           tokens=state.position)
+        if self.cache.enabled:
+            self._queue_jobs(run, rebuild)
         cached = run.restored.cached_tokens
         self.metrics.snapshots_per_request.observe(run.snapshots)
         self._release(run)
         run.emit(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
+
+    def _queue_jobs(self, run: _Run, rebuild: list[int] | None) -> None:
+        """Background jobs for the checkpoints this request deferred and for a re-rendered reply: one job
+        when the re-rendered history extends the deferred boundaries (it usually does), else two."""
+        req, stops = run.req, list(run.deferred)
+        tokens = list(req.prompt[: stops[-1].length]) if stops else []
+        if rebuild and not self.cache.has(rebuild, req.cache_salt):
+            if stops and list(rebuild[: len(tokens)]) != tokens:
+                self.scheduler.add_background(_Job(tokens, stops, req.cache_salt, req.request_id))
+                stops = []
+            tokens, stops = list(rebuild), stops + [Boundary(len(rebuild), "reply_rerender")]
+        if stops:
+            self.scheduler.add_background(_Job(tokens, stops, req.cache_salt, req.request_id))
 
     def _release(self, run: _Run) -> None:
         """Free the live state and unpin its checkpoint: the slot is free for the next step."""

@@ -20,7 +20,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque = deque()
         self.running: list = []
-        self.background: deque = deque()  # idle-time jobs (reply re-render rebuilds), newest last
+        self.background: deque = deque()  # idle-time jobs (deferred checkpoints, reply rebuilds), newest last
         self.cond = threading.Condition()
 
     def add(self, item) -> None:
@@ -64,6 +64,14 @@ class Scheduler:
             while len(self.background) > limit:
                 self.background.popleft()
             self.cond.notify()
+
+    def take_background(self, pred) -> list:
+        """Remove and return the background jobs matching `pred` (a new request will do their work)."""
+        with self.cond:
+            taken = [j for j in self.background if pred(j)]
+            for j in taken:
+                self.background.remove(j)
+        return taken
 
     @property
     def busy(self) -> bool:

@@ -51,3 +51,14 @@ def test_post_decode_rerender_check():
     assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, "r", render)[2] is None
     assert pol.post_decode_ok([1], None, "r", render) == (True, "completion", None)
     assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, "r", render)[0] is False
+
+
+def test_short_tail_boundaries_near_the_restored_state_are_deferred():
+    from hyserve.cache.policy import Boundary
+    pol = CheckpointPolicy()  # defer_tail 16, defer_redo 512
+    history = Boundary(4258, "history")
+    assert not pol.split_now(history, checkpoint=4182, prompt_length=4261)  # warm turn: 3-token tail
+    assert pol.split_now(history, checkpoint=0, prompt_length=4261)  # cold: rebuilding later costs 4k tokens
+    assert pol.split_now(Boundary(100, "system"), checkpoint=0, prompt_length=4261)  # long tail: split
+    assert pol.split_now(Boundary(4258, "block"), checkpoint=4182, prompt_length=4261)  # baseline never defers
+    assert CheckpointPolicy(defer_tail=0).split_now(history, 4182, 4261)  # 0 turns deferral off

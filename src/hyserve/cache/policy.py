@@ -9,6 +9,12 @@
   turn will send it, from the deepest checkpoint, so turn N+1 still pays only for its new message.
 - block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
 
+Splitting the prefill at a boundary costs one more forward pass. For the history boundary of a warm
+turn that pass holds only the generation prompt (a few tokens, padded to a whole delta-rule chunk) and
+adds about a third to the first token's latency. So a boundary with a short tail (`defer_tail`) close
+to the restored state (`defer_redo`) is not split: the engine records it afterwards, from the
+restored checkpoint, in idle time or at the start of the next request that extends it.
+
 Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
 Every boundary is checked to be a strict token prefix of the prompt; if a render fails, that
 boundary is skipped and the request is served anyway.
@@ -39,6 +45,16 @@ class CheckpointPolicy:
     reply_rerender: bool = True
     max_rebuild_tokens: int = 4096  # a re-rendered reply needing more prefill than this is not rebuilt
     block_size: int | None = None  # set: block-grid baseline; the three exact points above are ignored
+    defer_tail: int = 16  # a boundary at most this many tokens before the prompt's end is recorded later...
+    defer_redo: int = 512  # ...when at most this many tokens separate it from the restored state
+
+    def split_now(self, boundary: Boundary, checkpoint: int, prompt_length: int) -> bool:
+        """Split the prefill at `boundary` now, or leave it for later (see the module docstring).
+        `checkpoint`: the deepest checkpoint this request restored or recorded, where a later build starts."""
+        if boundary.kind == "block":  # the baseline splits where vLLM would
+            return True
+        deferrable = prompt_length - boundary.length <= self.defer_tail
+        return not (deferrable and boundary.length - checkpoint <= self.defer_redo)
 
     def prefill_boundaries(
         self, prompt: Sequence[int], messages: list[dict] | None, render: RenderFn, recurrent: bool

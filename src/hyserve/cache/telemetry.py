@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..metrics import Metrics
 
-EVENTS = ("recorded", "declined", "skipped", "hit", "miss", "evicted", "cleared")
+EVENTS = ("recorded", "deferred", "declined", "skipped", "hit", "miss", "evicted", "cleared")
 
 
 class CacheTelemetry:
