@@ -407,6 +407,12 @@ async def soak_phase(client, http, model, tokenizer, system: str, args) -> dict:
 
 # -- decode-step probe (no HTTP, no prefill): does one batched decode pass scale with N? ---------
 def decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
+    from hyserve import model_thread  # where the server's own model work runs
+
+    return model_thread.run(_decode_probe, service, sizes, ctx, reps)
+
+
+def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
     """Time one decode token for n live states of ~`ctx` tokens each (lengths differ by 0-3 tokens, so the
     attention KV is padded as in the server): `forward_batch` as the engine calls it, its parts
     (hyserve.batching.gather / model forward / scatter), and n separate single-state forwards."""

@@ -141,7 +141,14 @@ def history_snapshot(service, prompt: list[int], cached: int):
 
 
 def bare_loop(service, prompt: list[int], cached: int) -> tuple[float, str]:
-    """Seconds for restore(history snapshot) + prefill of prompt[cached:] + argmax: the floor for a warm TTFT."""
+    """Seconds for restore(history snapshot) + prefill of prompt[cached:] + argmax: the floor for a warm TTFT.
+    Runs on hyserve's model thread, as the servers' own model work does (see hyserve.model_thread)."""
+    from hyserve import model_thread
+
+    return model_thread.run(_bare_loop, service, prompt, cached)
+
+
+def _bare_loop(service, prompt: list[int], cached: int) -> tuple[float, str]:
     import torch
 
     rt, ad = service.runtime, service.runtime.adapter

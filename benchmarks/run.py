@@ -206,7 +206,10 @@ class HFGenerateSystem:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        from hyserve import model_thread
+
+        self.model = model_thread.run(AutoModelForCausalLM.from_pretrained, model_dir, dtype=torch.float32,
+                                      local_files_only=True)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
@@ -217,6 +220,11 @@ class HFGenerateSystem:
         pass
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
+        from hyserve import model_thread  # the thread hyserve's engines use: same OpenMP conditions
+
+        return model_thread.run(self._run, messages, max_tokens)
+
+    def _run(self, messages: list[dict], max_tokens: int) -> dict:
         import torch
         from transformers.generation.streamers import BaseStreamer
 

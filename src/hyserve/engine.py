@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from .cache.manager import PrefixCache, Restored
+from . import model_thread
 from .cache.policy import Boundary, CheckpointPolicy
 from .metrics import Metrics
 from .runtime import ModelRuntime
@@ -121,6 +122,9 @@ class _Run:
 
 
 class Engine:
+    """Schedules requests on a model; a worker thread of its own waits for work and runs each step on
+    the process's model thread (see `model_thread`)."""
+
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None,
                  max_running: int = 8, max_waiting: int = 64):
@@ -192,7 +196,7 @@ class Engine:
         while not self._stopping:
             self.scheduler.wait_for_work()
             try:
-                self.step()
+                model_thread.run(self.step)  # every engine's model work runs on the one model thread
             except Exception:  # a bug in a step must not kill the worker; the runs involved were failed
                 log.exception("engine step failed")
 

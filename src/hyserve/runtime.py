@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from . import model_thread
 from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +44,11 @@ class ModelRuntime:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
+        """Load on the model thread, where all later model work runs (see `model_thread`)."""
+        return model_thread.run(cls._load, model_dir, dtype, device)
+
+    @classmethod
+    def _load(cls, model_dir: str | Path, dtype: str, device: str) -> "ModelRuntime":
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 

@@ -13,6 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from . import model_thread
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHATML_TEMPLATE = (
@@ -136,10 +138,14 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
         **overrides,
     )
     hf_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = pad
-    model.save_pretrained(out)
+
+    def build() -> None:  # random init runs torch ops: on the model thread, like all model work
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = pad
+        model.save_pretrained(out)
+
+    model_thread.run(build)
     tokenizer.save_pretrained(out)
     return out
