@@ -30,3 +30,26 @@ def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path):
     got = rt.adapter.forward(rt.adapter.new_state(), ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert rt.eos_token_ids == {tok.eos_token_id}
+
+
+def test_render_many_equals_one_render_each_and_returns_template_errors(runtimes):
+    rt = runtimes("qwen3_5")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, café 東京!"}]
+    items = [(msgs, True), (msgs, False), (msgs[:1], False)]
+    assert rt.render_many(items) == [rt.render_chat(m, g) for m, g in items]
+    broken = rt.tokenizer.chat_template
+    try:
+        rt.tokenizer.chat_template = "{{ raise_exception('no') }}"
+        assert all(isinstance(r, Exception) for r in rt.render_many(items[:2]))
+    finally:
+        rt.tokenizer.chat_template = broken
+
+
+def test_engine_render_chat_finds_the_policy_boundaries(make_service):
+    svc = make_service("qwen3_5")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = svc.engine.render_chat(msgs)
+    rt = svc.runtime
+    assert chat.prompt == rt.render_chat(msgs, True)
+    want = svc.engine.policy.prefill_boundaries(chat.prompt, msgs, rt.render_chat, True)
+    assert (chat.boundaries, chat.skipped) == want and [b.kind for b in chat.boundaries] == ["system", "history"]

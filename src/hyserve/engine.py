@@ -35,7 +35,7 @@ from .speculative import PromptLookup, SpeculativeConfig, accepted_prefix
 
 log = logging.getLogger("hyserve.engine")
 
-__all__ = ["Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]
+__all__ = ["ChatPrompt", "Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]
 
 
 @dataclass
@@ -45,6 +45,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
+    boundaries: "ChatPrompt | None" = None  # found by Engine.render_chat off the engine's thread; None: found here
     cache_salt: str = ""  # tenant namespace of the prefix cache
     timeout: float | None = None  # seconds from arrival
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -74,6 +75,15 @@ class Failed:
 
 
 Emit = Callable[[object], None]
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat prompt and the checkpoint boundaries the policy found in it."""
+
+    prompt: list[int]
+    boundaries: list[Boundary]
+    skipped: list[str]  # reasons a boundary was not usable (telemetry)
 
 
 @dataclass
@@ -142,6 +152,25 @@ class Engine:
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict]) -> ChatPrompt:
+        """Render the prompt and the policy's boundary candidates in one batched tokenization, on the
+        caller's thread (the HTTP layer's pool), so the engine's thread never waits on a render.
+        Raises when the prompt itself cannot be rendered."""
+        prompt, boundaries, skipped = self._render(messages, None)
+        return ChatPrompt(prompt, boundaries, skipped)
+
+    def _render(self, messages: list[dict], prompt: list[int] | None):
+        rt = self.runtime
+        wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
+        items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
+        rendered = rt.render_many(items) if items else []
+        if prompt is None:
+            prompt = rendered.pop(0)
+            if isinstance(prompt, Exception):
+                raise prompt
+        boundaries, skipped = self.policy.boundaries_from(prompt, wanted, rendered)
+        return prompt, boundaries, skipped
+
     def submit(self, req: GenerationRequest, emit: Emit) -> None:
         """Queue `req`; `emit` is called from the worker thread. Raises QueueFull at capacity."""
         self.scheduler.add(_Run(req, emit))
@@ -287,11 +316,13 @@ class Engine:
     def _plan(self, run: _Run) -> None:
         req, rt = run.req, self.runtime
         if self.cache.enabled:
-            try:
-                run.boundaries, skipped = self.policy.prefill_boundaries(
-                    req.prompt, req.messages, rt.render_chat, rt.has_recurrent_layers)
-            except Exception as exc:
-                run.boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
+            if req.boundaries is not None and req.boundaries.prompt == req.prompt:
+                run.boundaries, skipped = list(req.boundaries.boundaries), list(req.boundaries.skipped)
+            else:
+                try:
+                    _, run.boundaries, skipped = self._render(req.messages, req.prompt)
+                except Exception as exc:
+                    run.boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
             for reason in skipped:
                 self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
             # pending background jobs this prompt extends: their checkpoints are recorded in its prefill

@@ -90,6 +90,19 @@ class ModelRuntime:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
+    def render_many(self, items: Sequence[tuple[list[dict], bool]]) -> list[list[int] | Exception]:
+        """`render_chat` of several (messages, add_generation_prompt) at once: the Rust tokenizer encodes the
+        texts in parallel. A template error is returned in its item's place, not raised."""
+        texts: list[str | Exception] = []
+        for messages, gen in items:
+            try:
+                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen))
+            except Exception as exc:
+                texts.append(exc)
+        good = [t for t in texts if isinstance(t, str)]
+        encoded = iter(self.tokenizer(good, add_special_tokens=False)["input_ids"] if good else [])
+        return [list(next(encoded)) if isinstance(t, str) else t for t in texts]
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

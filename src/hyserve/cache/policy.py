@@ -56,27 +56,42 @@ class CheckpointPolicy:
         deferrable = prompt_length - boundary.length <= self.defer_tail
         return not (deferrable and boundary.length - checkpoint <= self.defer_redo)
 
-    def prefill_boundaries(
-        self, prompt: Sequence[int], messages: list[dict] | None, render: RenderFn, recurrent: bool
-    ) -> tuple[list[Boundary], list[str]]:
-        """Boundaries inside the prompt to snapshot at, and the reasons any were skipped."""
-        if self.block_size:
-            n = len(prompt)
-            return [Boundary(b, "block") for b in range(self.block_size, n, self.block_size)], []
-        if not recurrent or not messages:
-            return [], []
-        found: dict[int, Boundary] = {}
-        skipped: list[str] = []
+    def wanted_renders(self, messages: list[dict] | None, recurrent: bool) -> list[tuple[str, list[dict]]]:
+        """(kind, messages) whose render without the generation prompt may end at a prefill boundary."""
+        if self.block_size or not recurrent or not messages:
+            return []
         wanted = []
         if self.system_prompt and messages[0].get("role") in ("system", "developer") and len(messages) > 1:
             wanted.append(("system", messages[:1]))
         if self.history_boundary:
             wanted.append(("history", messages))
-        for kind, msgs in wanted:
+        return wanted
+
+    def prefill_boundaries(
+        self, prompt: Sequence[int], messages: list[dict] | None, render: RenderFn, recurrent: bool
+    ) -> tuple[list[Boundary], list[str]]:
+        """Boundaries inside the prompt to snapshot at, and the reasons any were skipped."""
+        wanted = self.wanted_renders(messages, recurrent)
+        rendered: list[list[int] | Exception] = []
+        for _, msgs in wanted:
             try:
-                ids = render(msgs, False)
-            except Exception as exc:  # a template that cannot render this subset: skip, serve the request
-                skipped.append(f"{kind}:render_failed:{type(exc).__name__}")
+                rendered.append(render(msgs, False))
+            except Exception as exc:
+                rendered.append(exc)
+        return self.boundaries_from(prompt, wanted, rendered)
+
+    def boundaries_from(
+        self, prompt: Sequence[int], wanted: list[tuple[str, list[dict]]], rendered: Sequence[list[int] | Exception]
+    ) -> tuple[list[Boundary], list[str]]:
+        """The boundaries among `rendered` (one result per `wanted` entry) that are strict token prefixes."""
+        if self.block_size:
+            n = len(prompt)
+            return [Boundary(b, "block") for b in range(self.block_size, n, self.block_size)], []
+        found: dict[int, Boundary] = {}
+        skipped: list[str] = []
+        for (kind, _), ids in zip(wanted, rendered, strict=True):
+            if isinstance(ids, Exception):  # a template that cannot render this subset: skip, serve the request
+                skipped.append(f"{kind}:render_failed:{type(ids).__name__}")
                 continue
             if not (0 < len(ids) < len(prompt)) or list(prompt[: len(ids)]) != list(ids):
                 skipped.append(f"{kind}:not_a_prefix")

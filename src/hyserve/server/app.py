@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
 from ..sampling import SamplingParams
 from ..service import Service
 from .errors import APIError, install_handlers
@@ -37,7 +37,7 @@ def create_app(service: Service) -> FastAPI:
     cfg = service.config
 
     def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
-                      request: Request) -> GenerationRequest:
+                      request: Request, chat: ChatPrompt | None = None) -> GenerationRequest:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
         if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
@@ -53,7 +53,7 @@ def create_app(service: Service) -> FastAPI:
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
         salt = tenant_salt(bearer(request.scope) if cfg.api_keys else None, body.cache_salt)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
-                                 messages=messages, cache_salt=salt, timeout=cfg.request_timeout)
+                                 messages=messages, boundaries=chat, cache_salt=salt, timeout=cfg.request_timeout)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
@@ -122,10 +122,10 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = await run_in_threadpool(rt.render_chat, messages, True)
+            chat = await run_in_threadpool(service.engine.render_chat, messages)
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
-        req = build_request(body, prompt, messages, request)
+        req = build_request(body, chat.prompt, messages, request, chat)
         return await run("chat", body, req, request, _ChatFormat(service.model_name, body.return_token_ids))
 
     @app.post("/v1/completions")
