@@ -451,13 +451,14 @@ def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[di
                 for _ in range(reps):
                     with torch.inference_mode():
                         t0 = time.perf_counter()
-                        batch, mask, pos = gather(states, model.config, model.device)
+                        batch = gather(states, model.config, model.device)  # a fresh gather, to time it
+                        mask, pos = batch.inputs(model.device)
                         t1 = time.perf_counter()
                         x = torch.tensor([[5]] * n, dtype=torch.long, device=model.device)
-                        model(input_ids=x, use_cache=True, logits_to_keep=1, **{ad._cache_kw: batch},
+                        model(input_ids=x, use_cache=True, logits_to_keep=1, **{ad._cache_kw: batch.cache},
                               **ad.batch_inputs(mask, pos))
                         t2 = time.perf_counter()
-                        scatter(batch, states, toks)
+                        scatter(batch, toks)
                         t3 = time.perf_counter()
                     parts.append((t1 - t0, t2 - t1, t3 - t2))
             single = []

@@ -42,7 +42,7 @@ def token_hash(tokens: Sequence[int]) -> str:
 
 
 def _cache_tensors(cache) -> Iterable[torch.Tensor]:
-    for layer in cache.layers:
+    for layer in getattr(cache, "layers", [cache]):
         for name in ("keys", "values"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
@@ -51,6 +51,12 @@ def _cache_tensors(cache) -> Iterable[torch.Tensor]:
             states = getattr(layer, name, None)
             if isinstance(states, dict):
                 yield from (t for t in states.values() if isinstance(t, torch.Tensor))
+
+
+def clone_cache(cache_or_layer):
+    """Deep copy in which every state tensor is a compact clone. A live state in a decode batch holds
+    views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch."""
+    return copy.deepcopy(cache_or_layer, {id(t): t.clone() for t in _cache_tensors(cache_or_layer)})
 
 
 def cache_nbytes(cache) -> int:
@@ -81,6 +87,7 @@ class LiveState:
 
     cache: object
     tokens: list[int] = field(default_factory=list)
+    batch: object | None = None  # the DecodeBatch whose rows this state's tensors view, while untouched
 
     @property
     def position(self) -> int:
@@ -95,6 +102,7 @@ class FamilyAdapter:
 
     def __init__(self, model):
         self.model = model
+        self._batch = None  # the last decode batch (batching.DecodeBatch), reused while its rows decode on
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 names it `cache`; keep older names working.
         self._cache_kw = next(k for k in ("cache", "past_key_values", "cache_params") if k in params)
@@ -110,6 +118,7 @@ class FamilyAdapter:
             raise ValueError("forward needs at least one token")
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        state.batch = None  # its tensors move on from the batch's rows
         out = self.model(
             input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_kw: state.cache}
         )
@@ -124,11 +133,20 @@ class FamilyAdapter:
             return self.forward(states[0], tokens)[None]
         from .batching import gather, scatter
 
-        batch, mask, positions = gather(states, self.model.config, self.model.device)
+        batch = self._batch
+        if batch is None or not batch.holds(states):
+            self._batch = batch = gather(states, self.model.config, self.model.device)
+        mask, positions = batch.inputs(self.model.device)
         ids = torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: batch},
-                         **self.batch_inputs(mask, positions))
-        scatter(batch, states, tokens)
+        try:
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache},
+                             **self.batch_inputs(mask, positions))
+        except BaseException:
+            self._batch = None  # half-updated: never reuse it
+            for s in states:
+                s.batch = None
+            raise
+        scatter(batch, tokens)
         return out.logits[:, -1].float()
 
     def batch_inputs(self, mask: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -138,12 +156,12 @@ class FamilyAdapter:
     # -- snapshot / restore -----------------------------------------------------------------
     def snapshot(self, state: LiveState) -> Snapshot:
         """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
-        cache = copy.deepcopy(state.cache)
+        cache = clone_cache(state.cache)
         return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
 
     def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
         """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests."""
-        return LiveState(cache=copy.deepcopy(snapshot.cache), tokens=list(tokens))
+        return LiveState(cache=clone_cache(snapshot.cache), tokens=list(tokens))
 
     def attention_length(self, state: LiveState) -> int | None:
         """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
@@ -167,12 +185,13 @@ class FamilyAdapter:
                 layer.keys = layer.keys[..., :num_tokens, :].clone()
                 layer.values = layer.values[..., :num_tokens, :].clone()
         del state.tokens[num_tokens:]
+        state.batch = None
 
 
     # -- rollback (speculative decoding) --------------------------------------------------
     def rollback_point(self, state: LiveState) -> "RollbackPoint":
         """Cheap save before a verify pass: copies of every non-KV layer (fixed size), KV only by length."""
-        saved = {i: copy.deepcopy(layer) for i, layer in enumerate(state.cache.layers) if type(layer) is not DynamicLayer}
+        saved = {i: clone_cache(layer) for i, layer in enumerate(state.cache.layers) if type(layer) is not DynamicLayer}
         return RollbackPoint(state.position, saved)
 
     def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
@@ -182,6 +201,7 @@ class FamilyAdapter:
         layers, cut the KV back to the point and re-run `keep`, returning its last logits.
         """
         recurrent = bool(point.saved)
+        state.batch = None
         for i, layer in point.saved.items():
             state.cache.layers[i] = layer
         # Views, not copies: the next forward concatenates into a fresh tensor anyway.

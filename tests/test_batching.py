@@ -1,0 +1,47 @@
+"""Batched decode keeps its batched cache between steps; every row still equals decoding alone."""
+
+import pytest
+import torch
+
+import hyserve.batching as batching
+
+from .test_state import _ids
+
+
+def _solo(ad, prompt):
+    st = ad.new_state()
+    return st, ad.forward(st, prompt)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_persistent_batch_equals_solo_decode(runtimes, arch, monkeypatch):
+    ad = runtimes(arch).adapter
+    gathers = []
+    real_gather = batching.gather
+    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
+    prompts = [_ids(runtimes(arch), n, seed=n) for n in (9, 17, 30)]
+    batched = [_solo(ad, p)[0] for p in prompts]
+    solo = [_solo(ad, p)[0] for p in prompts]
+
+    def step(members, toks):
+        got = ad.forward_batch([batched[i] for i in members], toks)
+        for row, (i, t) in enumerate(zip(members, toks)):
+            want = ad.forward(solo[i], [t])
+            assert torch.allclose(got[row], want, atol=1e-4), (arch, members, row)
+            assert batched[i].tokens == solo[i].tokens
+
+    for k in range(4):  # the same three rows: gathered once, then reused
+        step([0, 1, 2], [5 + k, 6 + k, 7 + k])
+    assert len(gathers) == 1
+    ad.forward(batched[1], [11, 12])  # a per-request pass (as speculation does) takes row 1 out
+    ad.forward(solo[1], [11, 12])
+    step([0, 1, 2], [3, 4, 5])
+    assert len(gathers) == 2
+    step([0, 2], [8, 9])  # a request left: gathered afresh
+    step([0, 2], [10, 11])
+    assert len(gathers) == 3
+    # a state that views the batch snapshots to its own size only, and restores to an equal state
+    snap, ref = ad.snapshot(batched[0]), ad.snapshot(solo[0])
+    assert snap.nbytes == ref.nbytes and snap.prefix_hash == ref.prefix_hash
+    a, b = ad.restore(snap, batched[0].tokens), ad.restore(ref, solo[0].tokens)
+    assert torch.allclose(ad.forward(a, [13]), ad.forward(b, [13]), atol=1e-4)
