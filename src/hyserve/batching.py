@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.nn.functional import pad
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -62,8 +61,7 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
     for li, layer in enumerate(batch.layers):
         rows = [s.cache.layers[li] for s in states]
         if type(layer) is DynamicLayer:
-            keys = torch.cat([pad(r.keys, (0, 0, longest - r.keys.shape[-2], 0)) for r in rows])
-            values = torch.cat([pad(r.values, (0, 0, longest - r.values.shape[-2], 0)) for r in rows])
+            keys, values = _left_padded(rows, "keys", longest), _left_padded(rows, "values", longest)
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             continue
@@ -78,6 +76,18 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
                 layer.recurrent_states[idx] = rec
             layer.has_previous_state[idx] = rows[0].has_previous_state[idx]
     return DecodeBatch(batch, states, [longest - n for n in lengths])
+
+
+def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
+    """Rows' KV tensors [1, heads, n_i, d] as one [rows, heads, longest, d], right-aligned: one copy."""
+    first = getattr(rows[0], name)
+    out = first.new_empty((len(rows), first.shape[1], longest, first.shape[3]))
+    for i, r in enumerate(rows):
+        t = getattr(r, name)
+        n = t.shape[-2]
+        out[i, :, : longest - n].zero_()
+        out[i, :, longest - n :] = t[0]
+    return out
 
 
 def scatter(batch: DecodeBatch, tokens: Sequence[int]) -> None:
