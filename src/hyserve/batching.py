@@ -10,7 +10,8 @@ of views of its own row, so nothing is copied back; when the next step decodes t
 the same order and none of their states was touched in between, the same batched cache runs again
 with no gathering at all. Otherwise it is gathered afresh from the requests' states (views or not).
 Gathering and scattering copies cost O(total KV) per step; at 16 requests of 2k tokens that was four
-copies of every request's KV per token, now it is the one the model's own cache update makes.
+copies of every request's KV per token. The batch's attention layers also keep spare columns, so a
+step writes its token in place where `DynamicLayer.update` would concatenate (copy) the whole batch.
 
 A state that holds views never leaks the batch: snapshots and rollback points copy only the view's
 own elements (`state.clone_cache`), and any per-request forward, rewind or truncation marks the state
@@ -26,6 +27,31 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .state import LiveState
+
+
+SPARE = 64  # spare KV columns per gather: that many steps run before the batch KV is reallocated
+
+
+class _GrowingLayer(DynamicLayer):
+    """Batch attention KV over a buffer with spare columns: `update` writes the new tokens in place and
+    returns views; when the buffer is full it reallocates with room for a quarter more (at least SPARE)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+        self._k, self._v = keys, values
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, k = self.keys.shape[-2], key_states.shape[-2]
+        if n + k > self._k.shape[-2]:
+            grow = lambda t: torch.cat([t[:, :, :n], t.new_zeros((*t.shape[:2], k + max(SPARE, n // 4), t.shape[3]))],
+                                       dim=-2)  # noqa: E731
+            self._k, self._v = grow(self._k), grow(self._v)
+        self._k[:, :, n : n + k] = key_states
+        self._v[:, :, n : n + k] = value_states
+        self.keys, self.values = self._k[:, :, : n + k], self._v[:, :, : n + k]
+        return self.keys, self.values
 
 
 class DecodeBatch:
@@ -62,8 +88,7 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
         rows = [s.cache.layers[li] for s in states]
         if type(layer) is DynamicLayer:
             keys, values = _left_padded(rows, "keys", longest), _left_padded(rows, "values", longest)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+            batch.layers[li] = _GrowingLayer(keys, values, longest)
             continue
         for idx in range(layer.number_of_states):
             if rows[0].conv_states[idx] is not None:
@@ -79,14 +104,15 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
 
 
 def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
-    """Rows' KV tensors [1, heads, n_i, d] as one [rows, heads, longest, d], right-aligned: one copy."""
+    """Rows' KV tensors [1, heads, n_i, d] as one [rows, heads, longest + SPARE, d], right-aligned at
+    `longest`: one copy."""
     first = getattr(rows[0], name)
-    out = first.new_empty((len(rows), first.shape[1], longest, first.shape[3]))
+    out = first.new_empty((len(rows), first.shape[1], longest + SPARE, first.shape[3]))
     for i, r in enumerate(rows):
         t = getattr(r, name)
         n = t.shape[-2]
         out[i, :, : longest - n].zero_()
-        out[i, :, longest - n :] = t[0]
+        out[i, :, longest - n : longest] = t[0]
     return out
 
 
@@ -95,7 +121,7 @@ def scatter(batch: DecodeBatch, tokens: Sequence[int]) -> None:
     for li, layer in enumerate(batch.cache.layers):
         for i, state in enumerate(batch.states):
             own = state.cache.layers[li]
-            if type(layer) is DynamicLayer:
+            if isinstance(layer, _GrowingLayer):
                 own.keys = layer.keys[i : i + 1, :, batch.pads[i] :, :]
                 own.values = layer.values[i : i + 1, :, batch.pads[i] :, :]
                 continue
