@@ -217,3 +217,29 @@ def test_reply_that_does_not_retokenize_is_rebuilt_in_idle_time(make_service, ar
         _wait_idle(on)
     assert full_hits == 2
     assert any(e["event"] == "recorded" and e["kind"] == "reply_rerender" for e in on.cache.telemetry.recent)
+
+
+def test_a_busy_engine_takes_history_checkpoints_mid_prefill(make_service):
+    """Under load there is no idle time to build deferred checkpoints, so they are split inline."""
+    import threading
+    from hyserve.engine import Finished
+    svc = make_service("qwen3_5")
+    done = []
+    cond = threading.Condition()
+
+    def emit(item):
+        if isinstance(item, Finished):
+            with cond:
+                done.append(item)
+                cond.notify()
+
+    with svc.runtime.lock:  # both requests are queued before the engine's first step can run
+        for user in ("What is the capital of France?", "Tell me a story about a robot."):
+            messages = [{"role": "system", "content": "S"}, {"role": "user", "content": user}]
+            prompt = svc.runtime.render_chat(messages, True)
+            svc.engine.submit(GenerationRequest(prompt=prompt, max_tokens=6, sampling=GREEDY, messages=messages), emit)
+    with cond:
+        assert cond.wait_for(lambda: len(done) == 2, timeout=60)
+    events = list(svc.cache.telemetry.recent)
+    assert not any(e["event"] == "deferred" for e in events)
+    assert sum(e["event"] == "recorded" and e["kind"] == "history" for e in events) == 2

@@ -348,7 +348,8 @@ class Engine:
             if why == "already_cached":
                 run.checkpoint = b.length
             self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
-        while run.boundaries and not self.policy.split_now(run.boundaries[0], run.checkpoint, len(prompt)):
+        busy = len(self.scheduler.running) > 1 or bool(self.scheduler.waiting)
+        while run.boundaries and not self.policy.split_now(run.boundaries[0], run.checkpoint, len(prompt), busy):
             b = run.boundaries.pop(0)
             run.deferred.append(b)
             self.cache.telemetry.emit("deferred", "short_tail", request_id=req.request_id, kind=b.kind,

@@ -62,3 +62,8 @@ def test_short_tail_boundaries_near_the_restored_state_are_deferred():
     assert pol.split_now(Boundary(100, "system"), checkpoint=0, prompt_length=4261)  # long tail: split
     assert pol.split_now(Boundary(4258, "block"), checkpoint=4182, prompt_length=4261)  # baseline never defers
     assert CheckpointPolicy(defer_tail=0).split_now(history, 4182, 4261)  # 0 turns deferral off
+
+
+def test_a_busy_engine_splits_instead_of_deferring():
+    from hyserve.cache.policy import Boundary
+    assert CheckpointPolicy().split_now(Boundary(4258, "history"), 4182, 4261, busy=True)

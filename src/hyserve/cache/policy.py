@@ -11,9 +11,11 @@
 
 Splitting the prefill at a boundary costs one more forward pass. For the history boundary of a warm
 turn that pass holds only the generation prompt (a few tokens, padded to a whole delta-rule chunk) and
-adds about a third to the first token's latency. So a boundary with a short tail (`defer_tail`) close
-to the restored state (`defer_redo`) is not split: the engine records it afterwards, from the
-restored checkpoint, in idle time or at the start of the next request that extends it.
+adds about a third to the first token's latency. So, when no other request is running or waiting, a
+boundary with a short tail (`defer_tail`) close to the restored state (`defer_redo`) is not split:
+the engine records it afterwards, from the restored checkpoint, in idle time or at the start of the
+next request that extends it. Under load there is no idle time, and the next turn would pay for this
+turn's new tokens again, so a busy engine splits as usual.
 
 Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
 Every boundary is checked to be a strict token prefix of the prompt; if a render fails, that
@@ -48,10 +50,11 @@ class CheckpointPolicy:
     defer_tail: int = 16  # a boundary at most this many tokens before the prompt's end is recorded later...
     defer_redo: int = 512  # ...when at most this many tokens separate it from the restored state
 
-    def split_now(self, boundary: Boundary, checkpoint: int, prompt_length: int) -> bool:
+    def split_now(self, boundary: Boundary, checkpoint: int, prompt_length: int, busy: bool = False) -> bool:
         """Split the prefill at `boundary` now, or leave it for later (see the module docstring).
-        `checkpoint`: the deepest checkpoint this request restored or recorded, where a later build starts."""
-        if boundary.kind == "block":  # the baseline splits where vLLM would
+        `checkpoint`: the deepest checkpoint this request restored or recorded, where a later build starts;
+        `busy`: other requests are running or waiting."""
+        if boundary.kind == "block" or busy:  # the baseline splits where vLLM would
             return True
         deferrable = prompt_length - boundary.length <= self.defer_tail
         return not (deferrable and boundary.length - checkpoint <= self.defer_redo)
