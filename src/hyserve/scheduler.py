@@ -47,11 +47,14 @@ class Scheduler:
 
     def take_waiting(self, pred) -> list:
         """Remove and return waiting items matching `pred` (cancelled before they started)."""
+        return self._take(self.waiting, pred)
+
+    def _take(self, queue: deque, pred) -> list:
         with self.cond:
-            gone = [w for w in self.waiting if pred(w)]
-            for w in gone:
-                self.waiting.remove(w)
-        return gone
+            taken = [item for item in queue if pred(item)]
+            for item in taken:
+                queue.remove(item)
+        return taken
 
     def remove(self, item) -> None:
         with self.cond:
@@ -67,11 +70,7 @@ class Scheduler:
 
     def take_background(self, pred) -> list:
         """Remove and return the background jobs matching `pred` (a new request will do their work)."""
-        with self.cond:
-            taken = [j for j in self.background if pred(j)]
-            for j in taken:
-                self.background.remove(j)
-        return taken
+        return self._take(self.background, pred)
 
     @property
     def busy(self) -> bool:
