@@ -6,6 +6,7 @@ Workloads (each a list of conversations whose user messages are fixed up front):
   agent     agent-style turns: the user resends a whole (slightly edited) source file every turn and
             gets a diff-sized reply back
   short     many short turns, every new user message under 64 tokens
+  longshort two long turns (~4k tokens of history), then a short one: the headline warm turn
 
 Systems, all greedy and measured in the same run on the same model folder:
   hyserve-on    hyserve engine, prefix cache on, default policy (system, history, post-decode checkpoints)
@@ -46,7 +47,8 @@ import _common as C  # noqa: E402
 
 ALL_MODELS = ("qwen3_5", "mamba2", "qwen3")
 ALL_SYSTEMS = ("hyserve-on", "hyserve-off", "hf-generate", "block-528", "block-64")
-ALL_WORKLOADS = ("chat", "sysprompt", "agent", "short")
+ALL_WORKLOADS = ("chat", "sysprompt", "agent", "short", "longshort")
+BLOCK = 528  # vLLM's block size for Qwen3.5's hybrid cache: the headline compares prompts under it
 
 # Workload sizes: full (bench models) and quick (tiny models, CI).
 SIZES = {
@@ -55,12 +57,14 @@ SIZES = {
         "sysprompt": dict(conversations=5, system_tokens=1200, user_tokens=40, reply=16),
         "agent": dict(turns=4, functions=5, reply=32),
         "short": dict(turns=10, user_tokens=(12, 60), reply=16),
+        "longshort": dict(long_turns=2, long_tokens=2000, short_tokens=64, reply=16),
     },
     "quick": {
         "chat": dict(turns=3, user_tokens=120, reply=6),
         "sysprompt": dict(conversations=3, system_tokens=300, user_tokens=20, reply=6),
         "agent": dict(turns=2, functions=2, reply=8),
         "short": dict(turns=3, user_tokens=(12, 60), reply=6),
+        "longshort": dict(long_turns=2, long_tokens=150, short_tokens=16, reply=6),
     },
 }
 
@@ -115,6 +119,10 @@ def make_workloads(tokenizer, size: str, names, seed: int) -> list[Workload]:
         elif name == "short":
             lo, hi = s["user_tokens"]
             users = [C.text_of_tokens(tokenizer, rng, rng.randint(lo, hi)) for _ in range(s["turns"])]
+            convs = [Conversation("You are a helpful assistant.", users, s["reply"])]
+        elif name == "longshort":
+            users = [f"Part {t + 1}: " + C.text_of_tokens(tokenizer, rng, s["long_tokens"]) for t in range(s["long_turns"])]
+            users.append(C.text_of_tokens(tokenizer, rng, s["short_tokens"]))
             convs = [Conversation("You are a helpful assistant.", users, s["reply"])]
         else:
             raise ValueError(f"unknown workload {name!r}")
@@ -344,6 +352,53 @@ def summarize(rows: list[dict], ref: list[dict] | None) -> dict:
         "speedup_vs_off": _speedup(rows, ref),
         "others_busy_mean": C.mean(r.get("others_busy") for r in rows),
     }
+
+
+def headline(results: dict) -> dict:
+    """Per model: the last (short) turn of `longshort` per system with its speedups over hyserve-off and
+    hf-generate, and the share of prior history reused by warm requests whose prompt is under BLOCK."""
+    out = {}
+    for model, per_wl in results.items():
+        h = {}
+        ls = per_wl.get("longshort", {})
+        if "hyserve-on" in ls:
+            on = ls["hyserve-on"]["rows"][-1]
+            h["longshort_last"] = {name: {"ttft": d["rows"][-1]["ttft"], "prompt_tokens": d["rows"][-1]["prompt_tokens"],
+                                          "cached_tokens": d["rows"][-1]["cached_tokens"],
+                                          "history_tokens": d["rows"][-1]["history_tokens"],
+                                          "ttft_over_on": d["rows"][-1]["ttft"] / on["ttft"]}
+                                   for name, d in ls.items() if len(d["rows"]) == len(ls["hyserve-on"]["rows"])}
+        short = {}
+        for name in {n for per_sys in per_wl.values() for n in per_sys}:
+            rows = [r for per_sys in per_wl.values() for r in per_sys.get(name, {}).get("rows", [])
+                    if r["prompt_tokens"] < BLOCK and r["history_tokens"] > 0]
+            hist = sum(r["history_tokens"] for r in rows)
+            if rows:
+                short[name] = {"requests": len(rows), "history_tokens": hist,
+                               "cached_tokens": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows),
+                               "reuse": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows) / hist}
+        h["under_block_reuse"] = short
+        out[model] = h
+    return out
+
+
+def headline_tables(head: dict) -> str:
+    parts = []
+    for model, h in head.items():
+        last = h.get("longshort_last")
+        if last:
+            on = last["hyserve-on"]
+            parts.append(f"**{model}: a short turn after a long history** ({on['history_tokens']} history tokens, "
+                         f"{on['prompt_tokens'] - on['history_tokens']} new)\n")
+            parts.append(C.table(["system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"],
+                                 [[n, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
+                                  for n, v in last.items()]) + "\n")
+        if h["under_block_reuse"]:
+            parts.append(f"**{model}: warm requests with prompts under {BLOCK} tokens**: prior history reused\n")
+            parts.append(C.table(["system", "requests", "history tok", "cached tok", "reused"],
+                                 [[n, v["requests"], v["history_tokens"], v["cached_tokens"], C.fmt_ratio(v["reuse"], 3)]
+                                  for n, v in sorted(h["under_block_reuse"].items())]) + "\n")
+    return "\n".join(parts)
 
 
 def summary_tables(results: dict) -> str:
@@ -583,13 +638,14 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t_start
     payload = {"args": {k: v for k, v in vars(args).items()}, "size": size, "machine": info, "wall_seconds": wall,
                "segments": segments, "skipped": skipped, "workload_sizes": SIZES["quick" if args.quick else "full"],
-               "results": results}
+               "results": results, "headline": headline(results)}
     (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     md = [f"Command: `python benchmarks/run.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
           f"Machine: {info['cores']} cores ({info['cpu']}), torch {info['torch']} ({threads} threads), "
           f"transformers {info['transformers']}, load average {info['loadavg_start']} at start, "
           f"{info['loadavg_end']} at end; wall time {wall:.0f}s  ",
           "bg CPU = share of the machine's CPU used by other processes while the requests ran (0% = quiet).\n",
+          headline_tables(payload["headline"]),
           summary_tables(results),
           "Segments (one row per attempt at a model x system block; kept = the attempt reported above; waited = "
           "seconds spent waiting for a quiet machine first):\n",
@@ -604,6 +660,7 @@ def main(argv=None) -> int:
                 md.append(f"\n{m} / {wl}, per request: TTFT seconds [cached tokens]\n\n{t}\n")
     (out / "summary.md").write_text("\n".join(md))
     print(summary_tables(results))
+    print(headline_tables(payload["headline"]))
     if skipped:
         print(f"skipped for the time budget: {skipped}")
     if not args.no_plots:
