@@ -1,12 +1,13 @@
 """One thread per process runs every PyTorch operation on the model.
 
 PyTorch's CPU kernels use OpenMP (libgomp), which keeps a pool of worker threads per calling thread
-and lets them spin briefly between parallel regions. Once two threads own a pool and together they
-outnumber the cores, libgomp cuts that spinning to almost nothing, so every one of the hundreds of
-small parallel regions in a forward pass pays a sleep and a wake-up. Measured here (2 cores, bench
-qwen3_5): a 79-token warm prefill took 53 ms on the only torch thread and 106 ms once a second thread
-had run the model, for the whole life of the process. So engines (and benchmarks that time a bare
-forward pass) hand their model work to this thread instead of running it on their own.
+and lets them spin briefly between parallel regions. A thread that starts its pool while another
+thread's pool exists (together they outnumber the cores) gets one that barely spins, so every one of
+the hundreds of small parallel regions in a forward pass pays a sleep and a wake-up. Measured here
+(2 cores, bench qwen3_5, `benchmarks/threads.py`): a 79-token warm prefill took about 53 ms on the
+first torch thread and about 106 ms on a second one. With one engine thread per service, the second
+service in a process (a benchmark's cache-off server, a test's second fixture) ran at half speed. So
+engines, and benchmarks that time a bare forward pass, hand their model work to this one thread.
 """
 
 from __future__ import annotations
