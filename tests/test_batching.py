@@ -46,3 +46,26 @@ def test_persistent_batch_equals_solo_decode(runtimes, arch, monkeypatch):
     assert snap.nbytes == ref.nbytes and snap.prefix_hash == ref.prefix_hash
     a, b = ad.restore(snap, batched[0].tokens), ad.restore(ref, solo[0].tokens)
     assert torch.allclose(ad.forward(a, [13]), ad.forward(b, [13]), atol=1e-4)
+
+
+def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):
+    """States and batches must not reference each other: a cycle would keep every old batch's buffers
+    (tens of MB under load) alive until a full garbage collection, which may not come for minutes."""
+    import gc
+    import weakref
+
+    ad = runtimes("qwen3_5").adapter
+    states = [_solo(ad, _ids(runtimes("qwen3_5"), n, seed=n))[0] for n in (5, 8)]
+    gc.disable()
+    try:
+        ad.forward_batch(states, [3, 4])
+        ad.forward_batch(states, [5, 6])
+        buffers = [weakref.ref(t) for layer in ad._batch.cache.layers
+                   for t in ([layer._k] if isinstance(layer, batching._GrowingLayer) else layer.recurrent_states.values())
+                   if t is not None]
+        assert buffers
+        del states
+        ad._batch = None  # what the next batch of other requests does
+        assert all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()

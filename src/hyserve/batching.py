@@ -20,6 +20,7 @@ as no longer in the batch.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -55,24 +56,32 @@ class _GrowingLayer(DynamicLayer):
 
 
 class DecodeBatch:
-    """The batched cache of the last decode pass, and which states (and positions) it holds."""
+    """The batched cache of the last decode pass, and which states (and positions) it holds.
+
+    Neither side holds the other: a state carries only the batch's serial number and the batch only
+    the states' ids, so no reference cycle keeps a finished request's rows (or an old batch's
+    buffers) alive until the cyclic garbage collector happens to run."""
+
+    _serials = itertools.count(1)
 
     def __init__(self, cache: DynamicCache, states: Sequence[LiveState], pads: list[int]):
         self.cache = cache
-        self.states = list(states)
+        self.serial = next(self._serials)
+        self.ids = [id(s) for s in states]
         self.pads = pads  # left padding of each row in the attention KV
         self.positions = [s.position for s in states]
 
     def holds(self, states: Sequence[LiveState]) -> bool:
-        """True when `states` are exactly this batch's rows, in order, each untouched since the pass."""
-        return (len(states) == len(self.states)
-                and all(a is b and a.batch is self and a.position == p
-                        for a, b, p in zip(states, self.states, self.positions)))
+        """True when `states` are exactly this batch's rows, in order, each untouched since the pass (an
+        id reused by a new object fails the serial check: only a pass of this batch sets it)."""
+        return (len(states) == len(self.ids)
+                and all(id(a) == i and a.batch == self.serial and a.position == p
+                        for a, i, p in zip(states, self.ids, self.positions)))
 
     def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mask for one more token per row, and each row's position."""
         width = max(p + n for p, n in zip(self.pads, self.positions)) + 1
-        mask = torch.zeros(len(self.states), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(self.ids), width, dtype=torch.long, device=device)
         for i, p in enumerate(self.pads):
             mask[i, p:] = 1
         positions = torch.tensor(self.positions, dtype=torch.long, device=device).view(-1, 1)
@@ -116,10 +125,10 @@ def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
     return out
 
 
-def scatter(batch: DecodeBatch, tokens: Sequence[int]) -> None:
+def scatter(batch: DecodeBatch, states: Sequence[LiveState], tokens: Sequence[int]) -> None:
     """After a pass: every state becomes views of its own row of the batched cache (no copies)."""
     for li, layer in enumerate(batch.cache.layers):
-        for i, state in enumerate(batch.states):
+        for i, state in enumerate(states):
             own = state.cache.layers[li]
             if isinstance(layer, _GrowingLayer):
                 own.keys = layer.keys[i : i + 1, :, batch.pads[i] :, :]
@@ -130,7 +139,7 @@ def scatter(batch: DecodeBatch, tokens: Sequence[int]) -> None:
                     own.conv_states[idx] = layer.conv_states[idx][i : i + 1]
                 if layer.recurrent_states[idx] is not None:
                     own.recurrent_states[idx] = layer.recurrent_states[idx][i : i + 1]
-    for state, token in zip(batch.states, tokens):
+    for state, token in zip(states, tokens):
         state.tokens.append(int(token))
-        state.batch = batch
-    batch.positions = [s.position for s in batch.states]
+        state.batch = batch.serial
+    batch.positions = [s.position for s in states]

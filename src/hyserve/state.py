@@ -87,7 +87,7 @@ class LiveState:
 
     cache: object
     tokens: list[int] = field(default_factory=list)
-    batch: object | None = None  # the DecodeBatch whose rows this state's tensors view, while untouched
+    batch: int | None = None  # serial of the DecodeBatch whose rows this state's tensors view, while untouched
 
     @property
     def position(self) -> int:
@@ -146,7 +146,7 @@ class FamilyAdapter:
             for s in states:
                 s.batch = None
             raise
-        scatter(batch, tokens)
+        scatter(batch, states, tokens)
         return out.logits[:, -1].float()
 
     def batch_inputs(self, mask: torch.Tensor, positions: torch.Tensor) -> dict:
