@@ -31,3 +31,17 @@ def test_demo_runs_two_turns(tmp_path):
     assert "turn 2 usage" in r.stdout and "gibberish" in r.stdout
     turn2 = [l for l in r.stdout.splitlines() if l.startswith("turn 2 usage")][0]
     assert int(turn2.rsplit("cached_tokens=", 1)[1]) > 0
+
+
+def test_serve_options_reach_the_checkpoint_policy(tmp_path):
+    import argparse
+
+    from hyserve.cli import _add_serve_options, service_config_from_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    _add_serve_options(p)
+    default = service_config_from_args(p.parse_args([str(tmp_path)])).policy
+    off = service_config_from_args(p.parse_args([str(tmp_path), "--no-defer-checkpoints", "--no-system-checkpoint"]))
+    assert default.defer_tail > 0 and default.system_prompt
+    assert off.policy.defer_tail == 0 and not off.policy.system_prompt

@@ -22,6 +22,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-history-checkpoint", action="store_true")
     p.add_argument("--no-system-checkpoint", action="store_true")
     p.add_argument("--no-post-decode-checkpoint", action="store_true")
+    p.add_argument("--no-defer-checkpoints", action="store_true",
+                   help="always split the prefill at a checkpoint boundary, even a few tokens before the end "
+                        "(default: an idle engine records such a checkpoint after the reply, in idle time)")
     p.add_argument("--block-size", type=int, default=None,
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
     p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
@@ -52,6 +55,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         system_prompt=not args.no_system_checkpoint,
         post_decode=not args.no_post_decode_checkpoint,
         block_size=args.block_size,
+        defer_tail=0 if args.no_defer_checkpoints else CheckpointPolicy.defer_tail,
     )
     return ServiceConfig(
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
