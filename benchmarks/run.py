@@ -356,7 +356,8 @@ def summarize(rows: list[dict], ref: list[dict] | None) -> dict:
 
 def headline(results: dict) -> dict:
     """Per model: the last (short) turn of `longshort` per system with its speedups over hyserve-off and
-    hf-generate, and the share of prior history reused by warm requests whose prompt is under BLOCK."""
+    hf-generate, and the share of prior history reused by warm requests (turn 2 on: their history was
+    sent before) whose prompt is under BLOCK."""
     out = {}
     for model, per_wl in results.items():
         h = {}
@@ -371,7 +372,7 @@ def headline(results: dict) -> dict:
         short = {}
         for name in {n for per_sys in per_wl.values() for n in per_sys}:
             rows = [r for per_sys in per_wl.values() for r in per_sys.get(name, {}).get("rows", [])
-                    if r["prompt_tokens"] < BLOCK and r["history_tokens"] > 0]
+                    if r["prompt_tokens"] < BLOCK and r["turn"] > 1]
             hist = sum(r["history_tokens"] for r in rows)
             if rows:
                 short[name] = {"requests": len(rows), "history_tokens": hist,
@@ -394,7 +395,7 @@ def headline_tables(head: dict) -> str:
                                  [[n, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
                                   for n, v in last.items()]) + "\n")
         if h["under_block_reuse"]:
-            parts.append(f"**{model}: warm requests with prompts under {BLOCK} tokens**: prior history reused\n")
+            parts.append(f"**{model}: warm turns (2nd on) with prompts under {BLOCK} tokens**: prior history reused\n")
             parts.append(C.table(["system", "requests", "history tok", "cached tok", "reused"],
                                  [[n, v["requests"], v["history_tokens"], v["cached_tokens"], C.fmt_ratio(v["reuse"], 3)]
                                   for n, v in sorted(h["under_block_reuse"].items())]) + "\n")
@@ -448,7 +449,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    markers = {"chat": "o", "sysprompt": "s", "agent": "^", "short": "x"}
+    markers = {"chat": "o", "sysprompt": "s", "agent": "^", "short": "x", "longshort": "D"}
     for model, per_wl in results.items():
         wls = [w for w in per_wl if per_wl[w]]
         if not wls:
@@ -498,7 +499,7 @@ def plot(results: dict, out: Path) -> list[Path]:
                 ax.set_ylabel("warm-turn TTFT (s)")
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, title="markers: o chat, s sysprompt, ^ agent, x short", title_fontsize=6)
+            ax.legend(fontsize=7, title="markers: o chat, s sysprompt, ^ agent, x short, D longshort", title_fontsize=6)
         fig.tight_layout()
         path = out / ("cached_fraction_vs_prompt.png" if kind == "cached_fraction" else "warm_cost_vs_history.png")
         fig.savefig(path, dpi=110)
