@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
-from .cache.manager import PrefixCache, Restored
 from . import model_thread
+from .cache.manager import PrefixCache, Restored
 from .cache.policy import Boundary, CheckpointPolicy
 from .metrics import Metrics
 from .runtime import ModelRuntime
@@ -45,7 +45,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
-    boundaries: "ChatPrompt | None" = None  # found by Engine.render_chat off the engine's thread; None: found here
+    chat: "ChatPrompt | None" = None  # prompt and boundaries from Engine.render_chat, off the engine's thread
     cache_salt: str = ""  # tenant namespace of the prefix cache
     timeout: float | None = None  # seconds from arrival
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -243,7 +243,7 @@ class Engine:
         if not sched.busy and sched.background:
             self._rebuilding = True
             try:
-                self._rebuild(sched.background.pop())
+                self._run_job(sched.background.pop())
             finally:
                 self._rebuilding = False
             return
@@ -252,7 +252,7 @@ class Engine:
             self._locked_step(new)
             self.metrics.lock_hold.labels("step").observe(time.perf_counter() - held)
 
-    def _rebuild(self, job: _Job) -> None:
+    def _run_job(self, job: _Job) -> None:
         """Idle time: build `job.tokens` from their deepest checkpoint, one chunk per lock hold, recording
         every stop on the way; as soon as real requests arrive, put what is left back in the queue."""
         rt, tokens, rid = self.runtime, job.tokens, job.request_id
@@ -316,8 +316,8 @@ class Engine:
     def _plan(self, run: _Run) -> None:
         req, rt = run.req, self.runtime
         if self.cache.enabled:
-            if req.boundaries is not None and req.boundaries.prompt == req.prompt:
-                run.boundaries, skipped = list(req.boundaries.boundaries), list(req.boundaries.skipped)
+            if req.chat is not None and req.chat.prompt == req.prompt:
+                run.boundaries, skipped = list(req.chat.boundaries), list(req.chat.skipped)
             else:
                 try:
                     _, run.boundaries, skipped = self._render(req.messages, req.prompt)

@@ -53,7 +53,7 @@ def create_app(service: Service) -> FastAPI:
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
         salt = tenant_salt(bearer(request.scope) if cfg.api_keys else None, body.cache_salt)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
-                                 messages=messages, boundaries=chat, cache_salt=salt, timeout=cfg.request_timeout)
+                                 messages=messages, chat=chat, cache_salt=salt, timeout=cfg.request_timeout)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
