@@ -54,7 +54,7 @@ class CheckpointPolicy:
         """Split the prefill at `boundary` now, or leave it for later (see the module docstring).
         `checkpoint`: the deepest checkpoint this request restored or recorded, where a later build starts;
         `busy`: other requests are running or waiting."""
-        if boundary.kind == "block" or busy:  # the baseline splits where vLLM would
+        if boundary.kind == "block" or busy:  # the baseline splits where vLLM would; busy: no idle time ahead
             return True
         deferrable = prompt_length - boundary.length <= self.defer_tail
         return not (deferrable and boundary.length - checkpoint <= self.defer_redo)
