@@ -22,7 +22,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TOKENIZERS_PARALLELISM is left as a deployed server has it (on): the policy's renders are tokenized
+# as one parallel batch, 1.7 ms instead of 3.0 ms for two 4k-token texts here.
 
 
 def setup_torch(threads: int = 2) -> int:
