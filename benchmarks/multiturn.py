@@ -13,11 +13,17 @@ the history state the cache-ON server restored, run the new suffix through the m
     python benchmarks/multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
     python benchmarks/multiturn.py --quick    # tiny model, 3 turns, < 1 minute
     python benchmarks/multiturn.py --json benchmarks/results/multiturn.json
+    python benchmarks/multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
+
+`--split-server` adds a third server, cache on with `CheckpointPolicy(defer_tail=0)`: it splits the
+prefill at every boundary, including the history boundary a few tokens before the end of a warm
+prompt, which the default policy leaves to idle time. Its TTFT column shows what that split costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -54,6 +60,8 @@ def parse_args(argv=None):
                    help="a repeat counts as quiet when other processes used at most this share of the CPU")
     p.add_argument("--json", dest="json_out", default=None, help="write all measurements to this JSON file")
     p.add_argument("--check", action="store_true", help="exit 1 if the warm on/bare ratio misses the target")
+    p.add_argument("--split-server", action="store_true",
+                   help="also time a cache-on server that splits the prefill at every boundary (no deferral)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--final-tokens", type=int, default=None,
                    help="make the last user message this many tokens (e.g. 64: a short turn after a long history)")
@@ -188,6 +196,12 @@ def main(argv=None) -> int:
     common = dict(model_dir=model_dir, served_model_name=name, device="cpu", cache_bytes=2 << 30)
     on = build_service(ServiceConfig(cache_enabled=True, **common))
     off = build_service(ServiceConfig(cache_enabled=False, **common))
+    services = {"on": on, "off": off}
+    if args.split_server:
+        from hyserve.cache.policy import CheckpointPolicy
+
+        services["split"] = build_service(ServiceConfig(cache_enabled=True, policy=CheckpointPolicy(defer_tail=0),
+                                                        **common))
     tok = on.runtime.tokenizer
     system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed,
                                        args.final_tokens)
@@ -200,11 +214,12 @@ def main(argv=None) -> int:
 
     replies: list[str] = []
     runs: list[list[dict]] = []
-    with BackgroundServer(on) as srv_on, BackgroundServer(off) as srv_off:
-        clients = {
-            "on": (OpenAI(base_url=f"{srv_on.base_url}/v1", api_key="unused", max_retries=0, timeout=900), on),
-            "off": (OpenAI(base_url=f"{srv_off.base_url}/v1", api_key="unused", max_retries=0, timeout=900), off),
-        }
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for key, service in services.items():
+            srv = stack.enter_context(BackgroundServer(service))
+            clients[key] = (OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=900),
+                            service)
         # warm-up: first-call overheads (allocator, kernels, HTTP stack) stay out of turn 1
         warm = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0][:200]}]
         for client, _ in clients.values():
@@ -223,8 +238,9 @@ def main(argv=None) -> int:
                 print(f"  {len(runs) - len(quiet_runs)} repeat(s) ran while other processes used more than "
                       f"{args.busy_threshold:.0%} of the CPU: one more", flush=True)
             quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
-            with on.runtime.lock:
-                on.cache.clear()
+            for service in services.values():
+                with service.runtime.lock:
+                    service.cache.clear()
             messages = [{"role": "system", "content": system}]
             rows = []
             for t in range(args.turns):
@@ -233,7 +249,8 @@ def main(argv=None) -> int:
                 prior = len(on.runtime.render_chat(messages[:-1], False)) if t else 0
                 row = {"turn": t + 1, "prompt_tokens": len(prompt), "prior_history_tokens": prior,
                        "waited_for_quiet": quiet.get("waited") if t == 0 else None}
-                order = ("off", "on") if t % 2 == 0 else ("on", "off")  # alternate who goes first
+                keys = list(clients)
+                order = keys[t % len(keys):] + keys[: t % len(keys)]  # rotate who goes first
                 for key in order:
                     client, service = clients[key]
                     before = server_ttft_sum(service)
@@ -284,6 +301,9 @@ def main(argv=None) -> int:
             "replies_equal": all(r["replies_equal"] for r in per),
             "others_busy": C.mean(r[k]["others_busy"] for r in per for k in ("on", "off")),
         }
+        if args.split_server:
+            s["ttft_split"] = C.median(r["split"]["ttft"] for r in per)
+            s["cached_split"] = first["split"]["cached_tokens"]
         s["cached_ratio"] = s["cached_tokens"] / s["prior_history_tokens"] if s["prior_history_tokens"] else None
         s["speedup"] = s["ttft_off"] / s["ttft_on"] if s["ttft_on"] else None
         s["on_over_bare"] = s["ttft_on"] / s["bare"] if s["bare"] else None
@@ -294,6 +314,10 @@ def main(argv=None) -> int:
     rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
              C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
              C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
+    if args.split_server:
+        headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
+        for row, s in zip(rows, summary):
+            row[6:6] = [C.fmt_s(s["ttft_split"]), C.fmt_ratio(s["ttft_split"] / s["ttft_on"] if s["ttft_on"] else None)]
     print()
     print(C.table(headers, rows))
     print("bg CPU = share of the machine's CPU used by other processes during that turn's requests (0% = quiet)")
