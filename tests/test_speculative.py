@@ -129,3 +129,50 @@ def test_proposals_that_keep_failing_back_off(make_service):
     passes = spec.metrics.spec_seconds._sum is not None and sum(
         b.get() for b in spec.metrics.spec_seconds._buckets)
     assert 0 < passes <= 6  # cooldowns 2, 4, 8, 16, 32 steps: not one pass per step
+
+
+class SometimesOracle(OracleProposer):
+    """Proposes only on some steps, so its request moves between the shared decode batch and verify passes."""
+
+    calls = 0
+
+    def propose(self):
+        self.calls += 1
+        return super().propose() if self.calls % 2 else []
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_speculating_request_moving_in_and_out_of_the_decode_batch(make_service, arch):
+    import threading
+
+    from hyserve.engine import Finished
+
+    plain = make_service(arch)
+    prompts = ["Here is the file:\n" + CODE, "Tell me a story about a robot.", "Numbers: 0 1 2 3 4 5"]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    refs = [generate(plain, 20, messages=m).token_ids for m in chats]
+    spec = make_service(arch, speculative=SpeculativeConfig(), max_running=4)
+    by_prompt = {tuple(spec.runtime.render_chat(m, True)): r for m, r in zip(chats, refs)}
+    spec.engine.make_proposer = lambda prompt: SometimesOracle(prompt, by_prompt[tuple(prompt)], corrupt_every=3)
+    done, cond = {}, threading.Condition()
+
+    def emitter(i):
+        def emit(item):
+            if isinstance(item, Finished):
+                with cond:
+                    done[i] = item.token_ids
+                    cond.notify()
+        return emit
+
+    with spec.runtime.lock:  # all three start together and decode side by side
+        for i, m in enumerate(chats):
+            prompt = spec.runtime.render_chat(m, True)
+            spec.engine.submit(GenerationRequest(prompt=prompt, max_tokens=20, sampling=GREEDY, messages=m),
+                               emitter(i))
+    with cond:
+        assert cond.wait_for(lambda: len(done) == 3, timeout=120)
+    assert [done[i] for i in range(3)] == refs
+    assert spec.metrics.spec_accepted._value.get() > 0
+    reg = spec.metrics.registry
+    batched_rows = reg.get_sample_value("hyserve_decode_batch_size_sum")
+    assert batched_rows > reg.get_sample_value("hyserve_decode_batch_size_count")  # some passes held several
