@@ -480,3 +480,5 @@ class Engine:
             self.cache.release(run.restored)
             run.restored = None
             self.metrics.running.dec()
+        if not self.scheduler.running:
+            self.runtime.adapter.drop_batch()

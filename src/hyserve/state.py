@@ -128,9 +128,9 @@ class FamilyAdapter:
 
     @torch.inference_mode()
     def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
-        """One decode token for each of several requests in one pass; returns logits [len(states), vocab]."""
-        if len(states) == 1:
-            return self.forward(states[0], tokens)[None]
+        """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
+        A single request takes this path too: its KV then grows in place, where `forward` would copy the
+        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, long_decode.py)."""
         from .batching import gather, scatter
 
         batch = self._batch
@@ -148,6 +148,10 @@ class FamilyAdapter:
             raise
         scatter(batch, states, tokens)
         return out.logits[:, -1].float()
+
+    def drop_batch(self) -> None:
+        """Free the last decode batch's buffers (the engine calls this when nothing is running)."""
+        self._batch = None
 
     def batch_inputs(self, mask: torch.Tensor, positions: torch.Tensor) -> dict:
         """Padding mask and per-row positions for a batch whose attention KV lengths differ."""
