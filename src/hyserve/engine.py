@@ -35,10 +35,6 @@ from .speculative import PromptLookup, SpeculativeConfig, accepted_prefix
 
 log = logging.getLogger("hyserve.engine")
 
-# Background jobs run in chunks of at most this many tokens: a request that arrives meanwhile waits for
-# one such chunk at most (tens of ms on the bench model) instead of one full prefill chunk.
-JOB_CHUNK = 128
-
 __all__ = ["ChatPrompt", "Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]
 
 
@@ -277,7 +273,7 @@ class Engine:
                     self.scheduler.add_background(_Job(tokens, stops, job.salt, rid))
                     return
                 with rt.lock:
-                    end = min(stops[0].length, state.position + min(self.prefill_chunk, JOB_CHUNK))
+                    end = min(stops[0].length, state.position + self.prefill_chunk)
                     rt.adapter.forward(state, tokens[state.position : end])
                     if end == stops[0].length:
                         b = stops.pop(0)
