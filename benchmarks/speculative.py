@@ -436,7 +436,14 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
 
 
 def verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
-    """Time the pieces of a verify pass on the adapter directly (same thread, engine idle)."""
+    """Time the pieces of a verify pass on the adapter directly, on the model thread the engine uses (a
+    second torch thread would run slower: see benchmarks/threads.py), with the engine idle."""
+    from hyserve import model_thread
+
+    return model_thread.run(_verify_cost, svc, prompt, ks, iters)
+
+
+def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
     import torch
 
     ad = svc.runtime.adapter
