@@ -87,8 +87,10 @@ class ModelRuntime:
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of the model's own chat template; this is also how checkpoint boundaries are found."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.encode(text)
+        (ids,) = self.render_many([(messages, add_generation_prompt)])
+        if isinstance(ids, Exception):
+            raise ids
+        return ids
 
     def render_many(self, items: Sequence[tuple[list[dict], bool]]) -> list[list[int] | Exception]:
         """`render_chat` of several (messages, add_generation_prompt) at once: the Rust tokenizer encodes the
