@@ -51,5 +51,6 @@ def test_engine_render_chat_finds_the_policy_boundaries(make_service):
     chat = svc.engine.render_chat(msgs)
     rt = svc.runtime
     assert chat.prompt == rt.render_chat(msgs, True)
-    want = svc.engine.policy.prefill_boundaries(chat.prompt, msgs, rt.render_chat, True)
+    from .cache.test_policy import prefill_boundaries
+    want = prefill_boundaries(svc.engine.policy, chat.prompt, msgs, rt.render_chat, True)
     assert (chat.boundaries, chat.skipped) == want and [b.kind for b in chat.boundaries] == ["system", "history"]

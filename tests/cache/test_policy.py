@@ -3,11 +3,23 @@
 from hyserve.cache.policy import CheckpointPolicy
 
 
+def prefill_boundaries(policy, prompt, messages, render, recurrent):
+    """The policy's two steps as the engine runs them: the wanted renders, then the prefix checks."""
+    wanted = policy.wanted_renders(messages, recurrent)
+    rendered = []
+    for _, msgs in wanted:
+        try:
+            rendered.append(render(msgs, False))
+        except Exception as exc:
+            rendered.append(exc)
+    return policy.boundaries_from(prompt, wanted, rendered)
+
+
 def test_history_and_system_boundaries_are_prefixes(runtimes):
     rt = runtimes("qwen3_5")
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
     prompt = rt.render_chat(msgs, True)
-    bounds, skipped = CheckpointPolicy().prefill_boundaries(prompt, msgs, rt.render_chat, recurrent=True)
+    bounds, skipped = prefill_boundaries(CheckpointPolicy(), prompt, msgs, rt.render_chat, recurrent=True)
     assert [b.kind for b in bounds] == ["system", "history"] and not skipped
     for b in bounds:
         assert 0 < b.length < len(prompt)
@@ -16,26 +28,26 @@ def test_history_and_system_boundaries_are_prefixes(runtimes):
 
 def test_not_a_prefix_is_skipped():
     prompt = [1, 2, 3, 4]
-    bounds, skipped = CheckpointPolicy().prefill_boundaries(
-        prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True)
+    bounds, skipped = prefill_boundaries(
+        CheckpointPolicy(), prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True)
     assert bounds == [] and skipped == ["history:not_a_prefix"]
 
 
 def test_render_failure_is_skipped():
     def boom(m, g):
         raise ValueError("template")
-    bounds, skipped = CheckpointPolicy().prefill_boundaries([1, 2], [{"role": "user", "content": "x"}], boom, True)
+    bounds, skipped = prefill_boundaries(CheckpointPolicy(), [1, 2], [{"role": "user", "content": "x"}], boom, True)
     assert bounds == [] and skipped[0].startswith("history:render_failed")
 
 
 def test_attention_only_models_need_no_prefill_boundaries(runtimes):
     rt = runtimes("qwen3")
     msgs = [{"role": "user", "content": "Hi"}]
-    assert CheckpointPolicy().prefill_boundaries(rt.render_chat(msgs, True), msgs, rt.render_chat, False) == ([], [])
+    assert prefill_boundaries(CheckpointPolicy(), rt.render_chat(msgs, True), msgs, rt.render_chat, False) == ([], [])
 
 
 def test_block_grid_baseline():
-    bounds, _ = CheckpointPolicy(block_size=4).prefill_boundaries(list(range(10)), None, None, True)
+    bounds, _ = prefill_boundaries(CheckpointPolicy(block_size=4), list(range(10)), None, None, True)
     assert [b.length for b in bounds] == [4, 8]
 
 

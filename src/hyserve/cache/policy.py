@@ -70,19 +70,6 @@ class CheckpointPolicy:
             wanted.append(("history", messages))
         return wanted
 
-    def prefill_boundaries(
-        self, prompt: Sequence[int], messages: list[dict] | None, render: RenderFn, recurrent: bool
-    ) -> tuple[list[Boundary], list[str]]:
-        """Boundaries inside the prompt to snapshot at, and the reasons any were skipped."""
-        wanted = self.wanted_renders(messages, recurrent)
-        rendered: list[list[int] | Exception] = []
-        for _, msgs in wanted:
-            try:
-                rendered.append(render(msgs, False))
-            except Exception as exc:
-                rendered.append(exc)
-        return self.boundaries_from(prompt, wanted, rendered)
-
     def boundaries_from(
         self, prompt: Sequence[int], wanted: list[tuple[str, list[dict]]], rendered: Sequence[list[int] | Exception]
     ) -> tuple[list[Boundary], list[str]]:
