@@ -37,3 +37,20 @@ def test_every_engine_runs_its_forward_passes_on_the_model_thread(make_service, 
         svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=4, sampling=SamplingParams(temperature=0.0),
                                               messages=msgs))
     assert seen == {"hyserve-model"}
+
+
+def _denormals_left() -> int:
+    import torch
+
+    tiny = torch.full((1 << 17,), 1e-39)  # large enough for OpenMP workers to take part
+    return int((tiny * 1.0).count_nonzero())
+
+
+def test_model_thread_flushes_denormals_and_other_threads_do_not():
+    assert model_thread.flush_denormal_enabled()
+    assert model_thread.run(_denormals_left) == 0
+    out = []
+    t = threading.Thread(target=lambda: out.append(_denormals_left()))
+    t.start()
+    t.join()
+    assert out == [1 << 17]  # the same operation keeps denormals on a thread without the flag

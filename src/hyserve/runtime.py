@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from . import model_thread
+from . import kernels, model_thread
 from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,6 +68,7 @@ class ModelRuntime:
         device = resolve_device(device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
         model.to(device).eval()
+        kernels.install(model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
         try:

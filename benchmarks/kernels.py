@@ -1,0 +1,154 @@
+"""What hyserve's process settings and kernels buy, measured side by side against plain transformers.
+
+Three variants, each in a fresh child process (the settings must be in place before the model
+thread's first PyTorch operation), alternated round by round so that drift hits them alike:
+
+- `reference`: transformers' own functions, denormal floats left on (HYSERVE_FLUSH_DENORMAL=0
+  HYSERVE_KERNELS=0);
+- `+ flush denormals`: the model thread flushes denormals to zero (hyserve.model_thread);
+- `+ kernels` (hyserve's default): also GQA attention without KV copies and the batched Gated
+  DeltaNet decode step (hyserve.kernels).
+
+Each child, on hyserve's model thread: a cold prefill of a ~4.1k-token prompt in 512-token chunks,
+a warm turn (restore that state, prefill 79 new tokens), and one decode step for 1 and 16 live states
+of ~1k tokens. Greedy tokens of a short generation are compared across variants.
+
+    python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
+    python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
+    python benchmarks/kernels.py --json benchmarks/results/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+VARIANTS = [("reference", {"HYSERVE_FLUSH_DENORMAL": "0", "HYSERVE_KERNELS": "0"}),
+            ("+ flush denormals", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "0"}),
+            ("+ kernels (default)", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "1"})]
+METRICS = [("cold_s", "cold prefill (s)"), ("warm_s", "warm-turn prefill (ms)"),
+           ("decode1_s", "decode step, 1 state (ms)"), ("decode16_s", "decode step, 16 states (ms)")]
+
+
+def child(size: str, threads: int) -> dict:
+    """Runs in the child process: the timings of one variant."""
+    import random
+
+    C.setup_torch(threads)
+    from hyserve import model_thread
+    from hyserve.runtime import ModelRuntime
+
+    rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), device="cpu")
+    ad = rt.adapter
+    context, new, decode_ctx, reps = (400, 20, 100, 2) if size == "tiny" else (4121, 79, 1000, 5)
+    text = C.text_of_tokens(rt.tokenizer, random.Random(0), context + new + 50)
+    ids = rt.encode(text)[: context + new]
+
+    def run() -> dict:
+        import torch
+
+        out = {"cold_s": [], "warm_s": [], "decode1_s": [], "decode16_s": []}
+        for _ in range(max(1, reps // 2)):
+            st = ad.new_state()
+            t0 = time.perf_counter()
+            for i in range(0, context, 512):
+                ad.forward(st, ids[i : min(context, i + 512)])
+            out["cold_s"].append(time.perf_counter() - t0)
+        snap = ad.snapshot(st)
+        for _ in range(reps):
+            st = ad.restore(snap, ids[:context])
+            t0 = time.perf_counter()
+            ad.forward(st, ids[context:])
+            out["warm_s"].append(time.perf_counter() - t0)
+        greedy = []  # a short greedy generation from the warm state, to compare variants
+        logits = ad.forward(ad.restore(snap, ids[:context]), ids[context:])
+        st = ad.restore(snap, ids[:context])
+        ad.forward(st, ids[context:])
+        for _ in range(8):
+            greedy.append(int(torch.argmax(logits)))
+            logits = ad.forward_batch([st], [greedy[-1]])[0]
+        base = ad.new_state()
+        ad.forward(base, ids[:decode_ctx])
+        short = ad.snapshot(base)
+        for n, key in ((1, "decode1_s"), (16, "decode16_s")):
+            states = []
+            for i in range(n):
+                s = ad.restore(short, ids[:decode_ctx])
+                ad.forward(s, ids[decode_ctx : decode_ctx + i + 1])  # lengths differ, as in a real batch
+                states.append(s)
+            ad.drop_batch()
+            for _ in range(3):
+                ad.forward_batch(states, [5] * n)
+            for _ in range(reps * 4):
+                t0 = time.perf_counter()
+                ad.forward_batch(states, [5] * n)
+                out[key].append(time.perf_counter() - t0)
+            ad.drop_batch()
+        res = {k: C.median(v) for k, v in out.items()}
+        res["greedy"] = greedy
+        return res
+
+    return model_thread.run(run)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 round")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the three variants (default 3; quick 1)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None, help="write the measurements to this JSON file")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    size = "tiny" if args.quick else "bench"
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.threads)))
+        return 0
+    C.ensure_model("qwen3_5", size)
+    C.warn_if_busy()
+    rounds = args.rounds or (1 if args.quick else 3)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in VARIANTS}
+    for r in range(rounds):
+        for name, env in VARIANTS:
+            cmd = [sys.executable, __file__, "--child", size, "--threads", str(args.threads)]
+            proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                return 1
+            runs[name].append(json.loads(line[7:]))
+            print(f"round {r + 1}/{rounds} {name}: " + ", ".join(
+                f"{k} {runs[name][-1][k] * (1 if k == 'cold_s' else 1e3):.3g}" for k, _ in METRICS), flush=True)
+    summary = {name: {k: C.median(x[k] for x in rs) for k, _ in METRICS} for name, rs in runs.items()}
+    ref = summary[VARIANTS[0][0]]
+    rows = []
+    for name, s in summary.items():
+        cells = [name]
+        for k, _ in METRICS:
+            scale = 1 if k == "cold_s" else 1e3
+            cells.append(f"{s[k] * scale:.3f}" if k == "cold_s" else f"{s[k] * scale:.1f}")
+            cells[-1] += f" ({ref[k] / s[k]:.2f}x)" if s is not ref else ""
+        cells.append(f"{s['cold_s'] / s['warm_s']:.1f}")
+        rows.append(cells)
+    print(f"qwen3_5 {size}, torch threads {args.threads}, medians over {rounds} round(s); (Nx) = speed vs reference")
+    print(C.table(["variant"] + [h for _, h in METRICS] + ["cold / warm"], rows))
+    greedy = {name: rs[0]["greedy"] for name, rs in runs.items()}
+    same = len({tuple(g) for g in greedy.values()}) == 1
+    print(f"greedy tokens from the warm state identical across variants: {same}")
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": C.machine_info(), "size": size, "rounds": rounds, "runs": runs,
+                                   "summary": summary, "greedy_identical": same}, indent=2))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""hyserve's kernels against the transformers reference functions they stand in for."""
+
+import threading
+
+import pytest
+import torch
+
+from hyserve import kernels, model_thread
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def _reference_recurrent():
+    fn = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+    return getattr(fn, "_hyserve_reference", fn)
+
+
+def _deltanet_inputs(b, hk, h, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(query=r(b, 1, hk, d), key=r(b, 1, hk, d), value=r(b, 1, h, d),
+                g=-torch.rand(b, 1, h, generator=g) * 3, beta=torch.rand(b, 1, h, generator=g),
+                initial_state=r(b, h, d, d) * 0.3)
+
+
+@pytest.mark.parametrize("b,hk,h,d", [(1, 2, 4, 16), (5, 4, 8, 64), (3, 2, 2, 8)])
+def test_recurrent_step_equals_the_reference_and_leaves_its_input_alone(b, hk, h, d):
+    x = _deltanet_inputs(b, hk, h, d)
+    before = x["initial_state"].clone()
+    want_out, want_state = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = kernels.recurrent_step(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert out.shape == want_out.shape and state.shape == want_state.shape
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x["initial_state"], before)
+    x["initial_state"] = x["initial_state"] + 1.0  # a different state must give a different answer
+    other, _ = kernels.recurrent_step(**x, use_qk_l2norm_in_kernel=True)
+    assert not torch.allclose(other, out)
+
+
+def _attention_inputs(q_len, kv_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, q_len, 8, 16, generator=g).transpose(1, 2)  # a transposed view, as the models pass it
+    k, v = torch.randn(2, 2, kv_len, 16, generator=g), torch.randn(2, 2, kv_len, 16, generator=g)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None].repeat(2, 1, 1, 1)
+    mask[1, :, :, :3] = False  # left padding in the second row
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(7, 40), (33, 33), (64, 300)])
+def test_gqa_attention_is_bit_identical_to_transformers_sdpa(q_len, kv_len):
+    q, k, v, mask = _attention_inputs(q_len, kv_len)
+    want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.25)
+    got, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape and torch.equal(got, want)
+    wrong, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, ~mask | torch.eye(q_len, kv_len,
+                                dtype=torch.bool), scaling=0.25)
+    assert not torch.allclose(wrong, want)
+
+
+def test_kernels_apply_on_the_model_thread_only(make_service):
+    make_service("qwen3_5")  # loading a model installs the kernels
+    fn = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+    assert getattr(fn, "_hyserve_reference", None) is not None
+    x = _deltanet_inputs(2, 2, 4, 16)
+    ref = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    off_thread = []
+    t = threading.Thread(target=lambda: off_thread.append(fn(**x, output_final_state=True,
+                                                              use_qk_l2norm_in_kernel=True)))
+    t.start()
+    t.join()
+    assert all(torch.equal(a, b) for a, b in zip(off_thread[0], ref))  # elsewhere: transformers itself
+    calls = []
+    real = kernels.recurrent_step
+    try:
+        kernels.recurrent_step = lambda *a, **k: calls.append(1) or real(*a, **k)
+        model_thread.run(fn, **x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    finally:
+        kernels.recurrent_step = real
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("rows,bias", [(1, True), (16, False), (16, True), (40, True), (100, False)])
+def test_linear_forward_matches_nn_linear(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 1, 96)
+    want = lin(x)
+    got = model_thread.run(kernels.linear_forward, lin, x)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(model_thread.run(kernels.linear_forward, lin, x + 1), want)
