@@ -1,7 +1,8 @@
 """Admission and ordering: a bounded waiting queue, at most `max_running` requests with live states.
 
-Each engine step runs one prefill chunk (first come, first served) and one batched decode token for
-every request past prefill, so a long new prompt delays other streams by one chunk, not its length.
+Each engine step runs at most one prefill chunk's worth of prompt tokens (first come, first served;
+short prompts share it) and one batched decode token for every request past prefill, so a long new
+prompt delays other streams by one chunk, not its length.
 """
 
 from __future__ import annotations
