@@ -75,7 +75,8 @@ def test_overload_gets_429(make_service):
                 return await asyncio.gather(*[c.post(f"{srv.base_url}/v1/chat/completions", json=body)
                                               for _ in range(5)])
         codes = [r.status_code for r in asyncio.run(main())]
-        assert codes.count(200) >= 2 and 429 in codes
+        # 1 running + 1 waiting at most; 1 when all five arrive before the worker admits the first
+        assert 1 <= codes.count(200) <= 2 and codes.count(429) == 5 - codes.count(200)
         err = [r for r in asyncio.run(main()) if r.status_code == 429][0].json()["error"]
         assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
 
