@@ -1,4 +1,4 @@
-"""CPU kernels hyserve puts in place of two transformers reference functions: the same math, fewer copies.
+"""CPU kernels hyserve puts in place of three transformers reference functions: the same math, less work.
 
 1. Attention with grouped KV heads (`hyserve_sdpa`). transformers' "sdpa" path repeats every KV head
    for its query heads (a full copy of the cache, per layer, per forward) whenever a mask is passed,
@@ -9,11 +9,12 @@
    the reads of the state are batched matrix-vector products and the update is one in-place
    rank-1 `baddbmm_` on a fresh copy. Equal to the reference to float32 rounding (about 1e-7).
 3. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
-   about twice as slow as the same product taken as (W @ x^T)^T (measured here: 16 rows of 512 ->
-   1536, 217 against 99 us); a batched decode step runs one row per request through every layer.
+   slower than the same product taken as (W @ x^T)^T (16 rows of 512 -> 1536, measured here: 217
+   against 99 us with the weight in cache, 302 against 249 us streamed from memory as in a model);
+   a batched decode step runs one row per request through every layer.
    The results were bit-identical in every shape tested (tests/test_kernels.py checks closeness).
 
-Both apply only on hyserve's model thread (`model_thread`): a test's transformers reference run on
+All three apply only on hyserve's model thread (`model_thread`): a test's transformers reference run on
 the same model object stays plain transformers, so comparing the two still checks these kernels.
 `benchmarks/kernels.py` measures them against the reference, side by side.
 `HYSERVE_KERNELS=0` leaves transformers' functions alone.
@@ -86,9 +87,11 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (not model_thread.on_model_thread() or groups == 1 or attention_mask is None or query.shape[2] == 1
-             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-             or kwargs.get("output_attentions"))
-    if plain:  # decode (transformers packs the heads itself), unmasked prefill, or not hyserve's thread
+             or query.device.type != "cpu" or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None or kwargs.get("output_attentions"))
+    # decode (transformers packs the heads itself), unmasked prefill, not hyserve's thread, or a GPU (where a
+    # mask with enable_gqa falls back to the math kernel, as transformers notes)
+    if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
