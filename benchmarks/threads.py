@@ -11,6 +11,9 @@ forward pass then pays a sleep and a wake-up. This script times a warm-turn pref
 2. on a second thread (which now owns a second OpenMP pool);
 3. on the model thread again.
 
+Both threads run transformers' own functions, with denormals left on (HYSERVE_KERNELS=0,
+HYSERVE_FLUSH_DENORMAL=0 are set here), since hyserve's kernels apply on the model thread only.
+
     python benchmarks/threads.py            # bench qwen3_5, 7 repeats per row (~30 s)
     python benchmarks/threads.py --quick    # tiny qwen3_5, a smoke test
     python benchmarks/threads.py --json benchmarks/results/threads.json
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -28,6 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+
+# hyserve's kernels and its denormal flushing apply on the model thread only; both threads compared here
+# must run the same code, so this script measures transformers' own functions on both.
+os.environ["HYSERVE_KERNELS"] = "0"
+os.environ["HYSERVE_FLUSH_DENORMAL"] = "0"
 
 
 def main(argv=None) -> int:

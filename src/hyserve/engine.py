@@ -101,8 +101,9 @@ class _Job:
         return salt == self.salt and n < len(prompt) and list(prompt[:n]) == self.tokens
 
 
-# What one more prefill piece in a step costs beyond its tokens, in tokens: a forward pass of a few tokens
-# and a checkpoint snapshot each take about as long as prefilling ~30 tokens of the bench model here.
+# What one more prefill piece in a step costs beyond its tokens, in tokens: its forward pass's fixed cost
+# (~9 ms, a decode step) and a checkpoint snapshot (5-10 ms at 2-4k tokens) take together about as long
+# as prefilling 40-60 tokens of the bench model here.
 PIECE_COST = 64
 
 

@@ -1,6 +1,6 @@
 """Admission and ordering: a bounded waiting queue, at most `max_running` requests with live states.
 
-Each engine step runs at most one prefill chunk's worth of prompt tokens (first come, first served;
+Each engine step runs about one prefill chunk's worth of prompt tokens (first come, first served;
 short prompts share it) and one batched decode token for every request past prefill, so a long new
 prompt delays other streams by one chunk, not its length.
 """
