@@ -128,10 +128,24 @@ def _proc_stat() -> tuple[int, int] | None:
 
 
 def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children: finished ones from getrusage, running
+    multiprocessing workers (e.g. run.py's hf-generate process) from /proc."""
+    import multiprocessing
     import resource
 
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is field 3
+            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14, 15)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 class CpuMonitor:

@@ -11,7 +11,8 @@ Workloads (each a list of conversations whose user messages are fixed up front):
 Systems, all greedy and measured in the same run on the same model folder:
   hyserve-on    hyserve engine, prefix cache on, default policy (system, history, post-decode checkpoints)
   hyserve-off   hyserve engine, prefix cache off: every turn prefills the whole prompt
-  hf-generate   plain transformers `model.generate()` on the full prompt every turn (TTFT via a streamer)
+  hf-generate   plain transformers `model.generate()` on the full prompt every turn, in a process of its
+                own without hyserve's kernels or denormal flushing (TTFT via a streamer)
   block-528     hyserve with CheckpointPolicy(block_size=528): checkpoints only at multiples of 528
                 tokens, like vLLM's block-grid hybrid cache
   block-64      the same with 64-token blocks
@@ -206,72 +207,108 @@ class HyserveSystem:
 
 
 class HFGenerateSystem:
-    """Plain transformers: `model.generate()` over the full prompt every turn, nothing reused."""
+    """Plain transformers as its users run it: `model.generate()` over the full prompt every turn, nothing
+    reused, in a process of its own. In this process the model thread flushes denormals and runs
+    hyserve's kernels (hyserve.kernels), which a transformers user does not get; the child process
+    runs transformers' own functions on its main thread (the first torch thread: no OpenMP slowdown),
+    with the same number of threads. The parent waits while the child works."""
 
     name = "hf-generate"
 
     def __init__(self, model_dir: Path):
+        import multiprocessing
+
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from hyserve import model_thread
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)  # for the workloads' counts
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_hf_worker, args=(child, str(model_dir), torch.get_num_threads()),
+                                name="hf-generate", daemon=True)
+        self.proc.start()
+        child.close()
+        self._answer()  # "ready" once the model is loaded
 
-        self.model = model_thread.run(AutoModelForCausalLM.from_pretrained, model_dir, dtype=torch.float32,
-                                      local_files_only=True)
-        self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    def _answer(self):
+        reply = self.conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
     def reset(self) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        if self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(30)
+        self.conn.close()
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
-        from hyserve import model_thread  # the thread hyserve's engines use: same OpenMP conditions
+        self.conn.send((messages, max_tokens))
+        return self._answer()
 
-        return model_thread.run(self._run, messages, max_tokens)
 
-    def _run(self, messages: list[dict], max_tokens: int) -> dict:
-        import torch
-        from transformers.generation.streamers import BaseStreamer
+def _hf_worker(conn, model_dir: str, threads: int) -> None:
+    """The child process of HFGenerateSystem: load the model, then answer requests until told to stop."""
+    try:
+        C.setup_torch(threads)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        conn.send("ready")
+    except Exception as exc:  # the parent re-raises it
+        conn.send(RuntimeError(f"hf-generate worker failed to start: {exc!r}"))
+        return
+    while (item := conn.recv()) is not None:
+        try:
+            conn.send(_hf_generate(model, tokenizer, *item))
+        except Exception as exc:
+            conn.send(RuntimeError(f"hf-generate failed: {exc!r}"))
 
-        class Stamps(BaseStreamer):
-            def __init__(self):
-                self.calls, self.times = 0, []
 
-            def put(self, value):
-                self.calls += 1
-                if self.calls > 1:  # the first call hands over the prompt itself
-                    self.times.append(time.perf_counter())
+def _hf_generate(model, tokenizer, messages: list[dict], max_tokens: int) -> dict:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
 
-            def end(self):
-                pass
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
 
-        stamps = Stamps()
-        ids = torch.tensor([prompt])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                      do_sample=False, streamer=stamps)
-        total = time.perf_counter() - t0
-        new = out[0, len(prompt):].tolist()
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
-        while new and new[-1] in eos:
-            new.pop()
-        gaps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
-        return {
-            "prompt_tokens": len(prompt), "cached_tokens": 0, "prefill_tokens": len(prompt),
-            "generated": len(out[0]) - len(prompt),
-            "ttft": (stamps.times[0] - t0) if stamps.times else total, "total": total,
-            "itl": sum(gaps) / len(gaps) if gaps else None,
-            "restore_s": 0.0, "snapshot_s": 0.0, "snapshots": 0, "cache_bytes": 0, "cache_entries": 0,
-            "text": self.tokenizer.decode(new, skip_special_tokens=True),
-        }
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.calls, self.times = 0, []
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:  # the first call hands over the prompt itself
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, streamer=stamps)
+    total = time.perf_counter() - t0
+    new = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    while new and new[-1] in eos:
+        new.pop()
+    gaps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
+    return {
+        "prompt_tokens": len(prompt), "cached_tokens": 0, "prefill_tokens": len(prompt),
+        "generated": len(out[0]) - len(prompt),
+        "ttft": (stamps.times[0] - t0) if stamps.times else total, "total": total,
+        "itl": sum(gaps) / len(gaps) if gaps else None,
+        "restore_s": 0.0, "snapshot_s": 0.0, "snapshots": 0, "cache_bytes": 0, "cache_entries": 0,
+        "text": tokenizer.decode(new, skip_special_tokens=True),
+    }
 
 
 def make_system(name: str, model_dir: Path, cache_bytes: int):
