@@ -309,7 +309,7 @@ class Engine:
         # chunk: each piece is also charged PIECE_COST tokens for its fixed costs (a forward pass, snapshots).
         budget, fit = self.prefill_chunk, None
         for run in [r for r in sched.running if not r.decoding]:
-            while budget > 0 and not run.decoding and run in sched.running:
+            while budget > 0 and not run.decoding:  # a failed piece (ran None) ends the loop
                 ran = self._guard([run], self._prefill_chunk, run, fit)
                 if not ran:
                     break

@@ -28,6 +28,7 @@ import types
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import model_thread
 
@@ -83,8 +84,6 @@ def _register_attention() -> None:
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                        **kwargs):
     """transformers' SDPA attention, except that a masked multi-token query reads grouped KV heads in place."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (not model_thread.on_model_thread() or groups == 1 or attention_mask is None or query.shape[2] == 1
              or query.device.type != "cpu" or kwargs.get("position_bias") is not None
