@@ -29,18 +29,52 @@ def _deltanet_inputs(b, hk, h, d, seed=0):
 
 
 @pytest.mark.parametrize("b,hk,h,d", [(1, 2, 4, 16), (5, 4, 8, 64), (3, 2, 2, 8)])
-def test_recurrent_step_equals_the_reference_and_leaves_its_input_alone(b, hk, h, d):
+def test_recurrent_step_equals_the_reference_and_updates_the_state_in_place(b, hk, h, d):
     x = _deltanet_inputs(b, hk, h, d)
-    before = x["initial_state"].clone()
+    state_in = x["initial_state"]
     want_out, want_state = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, state = kernels.recurrent_step(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert out.shape == want_out.shape and state.shape == want_state.shape
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
-    assert torch.equal(x["initial_state"], before)
-    x["initial_state"] = x["initial_state"] + 1.0  # a different state must give a different answer
+    assert state is state_in  # the cache's own tensor, as transformers' cache would have overwritten it
+    x["initial_state"] = want_state + 1.0  # a different state must give a different answer
     other, _ = kernels.recurrent_step(**x, use_qk_l2norm_in_kernel=True)
     assert not torch.allclose(other, out)
+
+
+def test_recurrent_step_leaves_a_state_it_cannot_update_in_place_alone():
+    x = _deltanet_inputs(2, 2, 4, 16)
+    x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous().transpose(-1, -2)  # not contiguous
+    before = x["initial_state"].clone()
+    want_out, want_state = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = kernels.recurrent_step(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x["initial_state"], before)
+
+
+def _reference_conv():
+    fn = modeling_qwen3_5.causal_conv1d_update
+    return getattr(fn, "_hyserve_reference", fn)
+
+
+@pytest.mark.parametrize("b,state_len,bias,activation", [(1, 4, True, "silu"), (5, 4, False, None),
+                                                          (3, 6, True, None)])
+def test_conv_step_equals_the_reference(b, state_len, bias, activation):
+    g = torch.Generator().manual_seed(1)
+    channels, kernel = 24, 4
+    x = torch.randn(b, channels, 1, generator=g)
+    state = torch.randn(b, channels, state_len, generator=g)
+    weight = torch.randn(channels, kernel, generator=g)
+    bias_t = torch.randn(channels, generator=g) if bias else None
+    want_state = state.clone()
+    want = _reference_conv()(x, want_state, weight, bias_t, activation)
+    got = kernels.conv_step(x, state, weight, bias_t, activation)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state, want_state)  # the shifted window, in place, as the reference leaves it
+    assert not torch.allclose(kernels.conv_step(x, state, weight, bias_t, activation), want)  # a new column
 
 
 def _attention_inputs(q_len, kv_len, seed=0):
@@ -83,6 +117,8 @@ def test_kernels_apply_on_the_model_thread_only(make_service):
     finally:
         kernels.recurrent_step = real
     assert calls == [1]
+    conv = modeling_qwen3_5.causal_conv1d_update
+    assert getattr(conv, "_hyserve_reference", None) is not None
 
 
 @pytest.mark.parametrize("rows,bias", [(1, True), (16, False), (16, True), (40, True), (100, False)])
@@ -92,6 +128,9 @@ def test_linear_forward_matches_nn_linear(rows, bias):
     x = torch.randn(rows, 1, 96)
     want = lin(x)
     got = model_thread.run(kernels.linear_forward, lin, x)
-    assert got.shape == want.shape and got.is_contiguous()
+    assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a transposed view for skinny inputs: the models' reshapes (split heads, merge rows) must still work
+    torch.testing.assert_close(got.view(rows, 1, 10, 16), want.view(rows, 1, 10, 16))
+    torch.testing.assert_close(got.view(-1, 160), want.view(-1, 160))
     assert not torch.allclose(model_thread.run(kernels.linear_forward, lin, x + 1), want)

@@ -5,16 +5,22 @@
    which is every prefill chunk after a cached prefix. Here SDPA reads the shared heads itself
    (`enable_gqa`); the outputs are bit-identical on CPU (tests/test_kernels.py).
 2. The Gated DeltaNet decode step (one token, `torch_recurrent_gated_delta_rule`). The reference forms
-   four [batch, heads, dk, dv] temporaries per layer per token (state * k, k outer delta, ...); here
-   the reads of the state are batched matrix-vector products and the update is one in-place
-   rank-1 `baddbmm_` on a fresh copy. Equal to the reference to float32 rounding (about 1e-7).
-3. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
+   four [batch, heads, dk, dv] temporaries per layer per token (state * k, k outer delta, ...), and
+   the cache then copies its result into the state it already holds; here the state is updated in
+   place (transformers' cache overwrites it in place anyway) by batched matrix-vector products and one
+   rank-1 `baddbmm_`. Equal to the reference to float32 rounding (about 1e-7).
+3. The causal conv1d decode step of the same layers (`causal_conv1d_update`): the reference runs a
+   grouped `conv1d` over kernel+1 columns for one output column (85 us for one request, 193 us for 16,
+   measured here); here it is one batched product per channel (21 and 101 us).
+4. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
    slower than the same product taken as (W @ x^T)^T (16 rows of 512 -> 1536, measured here: 217
    against 99 us with the weight in cache, 302 against 249 us streamed from memory as in a model);
-   a batched decode step runs one row per request through every layer.
+   a batched decode step runs one row per request through every layer. The result is returned as
+   that transposed view (rows stay contiguous among themselves, so every reshape the models do still
+   works): making it contiguous cost a quarter of the product.
    The results were bit-identical in every shape tested (tests/test_kernels.py checks closeness).
 
-All three apply only on hyserve's model thread (`model_thread`): a test's transformers reference run on
+All of them apply only on hyserve's model thread (`model_thread`): a test's transformers reference run on
 the same model object stays plain transformers, so comparing the two still checks these kernels.
 `benchmarks/kernels.py` measures them against the reference, side by side.
 `HYSERVE_KERNELS=0` leaves transformers' functions alone.
@@ -35,6 +41,7 @@ from . import model_thread
 ATTENTION = "hyserve_sdpa"
 # modules whose forward calls a module-level `torch_recurrent_gated_delta_rule`
 _DELTANET_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next")
+_SILU = ("silu", "swish")
 
 
 def enabled() -> bool:
@@ -49,7 +56,8 @@ def install(model) -> None:
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(ATTENTION)
     for name in _DELTANET_MODULES:
-        _patch_recurrent(name)
+        _patch(name, "torch_recurrent_gated_delta_rule", _recurrent_applies, _recurrent_fast)
+        _patch(name, "causal_conv1d_update", _conv_applies, conv_step)
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(linear_forward, module)
@@ -68,7 +76,7 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
         if self.bias is not None:
             y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)  # a transposed view: see the module docstring
     return F.linear(x, self.weight, self.bias)
 
 
@@ -98,28 +106,35 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-# -- Gated DeltaNet decode step --------------------------------------------------------------------
-def _patch_recurrent(module_name: str) -> None:
+# -- Gated DeltaNet decode step ---------------------------------------------------------------------
+def _patch(module_name: str, attr: str, applies, fast) -> None:
+    """Replace `module_name.attr` by a function that calls `fast` when `applies(*args, **kwargs)` on the
+    model thread, and the original (kept as `_hyserve_reference`) otherwise."""
     try:
         mod = importlib.import_module(module_name)
     except ImportError:
         return
-    reference = getattr(mod, "torch_recurrent_gated_delta_rule", None)
+    reference = getattr(mod, attr, None)
     if reference is None or getattr(reference, "_hyserve_reference", None) is not None:
         return  # absent in this transformers version, or already patched
 
-    def dispatch(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, **kwargs):
-        if (model_thread.on_model_thread() and query.shape[1] == 1 and initial_state is not None
-                and kwargs.get("cu_seqlens") is None):
-            return recurrent_step(query, key, value, g, beta, initial_state, output_final_state,
-                                  use_qk_l2norm_in_kernel)
-        return reference(query, key, value, g, beta, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         **kwargs)
+    def dispatch(*args, **kwargs):
+        if model_thread.on_model_thread() and applies(*args, **kwargs):
+            return fast(*args, **kwargs)
+        return reference(*args, **kwargs)
 
     dispatch._hyserve_reference = reference
-    mod.torch_recurrent_gated_delta_rule = dispatch
+    setattr(mod, attr, dispatch)
+
+
+def _recurrent_applies(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs) -> bool:
+    return query.shape[1] == 1 and initial_state is not None and kwargs.get("cu_seqlens") is None
+
+
+def _recurrent_fast(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **kwargs):
+    return recurrent_step(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -130,7 +145,8 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
                    use_qk_l2norm_in_kernel=False):
     """One token of the gated delta rule for a batch: S' = exp(g) S + k (beta (v - k^T exp(g) S))^T,
     out = q^T S'. Shapes as transformers: q, k [b, 1, hk, dk]; v [b, 1, h, dv]; g, beta [b, 1, h];
-    state [b, h, dk, dv]. Returns (out [b, 1, h, dv] in q's dtype, new float32 state or None)."""
+    state [b, h, dk, dv]. A contiguous float32 `initial_state` is updated in place and returned as the
+    new state; any other is left alone. Returns (out [b, 1, h, dv] in q's dtype, new state or None)."""
     dtype = query.dtype
     b, _, hk, dk = key.shape
     h, dv = value.shape[-2:]
@@ -140,7 +156,11 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q = q / (dk**0.5)
-    state = initial_state.float() * g[:, 0].float().exp()[..., None, None]  # a fresh tensor: the input stays as it was
+    decay = g[:, 0].float().exp()[..., None, None]
+    if initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+        state = initial_state.mul_(decay)
+    else:
+        state = initial_state.float() * decay
     s = state.view(b * h, dk, dv)
     k = k.reshape(b * h, dk, 1)
     kv_mem = torch.bmm(k.transpose(1, 2), s)  # [b*h, 1, dv]
@@ -148,3 +168,26 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
     s.baddbmm_(k, delta)
     out = torch.bmm(q.reshape(b * h, 1, dk), s).view(b, 1, h, dv).to(dtype)
     return out, (state if output_final_state else None)
+
+
+# -- causal conv1d decode step ---------------------------------------------------------------------
+def _conv_applies(hidden_states, conv_state, weight, bias=None, activation=None) -> bool:
+    return (hidden_states.shape[-1] == 1 and weight.dim() == 2 and conv_state.shape[-1] >= weight.shape[-1]
+            and activation in (None, *_SILU) and hidden_states.dtype == conv_state.dtype == weight.dtype)
+
+
+def conv_step(hidden_states, conv_state, weight, bias=None, activation=None):
+    """One token of a depthwise causal conv1d: shift `hidden_states` [b, channels, 1] into `conv_state`
+    [b, channels, state_len] (in place, as the reference does) and return the activated output
+    [b, channels, 1] of the last `kernel` columns against `weight` [channels, kernel]."""
+    channels, kernel = weight.shape
+    window = torch.cat([conv_state[:, :, 1:], hidden_states], dim=-1)
+    conv_state.copy_(window)
+    window = window[:, :, -kernel:]
+    per_channel = window.permute(1, 0, 2)  # [channels, b, kernel]
+    if bias is None:
+        out = torch.bmm(per_channel, weight.view(channels, kernel, 1))
+    else:
+        out = torch.baddbmm(bias.view(channels, 1, 1), per_channel, weight.view(channels, kernel, 1))
+    out = out.permute(1, 0, 2)  # [b, channels, 1]
+    return F.silu(out) if activation in _SILU else out
