@@ -134,3 +134,40 @@ def test_linear_forward_matches_nn_linear(rows, bias):
     torch.testing.assert_close(got.view(rows, 1, 10, 16), want.view(rows, 1, 10, 16))
     torch.testing.assert_close(got.view(-1, 160), want.view(-1, 160))
     assert not torch.allclose(model_thread.run(kernels.linear_forward, lin, x + 1), want)
+
+
+def _reference_chunked():
+    fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    return getattr(fn, "_hyserve_reference", fn)
+
+
+@pytest.mark.parametrize("length", [1, 15, 79, 97, 150])
+def test_fitted_chunks_equal_transformers_64_token_chunks(length):
+    g = torch.Generator().manual_seed(length)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = dict(query=r(1, length, 2, 16), key=r(1, length, 2, 16), value=r(1, length, 4, 16),
+             g=-torch.rand(1, length, 4, generator=g), beta=torch.rand(1, length, 4, generator=g),
+             initial_state=r(1, 4, 16, 16) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    chunk = kernels.chunk_size_for(length)
+    assert chunk % 16 == 0 and chunk >= min(length, 16) and (length > 96 or chunk >= length)
+    want_out, want_state = _reference_chunked()(**x)
+    out, state = model_thread.run(_reference_chunked(), **x, chunk_size=chunk)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
+    make_service("qwen3_5")  # loading a model installs the kernels
+    fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    reference = fn._hyserve_reference
+    g = torch.Generator().manual_seed(3)
+    x = dict(query=torch.randn(1, 20, 2, 16, generator=g), key=torch.randn(1, 20, 2, 16, generator=g),
+             value=torch.randn(1, 20, 4, 16, generator=g), g=-torch.rand(1, 20, 4, generator=g),
+             beta=torch.rand(1, 20, 4, generator=g), use_qk_l2norm_in_kernel=True)
+    seen = []
+    monkeypatch.setattr(kernels, "chunk_size_for", lambda n: seen.append(n) or 16)
+    fn(**x)  # another thread: transformers' own 64-token chunks
+    assert seen == []
+    out, _ = model_thread.run(fn, **x)
+    assert seen == [20]
+    assert torch.equal(out, reference(**x, chunk_size=16)[0])

@@ -1,4 +1,4 @@
-"""CPU kernels hyserve puts in place of three transformers reference functions: the same math, less work.
+"""CPU kernels hyserve puts in place of transformers reference functions: the same math, less work.
 
 1. Attention with grouped KV heads (`hyserve_sdpa`). transformers' "sdpa" path repeats every KV head
    for its query heads (a full copy of the cache, per layer, per forward) whenever a mask is passed,
@@ -9,10 +9,14 @@
    the cache then copies its result into the state it already holds; here the state is updated in
    place (transformers' cache overwrites it in place anyway) by batched matrix-vector products and one
    rank-1 `baddbmm_`. Equal to the reference to float32 rounding (about 1e-7).
-3. The causal conv1d decode step of the same layers (`causal_conv1d_update`): the reference runs a
-   grouped `conv1d` over kernel+1 columns for one output column (85 us for one request, 193 us for 16,
-   measured here); here it is one batched product per channel (21 and 101 us).
-4. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
+3. The Gated DeltaNet prefill (`torch_chunk_gated_delta_rule`) with a chunk size fitted to the piece
+   (`chunk_size_for`): transformers pads every piece to a multiple of 64 tokens, so a warm turn's
+   79 new tokens paid for 128. The chunked form is exact for any chunk size; results differ from
+   64-token chunks by float32 rounding (about 1e-7 in the output, 1e-6 in the state).
+4. The causal conv1d decode step of the same layers (`causal_conv1d_update`): the reference runs a
+   grouped `conv1d` over kernel+1 columns for one output column; here it is one batched product per
+   channel.
+5. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
    slower than the same product taken as (W @ x^T)^T (16 rows of 512 -> 1536, measured here: 217
    against 99 us with the weight in cache, 302 against 249 us streamed from memory as in a model);
    a batched decode step runs one row per request through every layer. The result is returned as
@@ -57,7 +61,8 @@ def install(model) -> None:
         model.set_attn_implementation(ATTENTION)
     for name in _DELTANET_MODULES:
         _patch(name, "torch_recurrent_gated_delta_rule", _recurrent_applies, _recurrent_fast)
-        _patch(name, "causal_conv1d_update", _conv_applies, conv_step)
+        _patch(name, "causal_conv1d_update", _conv_applies, lambda _reference, *a, **k: conv_step(*a, **k))
+        _patch(name, "torch_chunk_gated_delta_rule", _chunked_applies, _chunked_fitted)
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(linear_forward, module)
@@ -106,9 +111,9 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-# -- Gated DeltaNet decode step ---------------------------------------------------------------------
+# -- module-level functions of transformers' Gated DeltaNet models -----------------------------------
 def _patch(module_name: str, attr: str, applies, fast) -> None:
-    """Replace `module_name.attr` by a function that calls `fast` when `applies(*args, **kwargs)` on the
+    """Replace `module_name.attr` by a function that calls `fast(original, ...)` when `applies(...)` on the
     model thread, and the original (kept as `_hyserve_reference`) otherwise."""
     try:
         mod = importlib.import_module(module_name)
@@ -120,19 +125,20 @@ def _patch(module_name: str, attr: str, applies, fast) -> None:
 
     def dispatch(*args, **kwargs):
         if model_thread.on_model_thread() and applies(*args, **kwargs):
-            return fast(*args, **kwargs)
+            return fast(reference, *args, **kwargs)
         return reference(*args, **kwargs)
 
     dispatch._hyserve_reference = reference
     setattr(mod, attr, dispatch)
 
 
+# -- Gated DeltaNet decode step ---------------------------------------------------------------------
 def _recurrent_applies(query, key, value, g, beta, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=False, **kwargs) -> bool:
     return query.shape[1] == 1 and initial_state is not None and kwargs.get("cu_seqlens") is None
 
 
-def _recurrent_fast(query, key, value, g, beta, initial_state=None, output_final_state=False,
+def _recurrent_fast(_reference, query, key, value, g, beta, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, **kwargs):
     return recurrent_step(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
@@ -168,6 +174,25 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
     s.baddbmm_(k, delta)
     out = torch.bmm(q.reshape(b * h, 1, dk), s).view(b, 1, h, dv).to(dtype)
     return out, (state if output_final_state else None)
+
+
+# -- Gated DeltaNet prefill: chunk size fitted to the piece ---------------------------------------
+def chunk_size_for(length: int) -> int:
+    """The chunk size for a prefill piece of `length` tokens. transformers pads every piece to a multiple
+    of 64, so a warm turn's 79 new tokens cost two chunks (128 rows) of every per-chunk product. A piece
+    of up to 96 tokens runs as one chunk of its length rounded up to 16; a longer one in chunks of 32
+    when that pads less than 64 would. `benchmarks/kernels.py` measures the warm turn with and without."""
+    if length <= 96:
+        return max(16, -(-length // 16) * 16)
+    return 32 if -(-length // 32) * 32 < -(-length // 64) * 64 else 64
+
+
+def _chunked_applies(query, key, value, g, beta, chunk_size=None, *args, **kwargs) -> bool:
+    return chunk_size is None and kwargs.get("cu_seqlens") is None
+
+
+def _chunked_fitted(reference, query, key, value, g, beta, **kwargs):
+    return reference(query, key, value, g, beta, chunk_size=chunk_size_for(query.shape[1]), **kwargs)
 
 
 # -- causal conv1d decode step ---------------------------------------------------------------------
