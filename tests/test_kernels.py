@@ -171,3 +171,26 @@ def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
     out, _ = model_thread.run(fn, **x)
     assert seen == [20]
     assert torch.equal(out, reference(**x, chunk_size=16)[0])
+
+
+@pytest.mark.parametrize("length,bias,activation", [(1, True, "silu"), (7, False, None), (83, True, None),
+                                                    (300, False, "silu")])
+def test_conv_prefill_equals_the_reference(length, bias, activation):
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(2, 24, length, generator=g)
+    weight = torch.randn(24, 4, generator=g)
+    bias_t = torch.randn(24, generator=g) if bias else None
+    fn = modeling_qwen3_5.causal_conv1d_fn
+    want = getattr(fn, "_hyserve_reference", fn)(x, weight, bias_t, activation)
+    got = kernels.conv_prefill(x, weight, bias_t, activation)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(kernels.conv_prefill(x + 1, weight, bias_t, activation), want)
+
+
+def test_mamba2_takes_the_conv_kernels(make_service):
+    from transformers.models.mamba2 import modeling_mamba2
+
+    make_service("mamba2")
+    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
+        assert getattr(getattr(modeling_mamba2, name), "_hyserve_reference", None) is not None, name

@@ -13,9 +13,10 @@
    (`chunk_size_for`): transformers pads every piece to a multiple of 64 tokens, so a warm turn's
    79 new tokens paid for 128. The chunked form is exact for any chunk size; results differ from
    64-token chunks by float32 rounding (about 1e-7 in the output, 1e-6 in the state).
-4. The causal conv1d decode step of the same layers (`causal_conv1d_update`): the reference runs a
-   grouped `conv1d` over kernel+1 columns for one output column; here it is one batched product per
-   channel.
+4. The depthwise causal conv1d of the same layers and of Mamba2 (`causal_conv1d_fn` for prefill,
+   `causal_conv1d_update` for decode). The reference is a grouped `F.conv1d`, which oneDNN runs slowly
+   for one filter per channel; here prefill is `kernel` shifted multiply-adds (bit-identical in the
+   shapes tested) and a decode step one batched product per channel.
 5. Linear layers for a decode batch. For 13-48 rows, MKL's x @ W^T with row-major float32 weights is
    slower than the same product taken as (W @ x^T)^T (16 rows of 512 -> 1536, measured here: 217
    against 99 us with the weight in cache, 302 against 249 us streamed from memory as in a model);
@@ -45,6 +46,8 @@ from . import model_thread
 ATTENTION = "hyserve_sdpa"
 # modules whose forward calls a module-level `torch_recurrent_gated_delta_rule`
 _DELTANET_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next")
+# modules whose forward calls module-level `causal_conv1d_fn` / `causal_conv1d_update`
+_CONV_MODULES = (*_DELTANET_MODULES, "transformers.models.mamba2.modeling_mamba2")
 _SILU = ("silu", "swish")
 
 
@@ -61,8 +64,10 @@ def install(model) -> None:
         model.set_attn_implementation(ATTENTION)
     for name in _DELTANET_MODULES:
         _patch(name, "torch_recurrent_gated_delta_rule", _recurrent_applies, _recurrent_fast)
-        _patch(name, "causal_conv1d_update", _conv_applies, lambda _reference, *a, **k: conv_step(*a, **k))
         _patch(name, "torch_chunk_gated_delta_rule", _chunked_applies, _chunked_fitted)
+    for name in _CONV_MODULES:
+        _patch(name, "causal_conv1d_update", _conv_applies, lambda _reference, *a, **k: conv_step(*a, **k))
+        _patch(name, "causal_conv1d_fn", _conv_fn_applies, lambda _reference, *a, **k: conv_prefill(*a, **k))
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(linear_forward, module)
@@ -195,7 +200,7 @@ def _chunked_fitted(reference, query, key, value, g, beta, **kwargs):
     return reference(query, key, value, g, beta, chunk_size=chunk_size_for(query.shape[1]), **kwargs)
 
 
-# -- causal conv1d decode step ---------------------------------------------------------------------
+# -- depthwise causal conv1d -------------------------------------------------------------------------
 def _conv_applies(hidden_states, conv_state, weight, bias=None, activation=None) -> bool:
     return (hidden_states.shape[-1] == 1 and weight.dim() == 2 and conv_state.shape[-1] >= weight.shape[-1]
             and activation in (None, *_SILU) and hidden_states.dtype == conv_state.dtype == weight.dtype)
@@ -215,4 +220,22 @@ def conv_step(hidden_states, conv_state, weight, bias=None, activation=None):
     else:
         out = torch.baddbmm(bias.view(channels, 1, 1), per_channel, weight.view(channels, kernel, 1))
     out = out.permute(1, 0, 2)  # [b, channels, 1]
+    return F.silu(out) if activation in _SILU else out
+
+
+def _conv_fn_applies(hidden_states, weight, bias=None, activation=None, **kwargs) -> bool:
+    return (weight.dim() == 2 and activation in (None, *_SILU) and hidden_states.dtype == weight.dtype
+            and hidden_states.shape[1] == weight.shape[0])
+
+
+def conv_prefill(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """Depthwise causal conv1d over a whole piece: `hidden_states` [b, channels, L], `weight`
+    [channels, kernel], zero left padding, activated output [b, channels, L]."""
+    kernel, length = weight.shape[1], hidden_states.shape[-1]
+    x = F.pad(hidden_states, (kernel - 1, 0))
+    out = x[:, :, :length] * weight[:, :1]
+    for k in range(1, kernel):
+        out.addcmul_(x[:, :, k : k + length], weight[:, k : k + 1])
+    if bias is not None:
+        out += bias[:, None]
     return F.silu(out) if activation in _SILU else out
