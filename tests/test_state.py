@@ -57,6 +57,40 @@ def test_snapshot_is_a_copy_not_a_view(runtimes, arch):
     assert all(torch.equal(a, b) for a, b in zip(before, _tensors(snap.cache)))
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_restored_state_never_writes_into_its_snapshot(runtimes, arch):
+    """restore shares the snapshot's attention KV; nothing a live state goes through may write into it."""
+    from hyserve import model_thread
+
+    rt = runtimes(arch)
+    ad = rt.adapter
+    ids = _ids(rt, 30, seed=4)
+
+    def scenario():
+        live = ad.new_state()
+        ad.forward(live, ids[:20])
+        snap = ad.snapshot(live)
+        before = [t.clone() for t in _tensors(snap.cache)]
+        a, b = ad.restore(snap, ids[:20]), ad.restore(snap, ids[:20])
+        ad.forward(a, ids[20:25])  # a prefill piece
+        for tok in (5, 6, 7):  # batched decode, rows of different lengths
+            ad.forward_batch([a, b], [tok, tok])
+        point = ad.rollback_point(b)
+        ad.forward(b, ids[25:29])
+        ad.rewind(b, point, ids[25:27])
+        ad.snapshot(a)
+        c = ad.restore(snap, ids[:20])
+        if ad.can_truncate(c):
+            ad.truncate(c, 10)
+            ad.forward(c, ids[10:14])
+        ad.forward_batch([c], [8])
+        ad.drop_batch()
+        return before, snap
+
+    before, snap = model_thread.run(scenario)
+    assert all(torch.equal(x, y) for x, y in zip(before, _tensors(snap.cache)))
+
+
 def _tensors(cache):
     from hyserve.state import _cache_tensors
     return list(_cache_tensors(cache))

@@ -53,10 +53,19 @@ def _cache_tensors(cache) -> Iterable[torch.Tensor]:
                 yield from (t for t in states.values() if isinstance(t, torch.Tensor))
 
 
-def clone_cache(cache_or_layer):
+def clone_cache(cache_or_layer, share_kv: bool = False):
     """Deep copy in which every state tensor is a compact clone. A live state in a decode batch holds
-    views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch."""
-    return copy.deepcopy(cache_or_layer, {id(t): t.clone() for t in _cache_tensors(cache_or_layer)})
+    views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch.
+
+    `share_kv`: the copy references the attention KV tensors of plain `DynamicLayer`s instead of cloning
+    them. That is safe because such a layer never writes into its tensors: `update` concatenates into
+    new ones, `crop` and hyserve's truncation slice or clone (tests/test_state.py checks that a restored
+    state's progress leaves its snapshot bit-identical). Conv and recurrent states are updated in
+    place, so they are always cloned."""
+    shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) if type(layer) is DynamicLayer
+               for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)} if share_kv else set())
+    memo = {id(t): (t if id(t) in shared else t.clone()) for t in _cache_tensors(cache_or_layer)}
+    return copy.deepcopy(cache_or_layer, memo)
 
 
 def cache_nbytes(cache) -> int:
@@ -164,8 +173,10 @@ class FamilyAdapter:
         return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
 
     def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
-        """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests."""
-        return LiveState(cache=clone_cache(snapshot.cache), tokens=list(tokens))
+        """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests.
+        Its attention KV is shared, not copied (see `clone_cache`): the first forward concatenates it
+        into new tensors anyway, so a copy here would copy it twice."""
+        return LiveState(cache=clone_cache(snapshot.cache, share_kv=True), tokens=list(tokens))
 
     def attention_length(self, state: LiveState) -> int | None:
         """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
