@@ -10,7 +10,9 @@ Client side (`openai.AsyncOpenAI`, stream=True): TTFT = request sent -> first co
 ITL = gap between consecutive content chunks of one stream. Server side (GET /metrics, differences
 over each N): runtime-lock hold per engine step (p99 estimated from the histogram buckets), decode
 batch size, cache hits/misses. `decode tok/s` = tokens after the first of every reply / the time
-during which at least one stream was between its first and last content chunk.
+during which at least one stream was between its first and last content chunk (so it includes the
+prefills of other sessions' turns that ran in between); `pass tok/s` = rows decoded by batched decode
+passes / seconds spent in those passes (server side: what batching itself yields under this load).
 
 `--soak S`: 16 sessions loop conversations (a new conversation after T turns) for S seconds against
 the same server with a bounded cache (--cache-mib, default 512), sampling this process's RSS every
@@ -295,6 +297,7 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     p99_step, p99_open = hist_quantile(step, 0.99)
     p50_step, _ = hist_quantile(step, 0.50)
     batch = hist_delta(before, after, "hyserve_decode_batch_size")
+    passes = hist_delta(before, after, "hyserve_decode_pass_seconds")
     hits = delta(before, after, "hyserve_cache_hits_total")
     misses = delta(before, after, "hyserve_cache_misses_total")
     c0, c1 = before["cache"], after["cache"]
@@ -315,7 +318,8 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
         "lock_step_p50": p50_step, "lock_step_p99": p99_step, "lock_step_p99_open": p99_open,
         "lock_step_mean": step["sum"] / step["count"] if step["count"] else None, "steps": step["count"],
         "lock_step_hist": step["buckets"],
-        "decode_passes": batch["count"],
+        "decode_passes": batch["count"], "decode_pass_s": passes["sum"],
+        "decode_pass_tok_s": batch["sum"] / passes["sum"] if passes["sum"] else None,
         "decode_batch_mean": batch["sum"] / batch["count"] if batch["count"] else None,
         "cache_hits": hits, "cache_misses": misses,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
@@ -499,14 +503,14 @@ def _lock(p: dict) -> str:
 
 
 def load_table(phases: list[dict]) -> str:
-    headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "TTFT p50 ms",
+    headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "pass tok/s", "TTFT p50 ms",
                "TTFT p99 ms", "warm TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "lock/step mean ms",
                "lock/step p99 ms", "mean decode batch", "hit rate", "errors", "bg CPU"]
     rows = []
     for p in phases:
         rows.append([p["sessions"], p["requests"], p["output_tokens"], int(p["server_prefill_tokens"]),
                      f"{p['wall_s']:.1f}", C.fmt_ratio(p["output_tok_s"], 1), C.fmt_ratio(p["decode_tok_s"], 1),
-                     _ms(p["ttft_p50"]), _ms(p["ttft_p99"]), _ms(p["ttft_warm_p50"]),
+                     C.fmt_ratio(p.get("decode_pass_tok_s"), 1), _ms(p["ttft_p50"]), _ms(p["ttft_p99"]), _ms(p["ttft_warm_p50"]),
                      _ms(p["itl_p50"]), _ms(p["itl_p99"]), _ms(p["lock_step_mean"]), _lock(p),
                      C.fmt_ratio(p["decode_batch_mean"], 2), C.fmt_pct(p["hit_rate"]), p["errors"],
                      C.fmt_pct(p["others_busy"])])
@@ -632,6 +636,8 @@ async def amain(args) -> int:
         ratio = {"from": lo, "to": hi,
                  "decode": by_n[hi]["decode_tok_s"] / by_n[lo]["decode_tok_s"],
                  "output": by_n[hi]["output_tok_s"] / by_n[lo]["output_tok_s"],
+                 "pass": (by_n[hi]["decode_pass_tok_s"] / by_n[lo]["decode_pass_tok_s"]
+                          if by_n[hi].get("decode_pass_tok_s") and by_n[lo].get("decode_pass_tok_s") else None),
                  "target": TARGET_DECODE_RATIO}
     consistency = reply_consistency(phases)
     print()
@@ -639,7 +645,8 @@ async def amain(args) -> int:
     if ratio:
         ok = "meets" if ratio["decode"] >= TARGET_DECODE_RATIO else "MISSES"
         print(f"\ndecode tok/s N={hi} / N={lo} = {ratio['decode']:.2f}x ({ok} the >= {TARGET_DECODE_RATIO:.0f}x "
-              f"target); output tok/s N={hi} / N={lo} = {ratio['output']:.2f}x")
+              f"target); output tok/s N={hi} / N={lo} = {ratio['output']:.2f}x"
+              + (f"; decode-pass tok/s N={hi} / N={lo} = {ratio['pass']:.2f}x" if ratio["pass"] else ""))
     print(f"replies identical to the first phase that ran the same session: {consistency['equal_turns']}/"
           f"{consistency['compared_turns']} turns compared")
     print(f"engine after the load: {idle['steps_in_2s']:.0f} steps in 2 s idle, running {idle['running']:.0f}, "

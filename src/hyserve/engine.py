@@ -107,6 +107,11 @@ class _Job:
 PIECE_COST = 64
 
 
+def _deliver(pairs: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
+
+
 def _expired(req: GenerationRequest, now: float) -> bool:
     return req.timeout is not None and now - req.arrival > req.timeout
 
@@ -155,6 +160,9 @@ class Engine:
         self.make_proposer = (lambda prompt: PromptLookup(speculative, prompt)) if speculative else None
         self._stopping = False
         self._rebuilding = False
+        # Items for `stream` consumers, delivered to their event loops in one wake-up per loop (`_flush`):
+        # a wake-up per token per request cost the model thread ~3 % at 16 streams.
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
@@ -202,8 +210,23 @@ class Engine:
         and one Finished (or Failed). Leaving the iteration early cancels the request."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        self.submit(req, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        self.submit(req, lambda item: self._outbox.append((loop, items, item)))
         return self._drain(req, items)
+
+    def _flush(self) -> None:
+        """Deliver the `stream` items emitted since the last flush: one call per event loop. Called before
+        each forward pass that follows emits, and at the end of every step."""
+        if not self._outbox:
+            return
+        box, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue, item in box:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, pairs)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     async def _drain(self, req: GenerationRequest, items: asyncio.Queue) -> AsyncIterator[object]:
         try:
@@ -235,6 +258,8 @@ class Engine:
                 model_thread.run(self.step)  # every engine's model work runs on the one model thread
             except Exception:  # a bug in a step must not kill the worker; the runs involved were failed
                 log.exception("engine step failed")
+            finally:
+                self._flush()
 
     def step(self) -> None:
         sched = self.scheduler
@@ -410,15 +435,19 @@ class Engine:
                 else:
                     proposals = run.proposer.propose()[: run.req.max_tokens - len(run.out.generated)]
             if proposals:
+                self._flush()
                 run.logits, reason = self._speculate(run, token, proposals)
                 if reason is not None:
                     self._finish(run, reason)
             else:
                 batch.append(run)
                 tokens.append(token)
+        self._flush()  # the tokens just sampled reach their streams before the next pass, not after it
         if batch:
             self.metrics.decode_batch.observe(len(batch))
+            t0 = time.perf_counter()
             logits = self.runtime.adapter.forward_batch([r.state for r in batch], tokens)
+            self.metrics.decode_pass.observe(time.perf_counter() - t0)
             for i, run in enumerate(batch):
                 run.logits = logits[i]
 
