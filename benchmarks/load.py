@@ -11,8 +11,12 @@ ITL = gap between consecutive content chunks of one stream. Server side (GET /me
 over each N): runtime-lock hold per engine step (p99 estimated from the histogram buckets), decode
 batch size, cache hits/misses. `decode tok/s` = tokens after the first of every reply / the time
 during which at least one stream was between its first and last content chunk (so it includes the
-prefills of other sessions' turns that ran in between); `pass tok/s` = rows decoded by batched decode
-passes / seconds spent in those passes (server side: what batching itself yields under this load).
+prefills of other sessions' turns that ran in between, at N=1 it does not); `steady decode tok/s` = the
+same tokens, counted only while all N sessions were in flight (from the last session's first request to
+the first session's last reply: sessions finish at different times, and the wind-down after that is a
+load of fewer than N sessions), over that span, prefills included at every N; `pass tok/s` = rows
+decoded by batched decode passes / seconds spent in those passes (server side: what batching itself
+yields under this load).
 
 `--soak S`: 16 sessions loop conversations (a new conversation after T turns) for S seconds against
 the same server with a bounded cache (--cache-mib, default 512), sampling this process's RSS every
@@ -120,6 +124,32 @@ def union_seconds(intervals) -> float:
         elif b > end:
             total += b - end
             end = b
+    return total
+
+
+def steady_window(results: list[dict], n: int) -> tuple[float, float] | None:
+    """The span in which all `n` sessions were in flight: from the last session's first request to the first
+    session's last reply. Before it sessions are still starting; after it the phase winds down, with fewer
+    than `n` sessions left (they end at different times), which is not a load of `n` sessions any more."""
+    spans: dict[int, list[float]] = {}
+    for r in results:
+        a, b = spans.setdefault(r["session"], [r["start"], r["end"]])
+        spans[r["session"]] = [min(a, r["start"]), max(b, r["end"])]
+    if len(spans) < n:
+        return None
+    start, end = max(a for a, _ in spans.values()), min(b for _, b in spans.values())
+    return (start, end) if end > start else None
+
+
+def decode_tokens_between(results: list[dict], start: float, end: float) -> float:
+    """Tokens after the first of each reply whose chunk arrived in [start, end] (a reply's decode tokens are
+    spread evenly over its chunks after the first: the detokenizer may hold a token back and send two)."""
+    total = 0.0
+    for r in results:
+        later = r["chunk_times"][1:]
+        if later:
+            per = (r["completion_tokens"] - 1) / len(later)
+            total += per * sum(1 for t in later if start <= t <= end)
     return total
 
 
@@ -235,7 +265,7 @@ async def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -
         "start": t0, "end": t1,
         "ttft": chunk_times[0] - t0 if chunk_times else None,
         "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-        "first_chunk": chunk_times[0] if chunk_times else None,
+        "first_chunk": chunk_times[0] if chunk_times else None, "chunk_times": chunk_times,
         "last_chunk": chunk_times[-1] if chunk_times else None,
         "text": "".join(parts), "finish": finish,
         "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
@@ -244,7 +274,7 @@ async def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -
 
 
 async def run_session(client, model, conv: Conversation, turns: int, max_tokens: int, results: list,
-                      errors: list, deadline: float | None = None) -> list[str]:
+                      errors: list, deadline: float | None = None, session: int = 0) -> list[str]:
     """One conversation, turn by turn; appends one dict per completed request to `results`. Returns
     the reply texts. Stops at the first failed turn (the history would be broken) or past `deadline`."""
     messages = [{"role": "system", "content": conv.system}]
@@ -258,7 +288,7 @@ async def run_session(client, model, conv: Conversation, turns: int, max_tokens:
         except Exception as exc:  # counted, reported, never retried
             errors.append(f"turn {t + 1}: {type(exc).__name__}: {exc}"[:300])
             break
-        r["turn"] = t + 1
+        r["turn"], r["session"] = t + 1, session
         results.append(r)
         replies.append(r["text"])
         messages.append({"role": "assistant", "content": r["text"]})
@@ -271,8 +301,8 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     results, errors = [], []
     mon = C.CpuMonitor()
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(run_session(client, model, convs[i], args.turns, args.max_tokens, results, errors))
-             for i in range(n)]
+    tasks = [asyncio.create_task(run_session(client, model, convs[i], args.turns, args.max_tokens, results, errors,
+                                             session=i)) for i in range(n)]
     done, pending = await asyncio.wait(tasks, timeout=args.phase_timeout)
     for task in pending:
         task.cancel()
@@ -290,6 +320,8 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     out_tokens = sum(r["completion_tokens"] for r in results)
     dec_tokens = sum(max(0, r["completion_tokens"] - 1) for r in results)
     dec_time = union_seconds([(r["first_chunk"], r["last_chunk"]) for r in results if r["first_chunk"]])
+    window = steady_window(results, n)
+    steady_tokens = decode_tokens_between(results, *window) if window else None
     ttfts = [r["ttft"] for r in results]
     warm = [r["ttft"] for r in results if r["turn"] > 1]
     itls = [x for r in results for x in r["itl"]]
@@ -308,6 +340,8 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
         "output_tokens": out_tokens, "output_tok_s": out_tokens / wall if wall else None,
         "decode_tokens": dec_tokens, "decode_active_s": dec_time,
         "decode_tok_s": dec_tokens / dec_time if dec_time else None,
+        "steady_s": window[1] - window[0] if window else None, "steady_decode_tokens": steady_tokens,
+        "steady_decode_tok_s": steady_tokens / (window[1] - window[0]) if window else None,
         "prompt_tokens": sum(r["prompt_tokens"] for r in results),
         "cached_tokens": sum(r["cached_tokens"] for r in results),
         "server_prefill_tokens": delta(before, after, "hyserve_prefill_tokens_computed_total"),
@@ -503,13 +537,15 @@ def _lock(p: dict) -> str:
 
 
 def load_table(phases: list[dict]) -> str:
-    headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "pass tok/s", "TTFT p50 ms",
+    headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "steady s",
+               "steady decode tok/s", "pass tok/s", "TTFT p50 ms",
                "TTFT p99 ms", "warm TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "lock/step mean ms",
                "lock/step p99 ms", "mean decode batch", "hit rate", "errors", "bg CPU"]
     rows = []
     for p in phases:
         rows.append([p["sessions"], p["requests"], p["output_tokens"], int(p["server_prefill_tokens"]),
                      f"{p['wall_s']:.1f}", C.fmt_ratio(p["output_tok_s"], 1), C.fmt_ratio(p["decode_tok_s"], 1),
+                     C.fmt_ratio(p.get("steady_s"), 1), C.fmt_ratio(p.get("steady_decode_tok_s"), 1),
                      C.fmt_ratio(p.get("decode_pass_tok_s"), 1), _ms(p["ttft_p50"]), _ms(p["ttft_p99"]), _ms(p["ttft_warm_p50"]),
                      _ms(p["itl_p50"]), _ms(p["itl_p99"]), _ms(p["lock_step_mean"]), _lock(p),
                      C.fmt_ratio(p["decode_batch_mean"], 2), C.fmt_pct(p["hit_rate"]), p["errors"],
@@ -638,6 +674,8 @@ async def amain(args) -> int:
                  "output": by_n[hi]["output_tok_s"] / by_n[lo]["output_tok_s"],
                  "pass": (by_n[hi]["decode_pass_tok_s"] / by_n[lo]["decode_pass_tok_s"]
                           if by_n[hi].get("decode_pass_tok_s") and by_n[lo].get("decode_pass_tok_s") else None),
+                 "steady": (by_n[hi]["steady_decode_tok_s"] / by_n[lo]["steady_decode_tok_s"]
+                            if by_n[hi].get("steady_decode_tok_s") and by_n[lo].get("steady_decode_tok_s") else None),
                  "target": TARGET_DECODE_RATIO}
     consistency = reply_consistency(phases)
     print()
@@ -646,6 +684,7 @@ async def amain(args) -> int:
         ok = "meets" if ratio["decode"] >= TARGET_DECODE_RATIO else "MISSES"
         print(f"\ndecode tok/s N={hi} / N={lo} = {ratio['decode']:.2f}x ({ok} the >= {TARGET_DECODE_RATIO:.0f}x "
               f"target); output tok/s N={hi} / N={lo} = {ratio['output']:.2f}x"
+              + (f"; steady decode tok/s N={hi} / N={lo} = {ratio['steady']:.2f}x" if ratio["steady"] else "")
               + (f"; decode-pass tok/s N={hi} / N={lo} = {ratio['pass']:.2f}x" if ratio["pass"] else ""))
     print(f"replies identical to the first phase that ran the same session: {consistency['equal_turns']}/"
           f"{consistency['compared_turns']} turns compared")
