@@ -116,7 +116,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-# -- module-level functions of transformers' Gated DeltaNet models -----------------------------------
+# -- transformers' module-level functions (Gated DeltaNet, Mamba2) ----------------------------------
 def _patch(module_name: str, attr: str, applies, fast) -> None:
     """Replace `module_name.attr` by a function that calls `fast(original, ...)` when `applies(...)` on the
     model thread, and the original (kept as `_hyserve_reference`) otherwise."""
