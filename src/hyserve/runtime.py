@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from . import kernels, model_thread
+from .prompt_tokens import PrefixEncoder
 from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,6 +42,11 @@ class ModelRuntime:
     eos_token_ids: frozenset[int]
     max_model_len: int
     lock: threading.Lock
+    prompt_encoder: PrefixEncoder | None = None  # tokenizes a prompt from the ids of an earlier one it extends
+
+    def __post_init__(self) -> None:
+        if self.prompt_encoder is None:
+            self.prompt_encoder = PrefixEncoder(self.tokenizer)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
@@ -94,8 +100,9 @@ class ModelRuntime:
         return ids
 
     def render_many(self, items: Sequence[tuple[list[dict], bool]]) -> list[list[int] | Exception]:
-        """`render_chat` of several (messages, add_generation_prompt) at once: the Rust tokenizer encodes the
-        texts in parallel. A template error is returned in its item's place, not raised."""
+        """`render_chat` of several (messages, add_generation_prompt) at once, each text tokenized from the
+        ids of the longest earlier text it extends (`prompt_tokens`). A template error is returned in its
+        item's place, not raised."""
         texts: list[str | Exception] = []
         for messages, gen in items:
             try:
@@ -103,11 +110,11 @@ class ModelRuntime:
             except Exception as exc:
                 texts.append(exc)
         good = [t for t in texts if isinstance(t, str)]
-        encoded = iter(self.tokenizer(good, add_special_tokens=False)["input_ids"] if good else [])
+        encoded = iter(self.prompt_encoder.encode_many(good) if good else [])
         return [list(next(encoded)) if isinstance(t, str) else t for t in texts]
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.prompt_encoder.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
