@@ -118,9 +118,10 @@ def test_a_mismatch_turns_the_reuse_off_and_returns_the_full_encode(tokenizer, m
     monkeypatch.setattr(prompt_tokens, "VERIFY_EVERY", 1)
     real = encoder._reference
     monkeypatch.setattr(encoder, "_reference", lambda text: real(text) + [7])  # a "different" tokenizer
-    msgs = [{"role": "user", "content": "hello there, " * 20}]
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello there, " * 20}]
     a = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     encoder.encode(a)
     b = a + "<|im_start|>user\nmore<|im_end|>\n"
     assert encoder.encode(b) == real(b) + [7]  # the reference wins
+    assert encoder.reused_tokens > 0
     assert not encoder.enabled and "mismatch" in encoder.reason

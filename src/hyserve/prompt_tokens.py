@@ -10,7 +10,7 @@ has an added token matched at character s, and a new text T starts with P, then
 
     ids(T) = ids(P)[:j] + ids(T[s:])        (j = the index of that added token in ids(P))
 
-as long as the match at s does not depend on what follows P: it must end at least the longest added
+as long as the match at s does not depend on what follows P: it must start at least the longest added
 token's length before the end of P. `PrefixEncoder` keeps the last texts it encoded with the positions
 of their added tokens and uses the longest cached prefix of each new text.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Sequence
 
@@ -38,13 +39,14 @@ _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
 
 
 class PrefixEncoder:
-    """`encode_many(texts)` equals the backend tokenizer's encode (no special tokens added) text by text."""
+    """`encode_many(texts)` equals the transformers tokenizer's own call (`add_special_tokens=False`) text by
+    text. Cached ids are kept as int32 arrays (a 32k-token prompt is 128 KiB)."""
 
     def __init__(self, tokenizer, capacity: int = 64):
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[array, list[tuple[int, int]]]] = OrderedDict()
         self._lock = threading.Lock()
         self._reuses = 0
         self.reused_tokens = 0  # ids taken from a cached prefix instead of being tokenized again
@@ -80,39 +82,44 @@ class PrefixEncoder:
         return list(self._tokenizer([text], add_special_tokens=False)["input_ids"][0])
 
     def _full(self, text: str, base: int = 0, first: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` and its cut points (character position + `base`, token index + `first`)."""
         enc = self._backend.encode(text, add_special_tokens=False)
-        cuts = [(base + enc.offsets[i][0], first + i) for i, t in enumerate(enc.ids) if t in self._cuts]
-        return list(enc.ids), cuts
+        ids = enc.ids
+        at = [i for i, t in enumerate(ids) if t in self._cuts]
+        offsets = enc.offsets if at else []
+        return ids, [(base + offsets[i][0], first + i) for i in at]
 
     def _encode(self, text: str) -> list[int]:
         with self._lock:
             hit = self._entries.get(text)
             if hit is not None:
                 self._entries.move_to_end(text)
-                return list(hit[0])
+                return hit[0].tolist()
             prefix = max((p for p in self._entries if len(p) < len(text) and text.startswith(p)), key=len, default=None)
             base = self._entries[prefix] if prefix is not None else None
-        ids, cuts = None, None
+        ids, cuts, reused = None, None, 0
         if base is not None:
             p_ids, p_cuts = base
-            usable = [c for c in p_cuts if c[0] + self._margin <= len(prefix)]
+            usable = [c for c in p_cuts if c[0] + self._margin <= len(prefix) and c[1] > 0]
             if usable:
                 s, j = usable[-1]
                 tail_ids, tail_cuts = self._full(text[s:], s, j)
-                ids, cuts = p_ids[:j] + tail_ids, [c for c in p_cuts if c[1] < j] + tail_cuts
-                self._reuses += 1
-                self.reused_tokens += j
-                if self._reuses % VERIFY_EVERY == 0 and self._reference(text) != ids:
-                    self._disable(f"mismatch on a {len(ids)}-token text")
-                    return self._reference(text)
+                ids, cuts, reused = p_ids[:j].tolist() + tail_ids, [c for c in p_cuts if c[1] < j] + tail_cuts, j
         if ids is None:
             ids, cuts = self._full(text)
         with self._lock:
-            self._entries[text] = (ids, cuts)
+            if reused:
+                self._reuses += 1
+                self.reused_tokens += reused
+                verify = self._reuses % VERIFY_EVERY == 0
+            self._entries[text] = (array("i", ids), cuts)
             self._entries.move_to_end(text)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
-        return list(ids)
+        if reused and verify and self._reference(text) != ids:
+            self._disable(f"mismatch on a {len(ids)}-token text")
+            return self._reference(text)
+        return ids
 
     def _disable(self, why: str) -> None:
         log.error("prompt prefix reuse disabled, every prompt is tokenized in full from now on: %s", why)
@@ -134,14 +141,13 @@ class PrefixEncoder:
             texts.append(text)
         for k in range(len(texts)):
             texts.append(texts[k] + marks[0] + "assistant\n")
-        saved, self._entries, self.reason = self._entries, OrderedDict(), None
         try:
             for text in texts:
                 want = self._reference(text)
                 if self._full(text)[0] != want or self._encode(text) != want:
                     return "self-check failed: prefix reuse does not reproduce this tokenizer's ids"
         finally:
-            self._entries = saved
+            self._entries.clear()
             self._reuses = self.reused_tokens = 0
         return None
 
