@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hyserve.cache.policy import CheckpointPolicy
@@ -10,6 +12,15 @@ from hyserve.service import ServiceConfig, build_service
 from hyserve.tiny import ARCHS, make_tiny_model
 
 FAMILIES = ARCHS  # qwen3_5, qwen3_next, mamba2, qwen3
+
+
+def wait_idle(service, timeout: float = 30) -> None:
+    """Wait until the engine has no request and no idle-time job left (deferred checkpoints, rebuilds), as
+    when a user reads a reply before sending the next turn."""
+    deadline = time.time() + timeout
+    while not service.engine.idle:
+        assert time.time() < deadline, "engine did not become idle"
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 from hyserve.engine import GenerationRequest
 from hyserve.sampling import SamplingParams
 
-from .conftest import FAMILIES
+from .conftest import FAMILIES, wait_idle
 
 GREEDY = SamplingParams(temperature=0.0)
 LONG = " ".join(["The quick brown fox jumps over the lazy dog while the robot paints."] * 6)
@@ -37,7 +37,7 @@ def run_chat(service, script=SCRIPT, max_tokens=8, pause=True):
         results.append((fin.token_ids, fin.cached_tokens, len(prompt), boundary))
         history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
         if pause:
-            _wait_idle(service)
+            wait_idle(service)
     return results
 
 
@@ -68,7 +68,7 @@ def test_back_to_back_turns_take_over_deferred_checkpoints(make_service):
     for turn in (1, 2):  # restored at least from the previous turn's own restore point
         assert got[turn][1] >= got[turn - 1][1] and got[turn][1] > 0
     # every deferred history boundary of turns 1 and 2 ends up in the tree, by a job or by the next turn
-    _wait_idle(on)
+    wait_idle(on)
     depths = {s.num_tokens for _, s in on.cache.tree.snapshots()}
     assert {got[0][3], got[1][3]} <= depths
 
@@ -179,7 +179,7 @@ def test_no_duplicate_checkpoints_on_regeneration(make_service):
     recorded = []
     for _ in range(3):
         svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=3, sampling=GREEDY, messages=messages))
-        _wait_idle(svc)  # the deferred history checkpoint is recorded in idle time
+        wait_idle(svc)  # the deferred history checkpoint is recorded in idle time
         # idle-time reply rebuilds (kind reply_rerender) differ with each random reply; count the rest
         recorded.append(sum(e["event"] == "recorded" and e["kind"] != "reply_rerender"
                             for e in svc.cache.telemetry.recent))
@@ -187,14 +187,6 @@ def test_no_duplicate_checkpoints_on_regeneration(make_service):
     depths = [s.num_tokens for _, s in svc.cache.tree.snapshots()]
     assert len(depths) == len(set(depths))
     assert any(e["event"] == "skipped" for e in svc.cache.telemetry.recent)
-
-
-def _wait_idle(svc, timeout=30):
-    import time
-    deadline = time.time() + timeout
-    while not svc.engine.idle:  # includes idle-time rebuilds
-        assert time.time() < deadline
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
@@ -214,7 +206,7 @@ def test_reply_that_does_not_retokenize_is_rebuilt_in_idle_time(make_service, ar
             assert a.cached_tokens == prior  # everything before the new user message
             full_hits += 1
         history = messages + [{"role": "assistant", "content": a.text}]
-        _wait_idle(on)
+        wait_idle(on)
     assert full_hits == 2
     assert any(e["event"] == "recorded" and e["kind"] == "reply_rerender" for e in on.cache.telemetry.recent)
 

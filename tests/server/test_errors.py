@@ -1,10 +1,11 @@
 """Bad input gets an OpenAI error body with the right status, and never touches the cache."""
 
 import json
-import time
 
 import httpx
 import pytest
+
+from ..conftest import wait_idle
 
 MODEL = "tiny-qwen3_5"
 OK_MSGS = [{"role": "user", "content": "hi"}]
@@ -79,19 +80,11 @@ def _generated_total(srv) -> float:
     return sum(s.value for s in fam["hyserve_generation_tokens"].samples if s.name.endswith("_total"))
 
 
-def _wait_idle(srv, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if srv.service.engine.idle:
-            return
-        time.sleep(0.05)
-    raise AssertionError("engine did not become idle")
-
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_stops_generation(qwen35_server, stream):
     srv = qwen35_server
-    _wait_idle(srv)
+    wait_idle(srv.service)
     start = _generated_total(srv)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}],
             "max_tokens": 3000, "temperature": 0, "stream": stream}
@@ -103,7 +96,7 @@ def test_client_disconnect_stops_generation(qwen35_server, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, timeout=0.5)
-    _wait_idle(srv)
+    wait_idle(srv.service)
     generated = _generated_total(srv) - start
     assert 0 < generated < 3000
     events = httpx.get(f"{srv.base_url}/v1/cache/events").json()["events"]
