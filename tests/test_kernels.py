@@ -15,9 +15,14 @@ class _Attn(torch.nn.Module):
     is_causal = True
 
 
-def _reference_recurrent():
-    fn = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+def _reference(name: str):
+    """transformers' own function `name` of the qwen3_5 module, whether or not hyserve patched it."""
+    fn = getattr(modeling_qwen3_5, name)
     return getattr(fn, "_hyserve_reference", fn)
+
+
+def _reference_recurrent():
+    return _reference("torch_recurrent_gated_delta_rule")
 
 
 def _deltanet_inputs(b, hk, h, d, seed=0):
@@ -55,8 +60,7 @@ def test_recurrent_step_leaves_a_state_it_cannot_update_in_place_alone():
 
 
 def _reference_conv():
-    fn = modeling_qwen3_5.causal_conv1d_update
-    return getattr(fn, "_hyserve_reference", fn)
+    return _reference("causal_conv1d_update")
 
 
 @pytest.mark.parametrize("b,state_len,bias,activation", [(1, 4, True, "silu"), (5, 4, False, None),
@@ -137,8 +141,7 @@ def test_linear_forward_matches_nn_linear(rows, bias):
 
 
 def _reference_chunked():
-    fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
-    return getattr(fn, "_hyserve_reference", fn)
+    return _reference("torch_chunk_gated_delta_rule")
 
 
 @pytest.mark.parametrize("length", [1, 15, 79, 97, 150])
@@ -180,8 +183,7 @@ def test_conv_prefill_equals_the_reference(length, bias, activation):
     x = torch.randn(2, 24, length, generator=g)
     weight = torch.randn(24, 4, generator=g)
     bias_t = torch.randn(24, generator=g) if bias else None
-    fn = modeling_qwen3_5.causal_conv1d_fn
-    want = getattr(fn, "_hyserve_reference", fn)(x, weight, bias_t, activation)
+    want = _reference("causal_conv1d_fn")(x, weight, bias_t, activation)
     got = kernels.conv_prefill(x, weight, bias_t, activation)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -12,8 +12,8 @@ engines, and benchmarks that time a bare forward pass, hand their model work to 
 The thread also flushes denormal floats to zero (x86 FTZ/DAZ) before its first PyTorch operation. The
 flag is per thread and OpenMP workers copy it from the thread that creates them, so it must be set
 before the pool exists. Gated DeltaNet prefill produces denormals (decays exp(-large)), and each one
-costs a slow micro-coded path: measured here, a cold 4.1k-token prefill ran 1.22x and a 79-token warm
-one 1.07x faster (`benchmarks/kernels.py`). Values below 1.2e-38 become 0, far below float32 rounding
+costs a slow micro-coded path: `benchmarks/kernels.py` measures what flushing buys (a cold 4.1k-token
+prefill and a 79-token warm one). Values below 1.2e-38 become 0, far below float32 rounding
 of any logit. `HYSERVE_FLUSH_DENORMAL=0` turns it off.
 """
 

@@ -50,12 +50,13 @@ class PrefixEncoder:
         self._lock = threading.Lock()
         self._reuses = 0
         self.reused_tokens = 0  # ids taken from a cached prefix instead of being tokenized again
-        self.reason = _unsupported(tokenizer)
+        config = json.loads(self._backend.to_str()) if self._backend is not None else None
+        self.reason = _unsupported(tokenizer, config)
         if self.reason is None:
-            config = json.loads(self._backend.to_str())
-            self._cuts = {t["id"] for t in config["added_tokens"] if _cut_point(t)}
+            cut_tokens = [t for t in config["added_tokens"] if _cut_point(t)]
+            self._cuts = {t["id"] for t in cut_tokens}
             self._margin = max(len(t["content"]) for t in config["added_tokens"])
-            self.reason = self._self_check()
+            self.reason = self._self_check([t["content"] for t in cut_tokens][:3])
         if self.reason is not None:
             log.info("prompt prefix reuse off, prompts are tokenized in full: %s", self.reason)
 
@@ -127,12 +128,9 @@ class PrefixEncoder:
         with self._lock:
             self._entries.clear()
 
-    def _self_check(self) -> str | None:
-        """Encode chat-like texts both ways; a difference turns the reuse off."""
-        config = json.loads(self._backend.to_str())
-        marks = [t["content"] for t in config["added_tokens"] if t["id"] in self._cuts][:3]
-        if not marks:
-            return "no special tokens to cut at"
+    def _self_check(self, marks: list[str]) -> str | None:
+        """Encode chat-like texts built around the cut tokens `marks` both ways; a difference turns the
+        reuse off."""
         pieces = ["system\nYou are a helpful assistant.", "user\n  Hello,  world!\n\n", "assistant\nSure: 12345 "
                   "=> ok\t", "user\nnaïve café, 東京 😀 x", "assistant\n\n  ", "user\n" + "word " * 40]
         texts, text = [], ""
@@ -157,16 +155,16 @@ def _cut_point(token: dict) -> bool:
             and not token.get("rstrip") and not token.get("single_word"))
 
 
-def _unsupported(tokenizer) -> str | None:
-    """None when the tokenizer's pipeline cuts at added tokens and treats every piece alike; else why not."""
+def _unsupported(tokenizer, config: dict | None) -> str | None:
+    """None when the tokenizer's pipeline (`config`: its backend's JSON) cuts at added tokens and treats every
+    piece alike; else why not."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    if backend is None or config is None:
         return "not a fast (Rust) tokenizer"
     if getattr(tokenizer, "split_special_tokens", False):
         return "split_special_tokens is set"
     if backend.truncation is not None or backend.padding is not None:
         return "the tokenizer has truncation or padding configured"
-    config = json.loads(backend.to_str())
     if not any(_cut_point(t) for t in config.get("added_tokens", [])):
         return "no special token to cut at"
     normalizer = config.get("normalizer")

@@ -111,7 +111,7 @@ class ModelRuntime:
                 texts.append(exc)
         good = [t for t in texts if isinstance(t, str)]
         encoded = iter(self.prompt_encoder.encode_many(good) if good else [])
-        return [list(next(encoded)) if isinstance(t, str) else t for t in texts]
+        return [next(encoded) if isinstance(t, str) else t for t in texts]  # fresh lists already
 
     def encode(self, text: str) -> list[int]:
         return self.prompt_encoder.encode(text)
