@@ -101,6 +101,35 @@ def test_gqa_attention_is_bit_identical_to_transformers_sdpa(q_len, kv_len):
     assert not torch.allclose(wrong, want)
 
 
+@pytest.mark.parametrize("q_len,prefix", [(1, 1500), (79, 4121), (5, 1100)])
+def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_len, prefix):
+    g = torch.Generator().manual_seed(q_len)
+    kv_len = prefix + q_len
+    q = torch.randn(1, q_len, 8, 16, generator=g).transpose(1, 2)
+    k, v = torch.randn(1, 2, kv_len, 16, generator=g), torch.randn(1, 2, kv_len, 16, generator=g)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(prefix)[None, None]
+    assert kernels._short_over_long(q, k, mask)
+    want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.25)
+    got, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each query head reads its own group's keys: a group order mix-up or a dropped mask is caught
+    swapped = torch.cat([k[:, 1:], k[:, :1]], dim=1)
+    assert not torch.allclose(kernels.grouped_attention(q, swapped, v, mask, 0.25).transpose(1, 2), want, atol=1e-3)
+    if q_len > 1:
+        open_mask = torch.ones_like(mask)
+        assert not torch.allclose(kernels.grouped_attention(q, k, v, open_mask, 0.25).transpose(1, 2), want,
+                                  atol=1e-3)
+
+
+def test_long_pieces_and_batches_keep_sdpa():
+    q, k = torch.zeros(1, 8, 512, 16), torch.zeros(1, 2, 4600, 16)
+    mask = torch.ones(1, 1, 512, 4600, dtype=torch.bool)
+    assert not kernels._short_over_long(q, k, mask)  # scores would not fit in cache
+    assert not kernels._short_over_long(q[:, :, :8], k[:, :, :600], mask[..., :8, :600])  # a short cache
+    assert not kernels._short_over_long(q[:, :, :8].expand(2, -1, -1, -1), k, mask[..., :8, :])  # a batch
+
+
 def test_kernels_apply_on_the_model_thread_only(make_service):
     make_service("qwen3_5")  # loading a model installs the kernels
     fn = modeling_qwen3_5.torch_recurrent_gated_delta_rule
@@ -159,6 +188,42 @@ def test_fitted_chunks_equal_transformers_64_token_chunks(length):
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("length,chunk,hk,decay", [(1, 16, 2, 1.0), (79, 80, 2, 1.0), (79, 80, 4, 40.0),
+                                                  (150, 32, 2, 40.0), (200, 64, 4, 3.0)])
+def test_chunked_delta_rule_equals_the_reference(length, chunk, hk, decay):
+    """Including decays strong enough that exp underflows inside a chunk (where `safe_exp` returns 0)."""
+    g = torch.Generator().manual_seed(length)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = dict(query=r(1, length, hk, 16), key=r(1, length, hk, 16), value=r(1, length, 4, 16),
+             g=-torch.rand(1, length, 4, generator=g) * decay, beta=torch.rand(1, length, 4, generator=g),
+             initial_state=r(1, 4, 16, 16) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = model_thread.run(_reference_chunked(), **x, chunk_size=chunk)
+    out, state = model_thread.run(kernels.chunked_delta_rule, **x, chunk_size=chunk)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    x["g"] = x["g"] * 0.5
+    assert not torch.allclose(model_thread.run(kernels.chunked_delta_rule, **x, chunk_size=chunk)[1], want_state)
+
+
+def test_chunked_delta_rule_without_a_state_starts_from_zero():
+    g = torch.Generator().manual_seed(1)
+    x = dict(query=torch.randn(1, 40, 2, 16, generator=g), key=torch.randn(1, 40, 2, 16, generator=g),
+             value=torch.randn(1, 40, 2, 16, generator=g), g=-torch.rand(1, 40, 2, generator=g),
+             beta=torch.rand(1, 40, 2, generator=g))
+    out, state = kernels.chunked_delta_rule(**x, chunk_size=16)
+    want, _ = _reference_chunked()(**x, chunk_size=16)
+    assert state is None
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_safe_exp_is_exp_above_the_floor_and_zero_below():
+    x = torch.tensor([0.0, -1.0, -50.0, -86.9, -87.5, -200.0, float("-inf")])
+    got = kernels.safe_exp(x)
+    assert torch.equal(got[:4], x[:4].exp())
+    assert torch.equal(got[4:], torch.zeros(3))
+    assert torch.equal(x, torch.tensor([0.0, -1.0, -50.0, -86.9, -87.5, -200.0, float("-inf")]))  # input untouched
+
+
 def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
     make_service("qwen3_5")  # loading a model installs the kernels
     fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
@@ -173,7 +238,7 @@ def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
     assert seen == []
     out, _ = model_thread.run(fn, **x)
     assert seen == [20]
-    assert torch.equal(out, reference(**x, chunk_size=16)[0])
+    torch.testing.assert_close(out, reference(**x, chunk_size=16)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("length,bias,activation", [(1, True, "silu"), (7, False, None), (83, True, None),
