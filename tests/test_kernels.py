@@ -125,7 +125,8 @@ def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_
 def test_long_pieces_and_batches_keep_sdpa():
     q, k = torch.zeros(1, 8, 512, 16), torch.zeros(1, 2, 4600, 16)
     mask = torch.ones(1, 1, 512, 4600, dtype=torch.bool)
-    assert not kernels._short_over_long(q, k, mask)  # scores would not fit in cache
+    assert not kernels._short_over_long(q, k, mask)  # a long piece (its scores would not fit in cache either)
+    assert not kernels._short_over_long(q[:, :, :129], k[:, :, :1100], mask[..., :129, :1100])
     assert not kernels._short_over_long(q[:, :, :8], k[:, :, :600], mask[..., :8, :600])  # a short cache
     assert not kernels._short_over_long(q[:, :, :8].expand(2, -1, -1, -1), k, mask[..., :8, :])  # a batch
 

@@ -127,6 +127,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 # A few queries against a long cache (a warm turn's new message): plain products beat SDPA's CPU flash
 # kernel when every score fits in cache at once (benchmarks/kernels.py `attention`).
+SHORT_MAX_QUERIES = 128
 SHORT_MIN_KEYS = 1024
 SHORT_MAX_SCORE_BYTES = 24 << 20
 
@@ -135,7 +136,7 @@ def _short_over_long(query, key, mask) -> bool:
     b, h, length, _ = query.shape
     keys = key.shape[2]
     return (b == 1 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-            and keys >= SHORT_MIN_KEYS and h * length * keys * 4 <= SHORT_MAX_SCORE_BYTES
+            and length <= SHORT_MAX_QUERIES and keys >= SHORT_MIN_KEYS and h * length * keys * 4 <= SHORT_MAX_SCORE_BYTES
             and query.dtype == torch.float32)
 
 

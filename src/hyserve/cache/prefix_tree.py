@@ -215,11 +215,19 @@ class PrefixTree:
 
 
 def _common_len(edge: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
-    n = 0
+    """Length of the common start of `edge` and `tokens[pos:]`. Slices compare in C: a whole-edge match
+    (the usual case, a 4k-token history) is one comparison, a divergence is found by bisection."""
     limit = min(len(edge), len(tokens) - pos)
-    while n < limit and edge[n] == tokens[pos + n]:
-        n += 1
-    return n
+    if tuple(tokens[pos : pos + limit]) == edge[:limit]:
+        return limit
+    lo, hi = 0, limit  # edge[:lo] matches, edge[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tuple(tokens[pos + lo : pos + mid]) == edge[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _has_snapshot_below(node: _Node) -> bool:
