@@ -148,9 +148,16 @@ def grouped_attention(query, key, value, mask, scaling=None):
     b, h, length, d = query.shape
     hk, keys = key.shape[1], key.shape[2]
     groups = h // hk
-    scores = torch.matmul(query.reshape(b, hk, groups * length, d), key.transpose(-1, -2))
-    scores.view(b, hk, groups, length, keys).masked_fill_(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores.mul_(d**-0.5 if scaling is None else scaling), dim=-1)
+    scale = d**-0.5 if scaling is None else scaling  # applied to the queries: 79 rows, not 79 x 4.2k scores
+    scores = torch.matmul((query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2))
+    blocked = ~mask
+    # only the columns some query may not see (a cached prefix is open to all): a warm turn's last 79
+    hidden = torch.nonzero(blocked.any(dim=-2).view(-1))
+    if len(hidden):
+        first = int(hidden[0])
+        scores.view(b, hk, groups, length, keys)[..., first:].masked_fill_(blocked[:, :, None, :, first:],
+                                                                           float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, value).view(b, h, length, value.shape[-1])
 
 
