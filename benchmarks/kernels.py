@@ -13,8 +13,14 @@ Each child, on hyserve's model thread: a cold prefill of a ~4.1k-token prompt in
 a warm turn (restore that state, prefill 79 new tokens), and one decode step for 1 and 16 live states
 of ~1k tokens. Greedy tokens of a short generation are compared across variants.
 
+Then, on the model thread of this process, the pieces alone at the warm turn's shapes (`--micro` runs
+only these): SDPA's flash kernel against `grouped_attention` (79 queries over 4.2k keys), transformers'
+chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), and exp against
+`safe_exp` on inputs whose exp underflows.
+
     python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
     python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
+    python benchmarks/kernels.py --micro         # only the pieces (~10 s)
     python benchmarks/kernels.py --json benchmarks/results/kernels.json
 """
 
@@ -99,14 +105,80 @@ def child(size: str, threads: int) -> dict:
     return model_thread.run(run)
 
 
+def micro(rounds: int = 30) -> list[dict]:
+    """The kernels alone at a warm turn's shapes (bench qwen3_5: 8 query heads, 2 KV heads, head size 64;
+    Gated DeltaNet 4 key and 8 value heads), on this process's model thread. Median ms of `rounds`."""
+    import torch
+    import torch.nn.functional as F
+
+    from hyserve import kernels, model_thread
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    def ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return C.median(times) * 1e3
+
+    def run() -> list[dict]:
+        g = torch.Generator().manual_seed(0)
+        rows = []
+        new, prefix = 79, 4121
+        q = torch.randn(1, new, 8, 64, generator=g).transpose(1, 2)
+        k, v = torch.randn(1, 2, prefix + new, 64, generator=g), torch.randn(1, 2, prefix + new, 64, generator=g)
+        mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)[None, None]
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+        diff = (kernels.grouped_attention(q, k, v, mask, 0.125) - want).abs().max().item()
+        rows.append({"piece": "attention, 79 queries over 4200 keys",
+                     "reference": "SDPA flash (enable_gqa)",
+                     "reference_ms": ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125,
+                                                                               enable_gqa=True)),
+                     "hyserve_ms": ms(lambda: kernels.grouped_attention(q, k, v, mask, 0.125)), "max_abs_diff": diff})
+        chunked = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        chunked = getattr(chunked, "_hyserve_reference", chunked)
+        r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+        x = dict(query=r(1, new, 4, 64), key=r(1, new, 4, 64), value=r(1, new, 8, 64),
+                 g=-torch.rand(1, new, 8, generator=g) * 8, beta=torch.rand(1, new, 8, generator=g),
+                 initial_state=r(1, 8, 64, 64) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        size = kernels.chunk_size_for(new)
+        want_out, _ = chunked(**x, chunk_size=size)
+        diff = (kernels.chunked_delta_rule(**x, chunk_size=size)[0] - want_out).abs().max().item()
+        rows.append({"piece": f"Gated DeltaNet prefill, {new} tokens, one {size}-token chunk",
+                     "reference": "transformers torch_chunk_gated_delta_rule",
+                     "reference_ms": ms(lambda: chunked(**x, chunk_size=size)),
+                     "hyserve_ms": ms(lambda: kernels.chunked_delta_rule(**x, chunk_size=size)), "max_abs_diff": diff})
+        low = torch.empty(8 * 80 * 80).uniform_(-300.0, -90.0, generator=g)  # exp underflows: a chunk's decays
+        rows.append({"piece": "exp of 51,200 values in [-300, -90]", "reference": "torch.exp",
+                     "reference_ms": ms(lambda: low.exp()), "hyserve_ms": ms(lambda: kernels.safe_exp(low)),
+                     "max_abs_diff": (kernels.safe_exp(low) - low.exp()).abs().max().item()})
+        return rows
+
+    return model_thread.run(run)
+
+
+def micro_table(rows: list[dict]) -> str:
+    return C.table(["piece", "reference", "reference ms", "hyserve ms", "speedup", "max |diff|"],
+                   [[r["piece"], r["reference"], f"{r['reference_ms']:.3f}", f"{r['hyserve_ms']:.3f}",
+                     f"{r['reference_ms'] / r['hyserve_ms']:.2f}x", f"{r['max_abs_diff']:.1e}"] for r in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round")
     p.add_argument("--rounds", type=int, default=None, help="rounds of the three variants (default 3; quick 1)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None, help="write the measurements to this JSON file")
+    p.add_argument("--micro", action="store_true", help="only the kernels alone at the warm turn's shapes")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.micro:
+        C.setup_torch(args.threads)
+        print(micro_table(micro()))
+        return 0
     size = "tiny" if args.quick else "bench"
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.threads)))
@@ -142,11 +214,15 @@ def main(argv=None) -> int:
     greedy = {name: rs[0]["greedy"] for name, rs in runs.items()}
     same = len({tuple(g) for g in greedy.values()}) == 1
     print(f"greedy tokens from the warm state identical across variants: {same}")
+    C.setup_torch(args.threads)
+    pieces = micro(5 if args.quick else 30)
+    print("\nthe kernels alone, on this process's model thread (median ms):")
+    print(micro_table(pieces))
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": C.machine_info(), "size": size, "rounds": rounds, "runs": runs,
-                                   "summary": summary, "greedy_identical": same}, indent=2))
+                                   "summary": summary, "greedy_identical": same, "micro": pieces}, indent=2))
     return 0 if same else 1
 
 

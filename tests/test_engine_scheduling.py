@@ -50,3 +50,46 @@ def test_a_prompt_longer_than_the_budget_still_takes_one_chunk_per_step(make_ser
     reqs = [_chat(svc, "Tell me a story about a robot who learns to paint."), _chat(svc, "Hi")]
     steps = _admitted_together(svc, reqs)
     assert steps == [[False, False]]  # 16 tokens of the first prompt, nothing that does not fit whole
+
+
+def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(make_service):
+    """The model thread waits (briefly) after a stream's first token until the consumer has taken it; the
+    items after it carry no such wait, and a consumer that is slow to come back does not stop the engine."""
+    import asyncio
+
+    svc = make_service("qwen3_5")
+    eng = svc.engine
+    seen = []
+    flush = eng._flush
+
+    def spy():
+        seen.extend((type(item).__name__, taken is not None and not taken.is_set()) for *_, item, taken in eng._outbox)
+        flush()
+        seen.extend(("taken-after-flush", taken.is_set()) for taken in firsts if taken is not None)
+
+    firsts = []
+
+    async def consume():
+        items = eng.stream(_chat(svc, "Tell me a story about a robot."))
+        got = []
+        async for item in items:
+            got.append(item)
+            if len(got) == 2:
+                await asyncio.sleep(0.05)  # slow to come back for the third: the engine keeps going
+        return got
+
+    class Box(list):
+        def append(self, entry):
+            if entry[-1] is not None:
+                firsts.append(entry[-1])
+            super().append(entry)
+
+    eng._flush, eng._outbox = spy, Box()
+    try:
+        got = asyncio.run(consume())
+    finally:
+        eng._flush, eng._outbox = flush, []
+    assert isinstance(got[-1], Finished)
+    waits = [waiting for name, waiting in seen if name in ("Delta", "Finished")]
+    assert len(waits) == len(got) and waits[0] and not any(waits[1:])  # only the first item makes it wait
+    assert ("taken-after-flush", True) in seen  # the consumer's taking it is what the wait listens for

@@ -105,6 +105,8 @@ class _Job:
 # (~9 ms, a decode step) and a checkpoint snapshot (5-10 ms at 2-4k tokens) take together about as long
 # as prefilling 40-60 tokens of the bench model here.
 PIECE_COST = 64
+# Longest the model thread waits, after emitting streams' first tokens, for their event loops to take them
+FIRST_TOKEN_HANDOFF = 0.002  # seconds
 
 
 def _deliver(pairs: list[tuple[asyncio.Queue, object]]) -> None:
@@ -161,8 +163,9 @@ class Engine:
         self._stopping = False
         self._rebuilding = False
         # Items for `stream` consumers, delivered to their event loops in one wake-up per loop (`_flush`):
-        # a wake-up per token per request cost the model thread ~3 % at 16 streams.
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        # a wake-up per token per request cost the model thread ~3 % at 16 streams. The last field is the
+        # stream's `taken` event while its first item is on the way (see `_flush`), else None.
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object, threading.Event | None]] = []
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
@@ -210,8 +213,13 @@ class Engine:
         and one Finished (or Failed). Leaving the iteration early cancels the request."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        self.submit(req, lambda item: self._outbox.append((loop, items, item)))
-        return self._drain(req, items)
+        taken = threading.Event()  # set once the consumer has handled the first item and asks for the next
+
+        def emit(item) -> None:
+            self._outbox.append((loop, items, item, None if taken.is_set() else taken))
+
+        self.submit(req, emit)
+        return self._drain(req, items, taken)
 
     def _flush(self) -> None:
         """Deliver the `stream` items emitted since the last flush: one call per event loop. Called before
@@ -220,22 +228,34 @@ class Engine:
             return
         box, self._outbox = self._outbox, []
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue, item in box:
+        firsts = []
+        for loop, queue, item, taken in box:
             by_loop.setdefault(loop, []).append((queue, item))
+            if taken is not None:
+                firsts.append(taken)
         for loop, pairs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, pairs)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
+        # A stream's first token: let its event loop write it before the next pass takes the GIL back.
+        # Otherwise the loop thread waits on a model thread that releases the GIL only briefly, inside
+        # each op, and the first chunk left up to a switch interval (5 ms) later.
+        deadline = time.perf_counter() + FIRST_TOKEN_HANDOFF
+        for taken in firsts:
+            taken.wait(max(0.0, deadline - time.perf_counter()))
 
-    async def _drain(self, req: GenerationRequest, items: asyncio.Queue) -> AsyncIterator[object]:
+    async def _drain(self, req: GenerationRequest, items: asyncio.Queue, taken: threading.Event
+                     ) -> AsyncIterator[object]:
         try:
             while True:
                 item = await items.get()
                 yield item
+                taken.set()
                 if isinstance(item, (Finished, Failed)):
                     return
         finally:
+            taken.set()
             req.cancelled.set()
 
     @property
