@@ -138,14 +138,109 @@ def _own_cpu_seconds() -> float:
         r = resource.getrusage(who)
         total += r.ru_utime + r.ru_stime
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for child in multiprocessing.active_children():
+    pids = {child.pid for child in multiprocessing.active_children()} | {s.proc.pid for s in ServerProcess.live}
+    for pid in pids:
         try:
-            with open(f"/proc/{child.pid}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is field 3
             total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14, 15)
         except (OSError, ValueError, IndexError):
             pass
     return total
+
+
+# -- hyserve in a process of its own -----------------------------------------------------------------
+def _pdeathsig():
+    """preexec_fn for a child (Linux): SIGTERM it when this process dies, even by SIGKILL. Resolved in the
+    parent, so the child only makes the call."""
+    import signal
+
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except Exception:  # noqa: BLE001
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+class ServerProcess:
+    """`hyserve serve` on loopback in a process of its own, as users run it: the timing client then shares no
+    interpreter lock with the server's event loop and model thread (in one process, a client thread waiting
+    to read the first chunk queued behind the model thread's next pass). Its CPU counts as this process's
+    own for `CpuMonitor`. Use as a context manager; `flags` are `hyserve serve` options."""
+
+    live: list["ServerProcess"] = []
+
+    def __init__(self, model_dir: Path, name: str, *flags: str, threads: int = 2, log_path: Path | None = None):
+        from hyserve.server.run import free_port
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "hyserve.cli", "serve", str(model_dir), "--port", str(self.port),
+                    "--served-model-name", name, "--device", "cpu", *flags]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
+        self.log_path = log_path or Path(os.devnull)
+
+    def __enter__(self) -> "ServerProcess":
+        import subprocess
+
+        import httpx
+
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig())
+        ServerProcess.live.append(self)
+        self.http = httpx.Client(base_url=self.base_url, timeout=60)
+        deadline = time.time() + 180
+        while True:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise RuntimeError(f"hyserve serve exited with {self.proc.returncode}: {' '.join(self.cmd)}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"hyserve serve not healthy after 180 s: {' '.join(self.cmd)}")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self in ServerProcess.live:
+            ServerProcess.live.remove(self)
+        self.http.close()
+        self._log.close()
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled sample on the server's /metrics (0 when absent)."""
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+    def wait_idle(self, limit: float = 30.0) -> float:
+        """Seconds until the engine has no queued, running or background work (`idle` on /health)."""
+        t0 = time.perf_counter()
+        while not self.http.get("/health").json().get("idle", True) and time.perf_counter() - t0 < limit:
+            time.sleep(0.005)
+        return time.perf_counter() - t0
+
+    def clear_cache(self) -> None:
+        self.http.delete("/v1/cache").raise_for_status()
+
+    def cache_stats(self) -> dict:
+        return self.http.get("/v1/cache").json()
 
 
 class CpuMonitor:

@@ -2,7 +2,10 @@
 
 One conversation (system prompt + N long user turns, short greedy replies) is sent turn by turn to two
 hyserve servers on loopback that load the same model folder: one with the prefix cache on, one with it
-off. Time to first token is measured client-side in streaming mode (time from sending the request to the
+off. Each server is a `hyserve serve` process of its own, as users run it (until the fourth session of
+2026-12-03 they ran in this process, where the timing client's thread had to win the interpreter lock from
+the server's model thread to read its first chunk). Time to first token is measured client-side in
+streaming mode (time from sending the request to the
 first content chunk), by default with a plain `httpx` client (`--client httpx`): the `openai` client's
 own work on a 4k-token request (building and validating the request, parsing each chunk into pydantic
 objects) adds milliseconds that are not the server's, so after the repeats both clients send the last
@@ -10,9 +13,10 @@ turn alternately and the difference is reported (`client_overhead` in the JSON).
 identical prompts: the history always carries the cache-ON server's reply, exactly as a chat client
 would send it back.
 
-The "bare loop" is the least work any server must do for the same warm turn: restore the snapshot of
-the history state the cache-ON server restored, run the new suffix through the model, take the argmax.
-`on/bare` = server warm TTFT / bare loop; the target is <= 1.3.
+The "bare loop" is the least work any server must do for the same warm turn: restore a snapshot of the
+history state the cache-ON server restored (built here, in this process, from the same tokens), run the
+new suffix through the model, take the argmax. `on/bare` = server warm TTFT / bare loop; the target is
+<= 1.3. The servers are idle while it runs.
 
     python benchmarks/multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
     python benchmarks/multiturn.py --quick    # tiny model, 3 turns, < 1 minute
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 TARGET_RATIO = 1.3
+TTFT_SUM = "hyserve_time_to_first_token_seconds_sum"  # the engine's own TTFT, summed over requests
 
 
 def parse_args(argv=None):
@@ -167,51 +172,41 @@ def wait_idle(engine, limit: float = 30.0) -> float:
     return time.perf_counter() - t0
 
 
-def server_ttft_sum(service) -> float:
-    return service.metrics.registry.get_sample_value("hyserve_time_to_first_token_seconds_sum") or 0.0
+def history_snapshot(rt, prompt: list[int], cached: int, chunk: int, memo: dict):
+    """A snapshot of the state after prompt[:cached], built once per token sequence (on the model thread)."""
+    key = tuple(prompt[:cached])
+    if key not in memo:
+        ad = rt.adapter
+        st = ad.new_state()
+        for i in range(0, cached, chunk):
+            ad.forward(st, prompt[i : min(cached, i + chunk)])
+        memo[key] = ad.snapshot(st)
+    return memo[key]
 
 
-def history_snapshot(service, prompt: list[int], cached: int):
-    """The snapshot the cache restored for this prompt (depth == cached), or a freshly made equivalent."""
-    ad = service.runtime.adapter
-    try:
-        match = service.cache.tree.lookup(prompt[: cached + 1], max_length=cached, truncate=False)
-        if match is not None and match.snapshot.num_tokens == cached:
-            return match.snapshot, "cache"
-    except AttributeError:  # cache internals changed: fall back to building the state ourselves
-        pass
-    st = ad.new_state()
-    chunk = service.config.prefill_chunk
-    for i in range(0, cached, chunk):
-        ad.forward(st, prompt[i : min(cached, i + chunk)])
-    return ad.snapshot(st), "rebuilt"
-
-
-def bare_loop(service, prompt: list[int], cached: int) -> tuple[float, str]:
+def bare_loop(rt, prompt: list[int], cached: int, chunk: int = 512, memo: dict | None = None) -> float:
     """Seconds for restore(history snapshot) + prefill of prompt[cached:] + argmax: the floor for a warm TTFT.
-    Runs on hyserve's model thread, as the servers' own model work does (see hyserve.model_thread)."""
+    Runs on hyserve's model thread, as a server's own model work does (see hyserve.model_thread)."""
     from hyserve import model_thread
 
-    return model_thread.run(_bare_loop, service, prompt, cached)
+    return model_thread.run(_bare_loop, rt, prompt, cached, chunk, {} if memo is None else memo)
 
 
-def _bare_loop(service, prompt: list[int], cached: int) -> tuple[float, str]:
+def _bare_loop(rt, prompt: list[int], cached: int, chunk: int, memo: dict) -> float:
     import torch
 
-    rt, ad = service.runtime, service.runtime.adapter
-    chunk = service.config.prefill_chunk
-    with rt.lock:
-        snap, source = history_snapshot(service, prompt, cached) if cached else (None, "empty")
-        t0 = time.perf_counter()
-        st = ad.restore(snap, prompt[:cached]) if snap is not None else ad.new_state()
-        logits = None
-        pos = cached
-        while pos < len(prompt):
-            end = min(len(prompt), pos + chunk)
-            logits = ad.forward(st, prompt[pos:end])
-            pos = end
-        int(torch.argmax(logits))
-        return time.perf_counter() - t0, source
+    ad = rt.adapter
+    snap = history_snapshot(rt, prompt, cached, chunk, memo) if cached else None
+    t0 = time.perf_counter()
+    st = ad.restore(snap, prompt[:cached]) if snap is not None else ad.new_state()
+    logits = None
+    pos = cached
+    while pos < len(prompt):
+        end = min(len(prompt), pos + chunk)
+        logits = ad.forward(st, prompt[pos:end])
+        pos = end
+    int(torch.argmax(logits))
+    return time.perf_counter() - t0
 
 
 def _busy(rows: list[dict]) -> float:
@@ -226,49 +221,46 @@ def main(argv=None) -> int:
     import httpx
     from openai import OpenAI
 
-    from hyserve.server.run import BackgroundServer
-    from hyserve.service import ServiceConfig, build_service
+    from hyserve.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "bench"
     model_dir = C.ensure_model(args.arch, size)
     name = f"{size}-{args.arch}"
     t_start = time.perf_counter()
-    common = dict(model_dir=model_dir, served_model_name=name, device="cpu", cache_bytes=2 << 30)
-    on = build_service(ServiceConfig(cache_enabled=True, **common))
-    off = build_service(ServiceConfig(cache_enabled=False, **common))
-    services = {"on": on, "off": off}
+    flags = {"on": [], "off": ["--no-cache"]}
     if args.split_server:
-        from hyserve.cache.policy import CheckpointPolicy
-
-        services["split"] = build_service(ServiceConfig(cache_enabled=True, policy=CheckpointPolicy(defer_tail=0),
-                                                        **common))
-    tok = on.runtime.tokenizer
+        flags["split"] = ["--no-defer-checkpoints"]  # splits the prefill at every boundary
+    rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: prompts and the bare loop
+    tok = rt.tokenizer
     system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed,
                                        args.final_tokens)
     info = C.machine_info()
     info["torch_threads"] = threads
-    print(f"model {name} ({sum(p.numel() for p in on.runtime.model.parameters()) / 1e6:.1f}M params), "
+    print(f"model {name} ({sum(p.numel() for p in rt.model.parameters()) / 1e6:.1f}M params), "
           f"{args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, {args.max_tokens}-token "
           f"replies, {args.repeats} repeat(s); {info['cores']} cores, torch {info['torch']} "
           f"({threads} threads), transformers {info['transformers']}", flush=True)
 
     replies: list[str] = []
     runs: list[list[dict]] = []
+    memo: dict = {}  # history snapshots of the bare loop, by tokens
     with contextlib.ExitStack() as stack:
-        clients, send = {}, {}
+        servers, send = {}, {}
         http = stack.enter_context(httpx.Client(timeout=900))
-        for key, service in services.items():
-            srv = stack.enter_context(BackgroundServer(service))
-            clients[key] = (OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=900),
-                            service)
-            send[key] = {"openai": functools.partial(stream_chat, clients[key][0], name),
+        for key, extra in flags.items():
+            srv = stack.enter_context(C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), *extra,
+                                                      threads=threads))
+            servers[key] = srv
+            client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=900)
+            send[key] = {"openai": functools.partial(stream_chat, client, name),
                          "httpx": functools.partial(stream_chat_http, http, srv.base_url, name)}
         # warm-up: first-call overheads (allocator, kernels, HTTP stack) stay out of turn 1
         warm = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0][:200]}]
-        for key in clients:
+        for key in servers:
             for fn in send[key].values():
                 fn(warm, 4)
-        bare_loop(on, on.runtime.render_chat(warm, True), 0)
+            servers[key].wait_idle()
+        bare_loop(rt, rt.render_chat(warm, True), 0)
 
         for rep in range(args.repeats + args.extra_repeats):
             quiet_runs = [r for r in runs if _busy(r) <= args.busy_threshold]
@@ -282,34 +274,33 @@ def main(argv=None) -> int:
                 print(f"  {len(runs) - len(quiet_runs)} repeat(s) ran while other processes used more than "
                       f"{args.busy_threshold:.0%} of the CPU: one more", flush=True)
             quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
-            for service in services.values():
-                with service.runtime.lock:
-                    service.cache.clear()
+            for srv in servers.values():
+                srv.clear_cache()
             messages = [{"role": "system", "content": system}]
             rows = []
             for t in range(args.turns):
                 messages.append({"role": "user", "content": users[t]})
-                prompt = on.runtime.render_chat(messages, True)
-                prior = len(on.runtime.render_chat(messages[:-1], False)) if t else 0
+                prompt = rt.render_chat(messages, True)
+                prior = len(rt.render_chat(messages[:-1], False)) if t else 0
                 row = {"turn": t + 1, "prompt_tokens": len(prompt), "prior_history_tokens": prior,
                        "waited_for_quiet": quiet.get("waited") if t == 0 else None}
-                keys = list(clients)
+                keys = list(servers)
                 order = keys[t % len(keys):] + keys[: t % len(keys)]  # rotate who goes first
                 for key in order:
-                    client, service = clients[key]
-                    before = server_ttft_sum(service)
+                    srv = servers[key]
+                    before = srv.metric(TTFT_SUM)
                     mon = C.CpuMonitor()
                     r = send[key][args.client](messages, args.max_tokens)
                     r["others_busy"] = mon.stop()
-                    r["server_ttft"] = server_ttft_sum(service) - before
+                    r["server_ttft"] = srv.metric(TTFT_SUM) - before
                     # idle-time work the request left behind (the rebuild of a re-rendered reply) finishes
                     # before anything else is timed, as it would while a user reads the reply
-                    r["idle_wait"] = wait_idle(service.engine)
+                    r["idle_wait"] = srv.wait_idle()
                     row[key] = r
                 if row["on"]["prompt_tokens"] != len(prompt):
                     raise RuntimeError(f"server saw {row['on']['prompt_tokens']} prompt tokens, expected {len(prompt)}")
-                row["bare"], row["bare_snapshot"] = bare_loop(on, prompt, row["on"]["cached_tokens"])
-                row["cache_bytes"] = on.cache.stats()["bytes"]
+                row["bare"] = bare_loop(rt, prompt, row["on"]["cached_tokens"], memo=memo)
+                row["cache_bytes"] = servers["on"].cache_stats()["bytes"]
                 row["replies_equal"] = row["on"]["text"] == row["off"]["text"]
                 if rep == 0:
                     replies.append(row["on"]["text"])
@@ -325,7 +316,7 @@ def main(argv=None) -> int:
         for _ in range(5):
             for kind in overhead:
                 overhead[kind].append(send["on"][kind](messages[:-1], args.max_tokens)["ttft"])
-                wait_idle(on.engine)
+                servers["on"].wait_idle()
         client_overhead = {k: C.median(v) for k, v in overhead.items()}
 
     # -- per-turn medians over the quietest `repeats` repeats -------------------------------------

@@ -156,7 +156,8 @@ def create_app(service: Service) -> FastAPI:
         # The service exists only once the model is loaded; while draining, load balancers should stop.
         if service.draining:
             return JSONResponse({"status": "draining", "model": service.model_name}, status_code=503)
-        return {"status": "ok", "model": service.model_name}
+        # idle: nothing queued, running or left for idle time (benchmarks wait for it between turns)
+        return {"status": "ok", "model": service.model_name, "idle": service.engine.idle}
 
     @app.get("/metrics")
     async def prometheus():
