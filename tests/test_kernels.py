@@ -113,6 +113,10 @@ def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_
     got, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the scores live in a buffer reused by the next call: a result never aliases it
+    smaller = kernels.grouped_attention(q[:, :, :1], k[:, :, :1100], v[:, :, :1100], mask[..., :1, :1100], 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert smaller.shape == (1, 8, 1, 16)
     # each query head reads its own group's keys: a group order mix-up or a dropped mask is caught
     swapped = torch.cat([k[:, 1:], k[:, :1]], dim=1)
     assert not torch.allclose(kernels.grouped_attention(q, swapped, v, mask, 0.25).transpose(1, 2), want, atol=1e-3)

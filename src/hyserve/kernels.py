@@ -6,7 +6,7 @@
    (`enable_gqa`); the outputs are bit-identical on CPU (tests/test_kernels.py). A short piece against a
    long cache (a warm turn: 79 queries over 4.2k keys) instead stacks each KV head's queries into one
    product and a softmax (`grouped_attention`): SDPA's CPU flash kernel tiles 79 queries into blocks
-   of 32 and re-reads the keys per query head, 4.7 against 3.9 ms per layer here.
+   of 32 and re-reads the keys per query head (`benchmarks/kernels.py --micro` times both).
 2. The Gated DeltaNet decode step (one token, `torch_recurrent_gated_delta_rule`). The reference forms
    four [batch, heads, dk, dv] temporaries per layer per token (state * k, k outer delta, ...), and
    the cache then copies its result into the state it already holds; here the state is updated in
@@ -17,8 +17,8 @@
    79 new tokens paid for 128. The chunked form is exact for any chunk size; results differ from
    64-token chunks by float32 rounding (about 1e-7 in the output, 1e-6 in the state). The function is
    `chunked_delta_rule`: the reference's math with its decays exponentiated by `safe_exp` (PyTorch's
-   exp takes a slow path, 100-200x per element, where the result underflows, as most pairwise decays
-   of a chunk do), one triangular solve instead of two, and fused multiply-adds in the chunk scan.
+   exp takes a slow path where the result underflows, as most pairwise decays of a chunk do), one
+   triangular solve instead of two, and fused multiply-adds in the chunk scan.
 4. The depthwise causal conv1d of the same layers and of Mamba2 (`causal_conv1d_fn` for prefill,
    `causal_conv1d_update` for decode). The reference is a grouped `F.conv1d`, which oneDNN runs slowly
    for one filter per channel; here prefill is `kernel` shifted multiply-adds (bit-identical in the
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import types
 
 import torch
@@ -126,7 +127,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 # A few queries against a long cache (a warm turn's new message): plain products beat SDPA's CPU flash
-# kernel when every score fits in cache at once (benchmarks/kernels.py `attention`).
+# kernel when all the scores fit in cache at once (`benchmarks/kernels.py --micro`).
 SHORT_MAX_QUERIES = 128
 SHORT_MIN_KEYS = 1024
 SHORT_MAX_SCORE_BYTES = 24 << 20
@@ -149,7 +150,9 @@ def grouped_attention(query, key, value, mask, scaling=None):
     hk, keys = key.shape[1], key.shape[2]
     groups = h // hk
     scale = d**-0.5 if scaling is None else scaling  # applied to the queries: 79 rows, not 79 x 4.2k scores
-    scores = torch.matmul((query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2))
+    shape = (b, hk, groups * length, keys)
+    scores = torch.matmul((query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2),
+                          out=_scratch("scores", shape, query))
     blocked = ~mask
     # only the columns some query may not see (a cached prefix is open to all): a warm turn's last 79
     hidden = torch.nonzero(blocked.any(dim=-2).view(-1))
@@ -157,8 +160,27 @@ def grouped_attention(query, key, value, mask, scaling=None):
         first = int(hidden[0])
         scores.view(b, hk, groups, length, keys)[..., first:].masked_fill_(blocked[:, :, None, :, first:],
                                                                            float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.ops.aten._softmax.out(scores, -1, False, out=_scratch("probs", shape, query))
     return torch.matmul(probs, value).view(b, h, length, value.shape[-1])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A buffer of `shape` for `grouped_attention`'s scores and probabilities, kept between calls by each thread
+    (in a server only the model thread calls it; at most SHORT_MAX_SCORE_BYTES each). Allocating two fresh 10 MB
+    buffers per call made glibc map and unmap them each time whenever its heap had just been trimmed: the
+    first touch of every page then cost 8.9 instead of 3.4 ms per call (a `benchmarks/kernels.py --micro` run
+    before and after, in the fourth session of 2026-12-03)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    buffers = _SCRATCH.__dict__
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
 
 
 # -- transformers' module-level functions (Gated DeltaNet, Mamba2) ----------------------------------
@@ -253,8 +275,8 @@ _EXP_FLOOR = -87.0
 
 def safe_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x), but 0 where x < -87 (where float32 exp is a denormal, 1e-38 or less, or 0). PyTorch's
-    vectorized exp takes a slow path for such inputs: 100-200x the time per element here, even with
-    denormals flushed (1.8 ms instead of 8 us for a Gated DeltaNet chunk's 51k pairwise decays)."""
+    vectorized exp takes a slow path for such inputs, many times slower per element even with denormals
+    flushed (`benchmarks/kernels.py --micro`: exp of a chunk's worth of underflowing decays)."""
     return x.clamp(min=_EXP_FLOOR).exp_().masked_fill_(x < _EXP_FLOOR, 0.0)
 
 
