@@ -171,7 +171,7 @@ def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Ten
     """A buffer of `shape` for `grouped_attention`'s scores and probabilities, kept between calls by each thread
     (in a server only the model thread calls it; at most SHORT_MAX_SCORE_BYTES each). Allocating two fresh 10 MB
     buffers per call made glibc map and unmap them each time whenever its heap had just been trimmed: the
-    first touch of every page then cost 8.9 instead of 3.4 ms per call (a `benchmarks/kernels.py --micro` run
+    first touch of every page then cost 8.9 instead of 3.2 ms per call (a `benchmarks/kernels.py --micro` run
     before and after, in the fourth session of 2026-12-03)."""
     numel = 1
     for n in shape:
