@@ -139,14 +139,19 @@ def _own_cpu_seconds() -> float:
         total += r.ru_utime + r.ru_stime
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     pids = {child.pid for child in multiprocessing.active_children()} | {s.proc.pid for s in ServerProcess.live}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is field 3
-            total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime (fields 14, 15)
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
+    return total + sum(pid_cpu_ticks(pid) for pid in pids) / hz
+
+
+def pid_cpu_ticks(pid: int | None) -> int:
+    """CPU time (user + system, in clock ticks) of process `pid` and all its threads so far; 0 if unknown."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is field 3
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 # -- hyserve in a process of its own -----------------------------------------------------------------

@@ -225,18 +225,6 @@ def _stop_all() -> None:
         _stop(proc)
 
 
-def _pdeathsig():
-    """preexec_fn for the child (Linux): SIGTERM it when this process dies, even by SIGKILL. Resolved here,
-    in the parent, so the child only makes the call."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except Exception:  # noqa: BLE001
-        return None
-    return lambda: prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-
 class LlamaServer:
     def __init__(self, binary: str, gguf: Path, alias: str, ctx_size: int, threads: int, log_path: Path,
                  extra: list[str] = ()):
@@ -253,7 +241,7 @@ class LlamaServer:
 
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_pdeathsig())
+                                     start_new_session=True, preexec_fn=C._pdeathsig())
         _LIVE.append(self.proc)
         deadline = time.time() + 120
         while True:
@@ -311,22 +299,12 @@ class Tap:
 
 
 # -- CPU used by others -----------------------------------------------------------------------------
-def _pid_ticks(pid: int | None) -> int:
-    if pid is None:
-        return 0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime of all its threads
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 class OthersCpu(C.CpuMonitor):
     """C.CpuMonitor, not counting `pid` (the llama-server being timed) as another process."""
 
     def __init__(self, pid: int | None = None):
         self.pid = pid
-        self.t0 = _pid_ticks(pid)
+        self.t0 = C.pid_cpu_ticks(pid)
         super().__init__()
 
     def stop(self):
@@ -335,7 +313,7 @@ class OthersCpu(C.CpuMonitor):
         if busy is None or s is None or not self.pid:
             return busy
         total = s[1] - self._stat[1]
-        return round(max(0.0, busy - (_pid_ticks(self.pid) - self.t0) / max(1, total)), 3)
+        return round(max(0.0, busy - (C.pid_cpu_ticks(self.pid) - self.t0) / max(1, total)), 3)
 
 
 # -- the run ----------------------------------------------------------------------------------------
