@@ -189,12 +189,23 @@ class Engine:
         boundaries, skipped = self.policy.boundaries_from(prompt, wanted, rendered)
         return prompt, boundaries, skipped
 
+    def _boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
+        """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
+        try:
+            _, boundaries, skipped = self._render(req.messages, req.prompt)
+        except Exception as exc:
+            boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
+        return boundaries, skipped
+
     def submit(self, req: GenerationRequest, emit: Emit) -> None:
         """Queue `req`; `emit` is called from the worker thread. Raises QueueFull at capacity."""
         self.scheduler.add(_Run(req, emit))
 
     def generate(self, req: GenerationRequest) -> Finished:
-        """Blocking: run `req` to completion (benchmarks and tests without HTTP)."""
+        """Blocking: run `req` to completion (benchmarks and tests without HTTP). The policy's renders run
+        here, on the caller's thread, as the HTTP layer's do, not on the model thread."""
+        if req.chat is None and req.messages is not None and self.cache.enabled:
+            req.chat = ChatPrompt(req.prompt, *self._boundaries(req))
         done, out = threading.Event(), []
 
         def emit(item):
@@ -383,11 +394,8 @@ class Engine:
         if self.cache.enabled:
             if req.chat is not None and req.chat.prompt == req.prompt:
                 run.boundaries, skipped = list(req.chat.boundaries), list(req.chat.skipped)
-            else:
-                try:
-                    _, run.boundaries, skipped = self._render(req.messages, req.prompt)
-                except Exception as exc:
-                    run.boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
+            else:  # a `submit` caller that did not render them
+                run.boundaries, skipped = self._boundaries(req)
             for reason in skipped:
                 self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
             # pending background jobs this prompt extends: their checkpoints are recorded in its prefill
