@@ -30,7 +30,9 @@ def test_demo_runs_two_turns(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "turn 2 usage" in r.stdout and "gibberish" in r.stdout
     turn2 = [l for l in r.stdout.splitlines() if l.startswith("turn 2 usage")][0]
-    assert int(turn2.rsplit("cached_tokens=", 1)[1]) > 0
+    history = [l for l in r.stdout.splitlines() if l.startswith("turn 2 history_tokens=")][0]
+    # the demo waits, like a user reading the reply, so turn 2 reuses the whole history
+    assert int(turn2.rsplit("cached_tokens=", 1)[1]) == int(history.split("=")[1].split()[0]) > 0
 
 
 def test_serve_options_reach_the_checkpoint_policy(tmp_path):

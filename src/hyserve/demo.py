@@ -37,9 +37,25 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
             print(f"turn {turn} reply: {reply!r}")
             print(f"turn {turn} usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
                   f"cached_tokens={u.prompt_tokens_details.cached_tokens}")
+            if turn == 2:
+                history = len(service.runtime.render_chat(messages[:-1], False))
+                print(f"turn 2 history_tokens={history} (the conversation before the new message)")
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": "Tell me a story about a robot."}]
+            if turn == 1:  # a user reads the reply first: the server records the history's checkpoint meanwhile
+                _wait_idle(srv.base_url)
         stats = client.get("/cache", cast_to=object)
         print(f"prefix cache: {stats}")
     service.engine.stop()
     return 0
+
+
+def _wait_idle(base_url: str, limit: float = 10.0) -> None:
+    """Until /health says the engine has no work left, idle-time checkpoints included (at most `limit` s)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + limit
+    while not httpx.get(f"{base_url}/health").json().get("idle", True) and time.monotonic() < deadline:
+        time.sleep(0.01)
