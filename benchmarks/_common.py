@@ -154,6 +154,14 @@ def pid_cpu_ticks(pid: int | None) -> int:
         return 0
 
 
+def metric_samples(text: str) -> dict:
+    """Every sample of a Prometheus exposition as {(sample name, ((label, value), ...)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 # -- hyserve in a process of its own -----------------------------------------------------------------
 def _pdeathsig():
     """preexec_fn for a child (Linux): SIGTERM it when this process dies, even by SIGKILL. Resolved in the
@@ -229,10 +237,7 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled sample on the server's /metrics (0 when absent)."""
-        for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
+        return metric_samples(self.http.get("/metrics").text).get((name, ()), 0.0)
 
     def wait_idle(self, limit: float = 30.0) -> float:
         """Seconds until the engine has no queued, running or background work (`idle` on /health)."""

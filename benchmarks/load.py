@@ -173,13 +173,7 @@ def rss_bytes() -> int | None:
 async def scrape(http) -> dict:
     """All Prometheus samples of GET /metrics as {(sample name, ((label, value), ...)): value},
     plus GET /v1/cache under key "cache"."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = (await http.get("/metrics")).text
-    out: dict = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    out: dict = C.metric_samples((await http.get("/metrics")).text)
     out["cache"] = (await http.get("/v1/cache")).json()
     return out
 
