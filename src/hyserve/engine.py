@@ -262,7 +262,8 @@ class Engine:
             while True:
                 item = await items.get()
                 yield item
-                taken.set()
+                if not taken.is_set():  # once: Event.set takes a lock, and this runs for every token
+                    taken.set()
                 if isinstance(item, (Finished, Failed)):
                     return
         finally:
