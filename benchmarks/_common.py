@@ -154,6 +154,17 @@ def pid_cpu_ticks(pid: int | None) -> int:
         return 0
 
 
+def pid_rss_bytes(pid: int) -> int | None:
+    """Resident set size of process `pid` (VmRSS in /proc/<pid>/status), or None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def metric_samples(text: str) -> dict:
     """Every sample of a Prometheus exposition as {(sample name, ((label, value), ...)): value}."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -1,9 +1,11 @@
 """Concurrent load and soak over real HTTP: N multi-turn chat sessions at once against one server.
 
-One hyserve server (bench-size qwen3_5 hybrid by default, prefix cache on) runs in this process on
-127.0.0.1. For every N in --sessions (default 1, 4, 16), N chat sessions start together; each sends
-T turns (default 4) of ~100-300-token synthetic user messages with max_tokens 32, temperature 0, and
-sends the reply text back as the assistant message, like a chat client. All N are measured in one
+One hyserve server (bench-size qwen3_5 hybrid by default, prefix cache on) runs as a `hyserve serve`
+process of its own on 127.0.0.1 (`_common.ServerProcess`), as users run it: the clients in this process
+share no interpreter lock with the server's model thread. For every N in --sessions (default 1, 4, 16),
+N chat sessions start together; each sends T turns (default 4) of ~100-300-token synthetic user
+messages with max_tokens 32, temperature 0, and sends the reply text back as the assistant message,
+like a chat client. All N are measured in one
 run against the same server process; the prefix cache is cleared (DELETE /v1/cache) before each N.
 
 Client side (`openai.AsyncOpenAI`, stream=True): TTFT = request sent -> first content chunk;
@@ -19,8 +21,11 @@ decoded by batched decode passes / seconds spent in those passes (server side: w
 yields under this load).
 
 `--soak S`: 16 sessions loop conversations (a new conversation after T turns) for S seconds against
-the same server with a bounded cache (--cache-mib, default 512), sampling this process's RSS every
---rss-every seconds (the server runs in this process). Reports RSS start/max/end, requests, failures.
+the same server with a bounded cache (--cache-mib, default 512), sampling the server process's RSS every
+--rss-every seconds. Reports RSS start/max/end, requests, failures.
+
+The decode-step probe (no HTTP) loads the model in this process: after the server process has exited,
+or alone with --probe-only. The load phases only load the tokenizer here.
 
     python benchmarks/load.py                   # full: bench qwen3_5, N=1,4,16, 4 turns, soak 300 s
     python benchmarks/load.py --quick           # tiny qwen3_5, N=1,4, 2 turns, soak 10 s (< 1 minute)
@@ -63,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--rss-every", type=float, default=None, help="RSS sample interval, s (default 10; quick 2)")
     p.add_argument("--cache-mib", type=int, default=512, help="prefix-cache budget in MiB (default 512)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="ServiceConfig.prefill_chunk (default: hyserve's default, 512)")
+                   help="hyserve serve --prefill-chunk (default: hyserve's default, 512)")
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--phase-timeout", type=float, default=600.0,
@@ -153,20 +158,34 @@ def decode_tokens_between(results: list[dict], start: float, end: float) -> floa
     return total
 
 
-def rss_bytes() -> int | None:
-    try:
-        import psutil  # type: ignore
+def service_config(args, model_dir: Path):
+    """The server's settings: passed to `hyserve serve` as flags (`serve_flags`) and used as they are by the
+    in-process service of the decode-step probe."""
+    from hyserve.service import ServiceConfig
 
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        pass
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return ServiceConfig(model_dir=model_dir, served_model_name="bench", device="cpu",
+                         max_running=args.max_running, max_waiting=args.max_waiting,
+                         cache_bytes=args.cache_mib << 20,
+                         **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}))
+
+
+def serve_flags(cfg) -> list[str]:
+    """`hyserve serve` options for the settings `service_config` changes (the rest have the same defaults)."""
+    return ["--max-running", str(cfg.max_running), "--max-waiting", str(cfg.max_waiting),
+            "--cache-bytes", str(cfg.cache_bytes), "--prefill-chunk", str(cfg.prefill_chunk)]
+
+
+def param_count(model_dir: Path) -> int:
+    """Parameters in the model's safetensors files, from their headers (no weights are loaded)."""
+    import math
+
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
 
 
 # -- server metrics ---------------------------------------------------------------------------
@@ -361,18 +380,19 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     }
 
 
-async def soak_phase(client, http, model, tokenizer, system: str, args) -> dict:
-    """--soak-sessions sessions loop fresh conversations until the deadline; RSS is sampled meanwhile."""
+async def soak_phase(client, http, model, tokenizer, system: str, args, server_pid: int) -> dict:
+    """--soak-sessions sessions loop fresh conversations until the deadline; the server process's RSS is
+    sampled meanwhile."""
     before = await scrape(http)
     results, errors = [], []
     t0 = time.perf_counter()
     deadline = t0 + args.soak
-    samples = [(0.0, rss_bytes(), before["cache"]["bytes"])]  # (t, RSS, cache bytes)
+    samples = [(0.0, C.pid_rss_bytes(server_pid), before["cache"]["bytes"])]  # (t, server RSS, cache bytes)
     started = [0]
     stop = asyncio.Event()
 
     async def sample():
-        t, rss = time.perf_counter() - t0, rss_bytes()
+        t, rss = time.perf_counter() - t0, C.pid_rss_bytes(server_pid)
         try:
             cached = (await http.get("/v1/cache")).json()["bytes"]
         except Exception:  # a missed cache sample is not a request failure
@@ -438,10 +458,20 @@ async def soak_phase(client, http, model, tokenizer, system: str, args) -> dict:
 
 
 # -- decode-step probe (no HTTP, no prefill): does one batched decode pass scale with N? ---------
-def decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
+def decode_probe(cfg, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
+    """Load the model into an in-process service of `cfg` (never while the server process runs: the two
+    would share the cores), run the probe on its model thread, and stop the service."""
     from hyserve import model_thread  # where the server's own model work runs
+    from hyserve.service import build_service
 
-    return model_thread.run(_decode_probe, service, sizes, ctx, reps)
+    service = build_service(cfg)
+    try:
+        return model_thread.run(_decode_probe, service, sizes, ctx, reps)
+    finally:
+        service.engine.stop()  # let the worker thread leave its loop before the interpreter exits
+        worker = getattr(service.engine, "_worker", None)
+        if worker is not None:
+            worker.join(timeout=5)
 
 
 def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
@@ -459,7 +489,7 @@ def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[di
     vocab = len(rt.tokenizer)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     rows = []
-    with rt.lock:  # the server is idle by now; the lock keeps it that way
+    with rt.lock:  # this service serves no requests; the lock keeps its engine out
         base = ad.new_state()
         ids = [3 + (k * 7) % (vocab - 3) for k in range(ctx)]
         for i in range(0, ctx, service.config.prefill_chunk):
@@ -583,33 +613,25 @@ def reply_consistency(phases: list[dict]) -> dict:
 async def amain(args) -> int:
     import httpx
     from openai import AsyncOpenAI
-
-    from hyserve.server.run import BackgroundServer
-    from hyserve.service import ServiceConfig, build_service
+    from transformers import AutoTokenizer
 
     threads = C.setup_torch(args.threads)
     C.warn_if_busy()
     size = "tiny" if args.quick else "bench"
     model_dir = resolve_model(size)
     t_start = time.perf_counter()
-    rss_before_load = rss_bytes()
-    cfg = ServiceConfig(model_dir=model_dir, served_model_name="bench", device="cpu",
-                        max_running=args.max_running, max_waiting=args.max_waiting,
-                        cache_bytes=args.cache_mib << 20,
-                        **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}))
-    service = build_service(cfg)
+    cfg = service_config(args, model_dir)
     if args.probe_only:
-        rows = decode_probe(service, sorted(set(args.sessions)), args.probe_ctx or 1000)
+        rows = decode_probe(cfg, sorted(set(args.sessions)), args.probe_ctx or 1000)
         print(probe_table(rows))
         if len(rows) > 1:
             print(f"probe batched tok/s N={rows[-1]['n']} / N={rows[0]['n']} = "
                   f"{rows[-1]['batched_tok_s'] / rows[0]['batched_tok_s']:.2f}x")
-        service.engine.stop()
         return 0
-    tok = service.runtime.tokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)  # the conversations' token counts; no weights here
     info = C.machine_info()
     info["torch_threads"] = threads
-    params = sum(p.numel() for p in service.runtime.model.parameters())
+    params = param_count(model_dir)
     rng = random.Random(args.seed)
     system = "You are a helpful assistant. " + C.text_of_tokens(tok, rng, 40)
     convs = [Conversation(tok, system, args.turns, args.seed * 100_000 + i, args.min_user_tokens,
@@ -621,7 +643,8 @@ async def amain(args) -> int:
           f"{info['cores']} cores, torch {info['torch']} ({threads} threads)", flush=True)
 
     phases, soak = [], None
-    with BackgroundServer(service) as srv:
+    with C.ServerProcess(model_dir, "bench", *serve_flags(cfg), threads=threads) as srv:
+        server_rss_healthy = C.pid_rss_bytes(srv.proc.pid)  # model loaded, nothing served yet
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         client = AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
                              timeout=args.request_timeout,
@@ -639,7 +662,7 @@ async def amain(args) -> int:
                       flush=True)
             if args.soak > 0:
                 await http.delete("/v1/cache")
-                soak = await soak_phase(client, http, "bench", tok, system, args)
+                soak = await soak_phase(client, http, "bench", tok, system, args, srv.proc.pid)
                 print(f"  soak: {soak['requests']} requests in {soak['wall_s']:.0f}s, failures {soak['failures']}, "
                       f"RSS {soak['rss_start'] / 2**20:.0f} -> max {soak['rss_max'] / 2**20:.0f} -> end "
                       f"{soak['rss_end'] / 2**20:.0f} MiB", flush=True)
@@ -651,13 +674,9 @@ async def amain(args) -> int:
                     "running": _sum(idle1, "hyserve_requests_running"),
                     "waiting": _sum(idle1, "hyserve_requests_waiting")}
         await client.close()
-    probe = []
+    probe = []  # the server process has exited: the probe has the cores to itself
     if args.probe_ctx > 0:
-        probe = decode_probe(service, sorted(set(args.sessions)), args.probe_ctx)
-    service.engine.stop()  # let the worker thread leave its loop before the interpreter exits
-    worker = getattr(service.engine, "_worker", None)
-    if worker is not None:
-        worker.join(timeout=5)
+        probe = decode_probe(cfg, sorted(set(args.sessions)), args.probe_ctx)
 
     by_n = {p["sessions"]: p for p in phases}
     lo, hi = min(by_n), max(by_n)
@@ -705,7 +724,7 @@ async def amain(args) -> int:
         "mode": "quick" if args.quick else "full",
         "machine": info, "model": model_dir.name, "params": params,
         "config": {k: v for k, v in vars(args).items()},
-        "rss_before_model_load": rss_before_load,
+        "server_rss_healthy": server_rss_healthy,
         "phases": [{k: v for k, v in p.items() if k != "replies"} for p in phases],
         "ratio": ratio, "reply_consistency": consistency, "soak": soak, "idle_after_load": idle,
         "decode_probe": probe, "probe_table": probe_table(probe) if probe else None,
