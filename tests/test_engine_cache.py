@@ -73,13 +73,40 @@ def test_back_to_back_turns_take_over_deferred_checkpoints(make_service):
     assert {got[0][3], got[1][3]} <= depths
 
 
-def test_deferral_off_splits_the_prefill_inline(make_service):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "mamba2"])
+def test_deferral_off_checkpoints_inline_and_matches_cache_off(make_service, arch):
+    """Every boundary taken inside the prefill that reaches it: captured from the same pass (Gated DeltaNet
+    models) or by splitting the prefill there (mamba2). Output equals cache-off on every turn."""
     from hyserve.cache.policy import CheckpointPolicy
-    svc = make_service("qwen3_5", policy=CheckpointPolicy(defer_tail=0))
-    got = run_chat(svc, SCRIPT[:2], pause=False)
+    # (no idle-time rebuilds of replies that do not re-tokenize: every pass counted below is a prompt's)
+    svc = make_service(arch, policy=CheckpointPolicy(defer_tail=0, reply_rerender=False))
+    pieces = _count_prefill_pieces(svc)
+    got = run_chat(svc, pause=False)
+    want = run_chat(make_service(arch, cache_enabled=False), pause=False)
+    assert [g[0] for g in got] == [w[0] for w in want]
     events = list(svc.cache.telemetry.recent)
     assert not any(e["event"] == "deferred" for e in events)
-    assert got[1][1] >= got[0][3]  # no idle time needed: the history checkpoint was taken mid-prefill
+    for turn in (1, 2, 4, 5):  # no idle time needed: each history checkpoint was taken mid-prefill
+        assert got[turn][1] >= got[turn - 1][3]
+    recorded = [e for e in events if e["event"] == "recorded" and e["kind"] in ("history", "system")]
+    assert len(recorded) >= len(SCRIPT)
+    # one forward pass per prompt (all are shorter than a chunk) when the state is captured, more when split
+    assert (len(pieces) == len(SCRIPT)) == (arch != "mamba2"), pieces
+
+
+def _count_prefill_pieces(svc) -> list[int]:
+    """Spy on the adapter: the length of every multi-token forward pass (prefill pieces) it runs (a capturing
+    pass runs through `forward` too)."""
+    ad, pieces = svc.runtime.adapter, []
+    inner = ad.forward
+
+    def spy(state, ids, *args, **kwargs):
+        if len(ids) > 1 and not kwargs.get("all_logits"):
+            pieces.append(len(ids))
+        return inner(state, ids, *args, **kwargs)
+
+    ad.forward = spy
+    return pieces
 
 
 def _hf_generate(rt, prompt, n):
@@ -216,6 +243,7 @@ def test_a_busy_engine_takes_history_checkpoints_mid_prefill(make_service):
     import threading
     from hyserve.engine import Finished
     svc = make_service("qwen3_5")
+    pieces = _count_prefill_pieces(svc)
     done = []
     cond = threading.Condition()
 
@@ -235,3 +263,4 @@ def test_a_busy_engine_takes_history_checkpoints_mid_prefill(make_service):
     events = list(svc.cache.telemetry.recent)
     assert not any(e["event"] == "deferred" for e in events)
     assert sum(e["event"] == "recorded" and e["kind"] == "history" for e in events) == 2
+    assert len(pieces) == 2  # the boundaries were captured inside each prompt's one pass, not split there

@@ -129,3 +129,52 @@ def test_unknown_model_type_names_supported(tmp_path):
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
         ModelRuntime.load(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("start,offsets", [(0, [2, 9]), (17, [5, 21, 29])])
+def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, start, offsets):
+    """A checkpoint inside a prefill piece (hyserve's kernels hand out the state there) equals the state of a
+    prefill split at that token, and continues exactly like it; the piece itself runs as without capture.
+    Offset 2 is shorter than the conv kernel (4): its conv state is zero-padded, as transformers pads it."""
+    from hyserve import model_thread
+
+    rt = runtimes(arch)
+    ad = rt.adapter
+    ids = _ids(rt, start + 40, seed=3)
+    piece = ids[start : start + 30]
+
+    def run():
+        assert ad.can_capture()
+        live, plain = ad.new_state(), ad.new_state()
+        for st in (live, plain):
+            if start:
+                ad.forward(st, ids[:start])
+        logits, captured = ad.forward_capturing(live, piece, offsets)
+        torch.testing.assert_close(logits, ad.forward(plain, piece), atol=1e-5, rtol=1e-5)
+        assert captured is not None and [c.position for c in captured] == [start + o for o in offsets]
+        for o, got in zip(offsets, captured):
+            split = ad.new_state()
+            if start:
+                ad.forward(split, ids[:start])
+            ad.forward(split, piece[:o])
+            assert got.tokens == split.tokens
+            snap, want = ad.snapshot(got), ad.snapshot(split)
+            assert snap.nbytes == want.nbytes
+            for a, b in zip(_tensors(snap.cache), _tensors(want.cache)):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            a, b = ad.restore(snap, got.tokens), ad.restore(want, split.tokens)
+            rest = ids[start + o :]
+            la, lb = ad.forward(a, rest), ad.forward(b, rest)
+            torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+            assert _greedy(ad, a, la, 6) == _greedy(ad, b, lb, 6)
+
+    model_thread.run(run)
+    assert not ad.can_capture()  # off the model thread transformers' own kernels run: nothing to capture
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3"])
+def test_other_families_split_the_prefill_instead(runtimes, arch):
+    from hyserve import model_thread
+
+    assert not model_thread.run(runtimes(arch).adapter.can_capture)

@@ -2,7 +2,8 @@
 
 A step (1) admits waiting requests, restoring each from the prefix cache, (2) runs one prefill chunk
 of the oldest request still in prefill (and more pieces of prompts that fit in the rest of a budget of
-one chunk), splitting prompts at the policy's checkpoint boundaries, and
+one chunk), taking the policy's checkpoint boundaries from inside the pass where the adapter can
+capture the state there (Gated DeltaNet models), else splitting the prompt at them, and
 (3) samples one token for every request past prefill and runs them all through one batched decode
 pass (or a speculative verify pass for a request that has proposals). Finished requests record the
 post-decode checkpoint and free their state at once. The HTTP layer only calls `submit`/`stream`.
@@ -412,8 +413,10 @@ class Engine:
             run.proposer = self.make_proposer(req.prompt)
 
     def _prefill_chunk(self, run: _Run, fit: int | None = None) -> int:
-        """Advance one chunk, never past the next checkpoint boundary; snapshot on reaching it. With `fit`,
-        run the piece only if it has at most `fit` tokens. Returns the number of tokens run."""
+        """Advance one chunk and snapshot every checkpoint boundary it reaches: boundaries inside the piece
+        from states captured in its pass, or, where the adapter cannot capture, a piece never runs past the
+        next boundary. With `fit`, run the piece only if it has at most `fit` tokens. Returns the number of
+        tokens run."""
         req, state, adapter = run.req, run.state, self.runtime.adapter
         prompt = req.prompt
         while run.boundaries and (run.boundaries[0].length <= state.position
@@ -424,28 +427,47 @@ class Engine:
                 run.checkpoint = b.length
             self.cache.telemetry.emit("skipped", why, request_id=req.request_id, kind=b.kind, tokens=b.length)
         busy = len(self.scheduler.running) > 1 or bool(self.scheduler.waiting)
-        while run.boundaries and not self.policy.split_now(run.boundaries[0], run.checkpoint, len(prompt), busy):
-            b = run.boundaries.pop(0)
-            run.deferred.append(b)
-            self.cache.telemetry.emit("deferred", "short_tail", request_id=req.request_id, kind=b.kind,
-                                      tokens=b.length, from_tokens=run.checkpoint)
+        captures = bool(run.boundaries) and adapter.can_capture()
         end = min(len(prompt), state.position + self.prefill_chunk)
-        if run.boundaries:
+        while True:  # the boundaries this piece reaches: the first one, or with capture all up to its end
+            due = [b for b in run.boundaries if b.length <= end] if captures else run.boundaries[:1]
+            late = next((b for b in due if not self.policy.split_now(b, run.checkpoint, len(prompt), busy)), None)
+            if late is None:
+                break
+            run.boundaries.remove(late)
+            run.deferred.append(late)
+            self.cache.telemetry.emit("deferred", "short_tail", request_id=req.request_id, kind=late.kind,
+                                      tokens=late.length, from_tokens=run.checkpoint)
+        if run.boundaries and not captures:
             end = min(end, run.boundaries[0].length)
         start = state.position
         if fit is not None and end - start > fit:
             return 0
-        logits = adapter.forward(state, prompt[start:end])
+        inside = [b for b in run.boundaries if b.length < end] if captures else []
+        if inside:
+            logits, states = adapter.forward_capturing(state, prompt[start:end], [b.length - start for b in inside])
+            for i, b in enumerate(inside):
+                run.boundaries.remove(b)
+                self._record(run, b, states[i] if states else None)
+        else:
+            logits = adapter.forward(state, prompt[start:end])
         self.metrics.prefill_tokens.inc(end - start)
         if run.boundaries and run.boundaries[0].length == state.position:
-            b = run.boundaries.pop(0)
-            if self.cache.record(adapter, state, b.kind, b.length, req.request_id, req.cache_salt):
-                run.snapshots += 1
-                run.checkpoint = b.length
+            self._record(run, run.boundaries.pop(0), state)
         if state.position == len(prompt):
             self.metrics.prompt_tokens.inc(len(prompt))
             run.logits = logits
         return end - start
+
+    def _record(self, run: _Run, b: Boundary, state) -> None:
+        """Checkpoint `b` from `state` (the live state, or one captured inside the piece; None: not had)."""
+        req = run.req
+        if state is None:
+            self.cache.telemetry.emit("declined", "capture_failed", request_id=req.request_id, kind=b.kind,
+                                      tokens=b.length)
+        elif self.cache.record(self.runtime.adapter, state, b.kind, b.length, req.request_id, req.cache_salt):
+            run.snapshots += 1
+            run.checkpoint = b.length
 
     def _decode(self, runs: list[_Run]) -> None:
         """Sample one token per request; verify speculative runs alone, batch the rest in one pass."""

@@ -39,6 +39,7 @@ the same model object stays plain transformers, so comparing the two still check
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -265,8 +266,21 @@ def _chunked_applies(query, key, value, g, beta, chunk_size=None, *args, **kwarg
 
 def _chunked_fitted(_reference, query, key, value, g, beta, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, **kwargs):
-    return chunked_delta_rule(query, key, value, g, beta, chunk_size_for(query.shape[1]), initial_state,
-                              output_final_state, use_qk_l2norm_in_kernel)
+    cap = _capture_for(query)
+    if cap is None:
+        return chunked_delta_rule(query, key, value, g, beta, chunk_size_for(query.shape[1]), initial_state,
+                                  output_final_state, use_qk_l2norm_in_kernel)
+    # one run per stretch between capture offsets, each from the state the one before it ended in
+    outs, states, state = [], [], initial_state
+    edges = (0, *cap.offsets, cap.length)
+    for start, end in zip(edges, edges[1:]):
+        out, state = chunked_delta_rule(query[:, start:end], key[:, start:end], value[:, start:end],
+                                        g[:, start:end], beta[:, start:end], chunk_size_for(end - start), state,
+                                        True, use_qk_l2norm_in_kernel)
+        outs.append(out)
+        states.append(state)
+    cap.recurrent.append(states[:-1])
+    return torch.cat(outs, dim=1), (state if output_final_state else None)
 
 
 # exp(x) of float32 is 0 or a denormal below this (log of the smallest normal float32, 1.18e-38)
@@ -375,6 +389,9 @@ def conv_prefill(hidden_states, weight, bias=None, activation=None, **kwargs):
     """Depthwise causal conv1d over a whole piece: `hidden_states` [b, channels, L], `weight`
     [channels, kernel], zero left padding, activated output [b, channels, L]."""
     kernel, length = weight.shape[1], hidden_states.shape[-1]
+    cap = _capture_for(hidden_states, seq_dim=-1)
+    if cap is not None:
+        cap.conv.append([_conv_window(hidden_states, length - cap.length + o, kernel) for o in cap.offsets])
     x = F.pad(hidden_states, (kernel - 1, 0))
     out = x[:, :, :length] * weight[:, :1]
     for k in range(1, kernel):
@@ -382,3 +399,54 @@ def conv_prefill(hidden_states, weight, bias=None, activation=None, **kwargs):
     if bias is not None:
         out += bias[:, None]
     return F.silu(out) if activation in _SILU else out
+
+
+def _conv_window(x: torch.Tensor, end: int, kernel: int) -> torch.Tensor:
+    """The conv state after column `end` of `x` [b, channels, n]: its last `kernel` columns, zero-padded on
+    the left as transformers pads a first piece shorter than the kernel. A copy."""
+    window = x[:, :, max(0, end - kernel) : end]
+    return F.pad(window, (kernel - window.shape[-1], 0)) if window.shape[-1] < kernel else window.clone()
+
+
+# -- states inside a prefill piece ---------------------------------------------------------------------
+class PieceCapture:
+    """The recurrent state of every Gated DeltaNet layer after `offsets` tokens of one prefill piece of
+    `length` tokens (batch 1), collected while the piece runs, so a checkpoint inside the piece costs no
+    pass of its own. The conv kernel sees the layer's previous conv state followed by the piece
+    (transformers' `update_conv_state`), so the window before each offset is the conv state there; the
+    delta rule runs once per stretch between offsets, from the state the stretch before ended in, which is
+    the state there. `conv` and `recurrent` get one list (a tensor per offset) per layer, in layer order."""
+
+    def __init__(self, length: int, offsets):
+        self.length = length
+        self.offsets = tuple(offsets)
+        if not all(a < b for a, b in zip((0, *self.offsets), (*self.offsets, length))):
+            raise ValueError(f"capture offsets must ascend strictly inside the piece: {offsets} of {length}")
+        self.conv: list[list[torch.Tensor]] = []
+        self.recurrent: list[list[torch.Tensor]] = []
+        self.unexpected = 0  # kernel calls during the capture that did not fit the piece
+
+
+_CAPTURE = threading.local()
+
+
+@contextlib.contextmanager
+def capture(length: int, offsets):
+    """Collect a `PieceCapture` while a forward pass of one `length`-token piece runs on this thread."""
+    cap = PieceCapture(length, offsets)
+    _CAPTURE.current = cap
+    try:
+        yield cap
+    finally:
+        _CAPTURE.current = None
+
+
+def _capture_for(x: torch.Tensor, seq_dim: int = 1) -> PieceCapture | None:
+    """The capture in progress on this thread, if `x` (batch 1) can be one of its piece's layers."""
+    cap = getattr(_CAPTURE, "current", None)
+    if cap is None:
+        return None
+    if x.shape[0] != 1 or x.shape[seq_dim] < cap.length or (seq_dim == 1 and x.shape[1] != cap.length):
+        cap.unexpected += 1
+        return None
+    return cap

@@ -135,6 +135,18 @@ class FamilyAdapter:
         logits = out.logits[0].float()
         return logits if all_logits else logits[-1]
 
+    def can_capture(self) -> bool:
+        """Whether `forward_capturing` can return states from inside a piece (else split the prefill)."""
+        return False
+
+    def forward_capturing(self, state: LiveState, token_ids: Sequence[int], offsets: Sequence[int]
+                          ) -> tuple[torch.Tensor, list[LiveState] | None]:
+        """`forward`, also returning the state after each of `offsets` tokens of the piece (ascending, strictly
+        inside it), or None when those states could not be had (then no checkpoint may be taken there).
+        Their attention KV are views of `state`'s (never written in place: see `clone_cache`); take a
+        snapshot before `state` runs on."""
+        raise NotImplementedError
+
     @torch.inference_mode()
     def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
         """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
@@ -236,9 +248,48 @@ class RollbackPoint:
 
 
 class HybridLinearAttentionAdapter(FamilyAdapter):
-    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3-Next."""
+    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3-Next.
+
+    hyserve's own conv and delta-rule kernels can hand out the state at any token inside a prefill piece
+    (`kernels.capture`), so a checkpoint boundary needs no pass of its own. That needs those kernels, which
+    run only on the model thread and on CPU."""
 
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+
+    def can_capture(self) -> bool:
+        from . import kernels, model_thread
+
+        return kernels.enabled() and self.model.device.type == "cpu" and model_thread.on_model_thread()
+
+    @torch.inference_mode()
+    def forward_capturing(self, state, token_ids, offsets):
+        from . import kernels
+
+        start = state.position
+        with kernels.capture(len(token_ids), offsets) as cap:
+            logits = self.forward(state, token_ids)
+        linear = [layer for layer in state.cache.layers if type(layer) is not DynamicLayer]
+        complete = (not cap.unexpected and len(cap.conv) == len(cap.recurrent) == len(linear)
+                    and all(getattr(layer, "number_of_states", 1) == 1 for layer in linear))
+        if not complete:
+            return logits, None
+        return logits, [self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
+                        for i, o in enumerate(cap.offsets)]
+
+    @staticmethod
+    def _state_at(state: LiveState, length: int, conv: list, recurrent: list) -> LiveState:
+        """`state`'s cache as it was after `length` tokens: attention KV cut there (views), the captured conv
+        and recurrent states in the linear layers (in layer order)."""
+        memo: dict[int, object] = {}
+        captured = iter(zip(conv, recurrent))
+        for layer in state.cache.layers:
+            if type(layer) is DynamicLayer:
+                memo[id(layer.keys)] = layer.keys[..., :length, :]
+                memo[id(layer.values)] = layer.values[..., :length, :]
+            else:
+                c, r = next(captured)
+                memo[id(layer.conv_states[0])], memo[id(layer.recurrent_states[0])] = c, r.to(layer.recurrent_states[0].dtype)
+        return LiveState(cache=copy.deepcopy(state.cache, memo), tokens=state.tokens[:length])
 
 
 class Mamba2Adapter(FamilyAdapter):

@@ -9,13 +9,14 @@
   turn will send it, from the deepest checkpoint, so turn N+1 still pays only for its new message.
 - block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
 
-Splitting the prefill at a boundary costs one more forward pass. For the history boundary of a warm
-turn that pass holds only the generation prompt (a few tokens, padded to a whole delta-rule chunk) and
-adds about a third to the first token's latency. So, when no other request is running or waiting, a
-boundary with a short tail (`defer_tail`) close to the restored state (`defer_redo`) is not split:
+A checkpoint inside the prefill costs a snapshot before the first token, and for models whose state
+the adapter cannot capture inside a pass (mamba2) one more forward pass: the prefill is split there.
+For the history boundary of a warm turn that pass holds only the generation prompt and added about a
+third to the first token's latency. So, when no other request is running or waiting, a boundary
+with a short tail (`defer_tail`) close to the restored state (`defer_redo`) is not taken inline:
 the engine records it afterwards, from the restored checkpoint, in idle time or at the start of the
 next request that extends it. Under load there is no idle time, and the next turn would pay for this
-turn's new tokens again, so a busy engine splits as usual.
+turn's new tokens again, so a busy engine takes it inline (captured from the same pass where it can).
 
 Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
 Every boundary is checked to be a strict token prefix of the prompt; if a render fails, that
