@@ -520,7 +520,7 @@ def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[di
                         model(input_ids=x, use_cache=True, logits_to_keep=1, **{ad._cache_kw: batch.cache},
                               **ad.batch_inputs(mask, pos))
                         t2 = time.perf_counter()
-                        scatter(batch, states, toks)
+                        scatter(batch, states, range(len(states)), toks)
                         t3 = time.perf_counter()
                     parts.append((t1 - t0, t2 - t1, t3 - t2))
             single = []

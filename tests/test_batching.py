@@ -34,18 +34,59 @@ def test_persistent_batch_equals_solo_decode(runtimes, arch, monkeypatch):
     for k in range(4):  # the same three rows: gathered once, then reused
         step([0, 1, 2], [5 + k, 6 + k, 7 + k])
     assert len(gathers) == 1
-    ad.forward(batched[1], [11, 12])  # a per-request pass (as speculation does) takes row 1 out
+    ad.forward(batched[1], [11, 12])  # a per-request pass (as speculation does) takes row 1 out...
     ad.forward(solo[1], [11, 12])
     step([0, 1, 2], [3, 4, 5])
-    assert len(gathers) == 2
-    step([0, 2], [8, 9])  # a request left: gathered afresh
+    assert len(gathers) == 1  # ...and its state is copied back into a free row: no gathering
+    step([0, 2], [8, 9])  # a request left: one row of three would idle, gathered afresh
     step([0, 2], [10, 11])
-    assert len(gathers) == 3
+    assert len(gathers) == 2
     # a state that views the batch snapshots to its own size only, and restores to an equal state
     snap, ref = ad.snapshot(batched[0]), ad.snapshot(solo[0])
     assert snap.nbytes == ref.nbytes and snap.prefix_hash == ref.prefix_hash
     a, b = ad.restore(snap, batched[0].tokens), ad.restore(ref, solo[0].tokens)
     assert torch.allclose(ad.forward(a, [13]), ad.forward(b, [13]), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_requests_join_and_leave_without_gathering_everyone(runtimes, arch, monkeypatch):
+    """A request that finishes (its state is gone) frees its row; one that joins takes a free row when its KV
+    fits; every row still equals decoding alone, whatever the free rows hold. Gathered afresh when a
+    joiner is longer than the batch, when too many rows would idle, or when a live state sits a pass out
+    (the pass would overwrite the conv and recurrent states it views)."""
+    ad = runtimes(arch).adapter
+    gathers = []
+    real_gather = batching.gather
+    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
+    prompts = [_ids(runtimes(arch), n, seed=n) for n in (9, 17, 30, 12, 21, 14, 60, 10)]
+    batched = [_solo(ad, p)[0] for p in prompts]
+    solo = [_solo(ad, p)[0] for p in prompts]
+
+    def step(members):
+        toks = [3 + (7 * i + len(solo[i].tokens)) % 50 for i in members]
+        got = ad.forward_batch([batched[i] for i in members], toks)
+        for row, (i, t) in enumerate(zip(members, toks)):
+            want = ad.forward(solo[i], [t])
+            assert torch.allclose(got[row], want, atol=1e-4), (arch, members, row)
+            assert batched[i].tokens == solo[i].tokens
+
+    step([0, 1, 2, 3, 4])
+    batched[4] = None  # request 4 finished: its state is gone
+    step([0, 1, 2, 3])  # its row idles (one of four may)
+    batched[1] = None
+    step([0, 5, 2, 3])  # 1 finished, 5 joins into a free row
+    step([3, 0, 2, 5])  # same requests, another order
+    assert len(gathers) == 1
+    ad.forward(batched[3], [4, 5, 6])  # a pass of its own takes 3 out; it comes back into its own row
+    ad.forward(solo[3], [4, 5, 6])
+    step([3, 0, 2, 5])
+    assert len(gathers) == 1
+    step([3, 2, 5, 7])  # 0 sits this pass out, alive: gathered afresh, its rows left as they are
+    assert len(gathers) == 2
+    step([0, 3, 2, 5, 7])  # ...and 0, untouched, decodes on (joining through a fresh gather)
+    step([0, 2, 6])  # 6 has more tokens than the batch is wide: gathered afresh
+    step([0, 2, 6])
+    assert len(gathers) == 4
 
 
 def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):

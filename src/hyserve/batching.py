@@ -6,12 +6,17 @@ concatenation along the batch dimension. Attention KV differs in length per requ
 left-padded to the longest, masked out with an attention mask, and every row gets its own position.
 
 The batched cache outlives the step (`DecodeBatch`). After a pass each request's state becomes a set
-of views of its own row, so nothing is copied back; when the next step decodes the same requests in
-the same order and none of their states was touched in between, the same batched cache runs again
-with no gathering at all. Otherwise it is gathered afresh from the requests' states (views or not).
-Gathering and scattering copies cost O(total KV) per step; at 16 requests of 2k tokens that was four
-copies of every request's KV per token. The batch's attention layers also keep spare columns, so a
-step writes its token in place where `DynamicLayer.update` would concatenate (copy) the whole batch.
+of views of its own row, so nothing is copied back; when the next step decodes requests whose rows
+are untouched since, the same batched cache runs again with no gathering at all. A request that
+leaves frees its row; one that joins (or was taken out by a pass of its own) is copied into a free
+row when its KV fits the batch's width, so a request coming and going costs a copy of its own state,
+not of everyone's (`place`). A free row decodes a dummy token, masked off from nothing but its own
+old KV, until a joining request takes it; when more than a quarter of the rows would idle, or a
+joining request does not fit, the batch is gathered afresh from the requests' states. Gathering
+copies every request's state: at 16 requests of 1k tokens ~15 ms, as long as the pass itself, and
+under short replies requests join or leave at almost every step. The batch's attention layers also
+keep spare columns, so a step writes its token in place where `DynamicLayer.update` would
+concatenate (copy) the whole batch.
 
 A state that holds views never leaks the batch: snapshots and rollback points copy only the view's
 own elements (`state.clone_cache`), and any per-request forward, rewind or truncation marks the state
@@ -21,6 +26,7 @@ as no longer in the batch.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Sequence
 
 import torch
@@ -59,29 +65,24 @@ class DecodeBatch:
     """The batched cache of the last decode pass, and which states (and positions) it holds.
 
     Neither side holds the other: a state carries only the batch's serial number and the batch only
-    the states' ids, so no reference cycle keeps a finished request's rows (or an old batch's
-    buffers) alive until the cyclic garbage collector happens to run."""
+    weak references to the states, so no reference cycle keeps a finished request's rows (or an old
+    batch's buffers) alive until the cyclic garbage collector happens to run."""
 
     _serials = itertools.count(1)
 
     def __init__(self, cache: DynamicCache, states: Sequence[LiveState], pads: list[int]):
         self.cache = cache
         self.serial = next(self._serials)
-        self.ids = [id(s) for s in states]
+        # The state in each row. Weak: a finished request's state goes at once, and its row is then free.
+        self.owners: list[weakref.ref | None] = [weakref.ref(s) for s in states]
         self.pads = pads  # left padding of each row in the attention KV
-        self.positions = [s.position for s in states]
-
-    def holds(self, states: Sequence[LiveState]) -> bool:
-        """True when `states` are exactly this batch's rows, in order, each untouched since the pass (an
-        id reused by a new object fails the serial check: only a pass of this batch sets it)."""
-        return (len(states) == len(self.ids)
-                and all(id(a) == i and a.batch == self.serial and a.position == p
-                        for a, i, p in zip(states, self.ids, self.positions)))
+        self.positions = [s.position for s in states]  # tokens in each row (a free row's keep counting)
+        self.width = max(p + n for p, n in zip(pads, self.positions))  # attention KV columns
 
     def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mask for one more token per row, and each row's position."""
-        width = max(p + n for p, n in zip(self.pads, self.positions)) + 1
-        mask = torch.zeros(len(self.ids), width, dtype=torch.long, device=device)
+        width = self.width + 1
+        mask = torch.zeros(len(self.owners), width, dtype=torch.long, device=device)
         for i, p in enumerate(self.pads):
             mask[i, p:] = 1
         positions = torch.tensor(self.positions, dtype=torch.long, device=device).view(-1, 1)
@@ -125,10 +126,65 @@ def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
     return out
 
 
-def scatter(batch: DecodeBatch, states: Sequence[LiveState], tokens: Sequence[int]) -> None:
+def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
+    """The row of each of `states` in `batch`, or None when the batch should be gathered afresh instead.
+
+    A state untouched since the last pass keeps its row. One that ran a pass of its own (speculation) is
+    copied back into its own row: its conv and recurrent states may still view that row, so no other
+    request may have it. A joining request is copied into a row whose state is gone (its request
+    finished). Gathered afresh when a state still alive is not among `states` (a pass updates every
+    row's conv and recurrent states in place, which that state may view), when a joining request's KV
+    is longer than the batch is wide or no row is free for it, or when more than a quarter of the rows
+    would idle."""
+    owners = [ref() if ref is not None else None for ref in batch.owners]
+    row_of = {id(o): r for r, o in enumerate(owners) if o is not None}
+    if len(row_of.keys() - {id(s) for s in states}):
+        return None
+    rows: list[int | None] = [None] * len(states)
+    back: dict[int, int] = {}  # index in `states` -> own row, for states that ran a pass of their own
+    for i, s in enumerate(states):
+        r = row_of.get(id(s))
+        if r is not None:
+            if s.batch == batch.serial and s.position == batch.positions[r]:
+                rows[i] = r
+            else:
+                back[i] = r
+    joining = [i for i, r in enumerate(rows) if r is None]
+    free = [r for r, o in enumerate(owners) if o is None]
+    if len(joining) - len(back) > len(free) or len(owners) - len(states) > len(states) // 4:
+        return None
+    attention = any(isinstance(layer, _GrowingLayer) for layer in batch.cache.layers)
+    if attention and any(states[i].position > batch.width for i in joining):
+        return None  # its KV is longer than the batch's: gather afresh, wider
+    free.reverse()
+    for i in joining:
+        rows[i] = back[i] if i in back else free.pop()
+        _copy_into_row(batch, rows[i], states[i])
+    return rows
+
+
+def _copy_into_row(batch: DecodeBatch, row: int, state: LiveState) -> None:
+    """Write `state` into `row` of the batch: its attention KV right-aligned at the batch's width (zeros to
+    the left: masked, and a masked value must not be a NaN), its conv and recurrent states as they are."""
+    pad = batch.width - state.position
+    for layer, own in zip(batch.cache.layers, state.cache.layers):
+        if isinstance(layer, _GrowingLayer):
+            for buf, t in ((layer._k, own.keys), (layer._v, own.values)):
+                buf[row, :, :pad].zero_()
+                buf[row, :, pad : batch.width] = t[0]
+            continue
+        for idx in range(layer.number_of_states):
+            if layer.conv_states[idx] is not None:
+                layer.conv_states[idx][row].copy_(own.conv_states[idx][0])
+            if layer.recurrent_states[idx] is not None:
+                layer.recurrent_states[idx][row].copy_(own.recurrent_states[idx][0])
+    batch.owners[row], batch.pads[row], batch.positions[row] = weakref.ref(state), pad, state.position
+
+
+def scatter(batch: DecodeBatch, states: Sequence[LiveState], rows: Sequence[int], tokens: Sequence[int]) -> None:
     """After a pass: every state becomes views of its own row of the batched cache (no copies)."""
     for li, layer in enumerate(batch.cache.layers):
-        for i, state in enumerate(states):
+        for i, state in zip(rows, states):
             own = state.cache.layers[li]
             if isinstance(layer, _GrowingLayer):
                 own.keys = layer.keys[i : i + 1, :, batch.pads[i] :, :]
@@ -142,4 +198,5 @@ def scatter(batch: DecodeBatch, states: Sequence[LiveState], tokens: Sequence[in
     for state, token in zip(states, tokens):
         state.tokens.append(int(token))
         state.batch = batch.serial
-    batch.positions = [s.position for s in states]
+    batch.positions = [n + 1 for n in batch.positions]  # every row, free ones too, took one token
+    batch.width += 1
