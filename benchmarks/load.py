@@ -368,6 +368,7 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
         "decode_passes": batch["count"], "decode_pass_s": passes["sum"],
         "decode_pass_tok_s": batch["sum"] / passes["sum"] if passes["sum"] else None,
         "decode_batch_mean": batch["sum"] / batch["count"] if batch["count"] else None,
+        "decode_gathers": delta(before, after, "hyserve_decode_batch_gathers_total"),
         "cache_hits": hits, "cache_misses": misses,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "hit_rate_api": (c1["hits"] - c0["hits"]) / lookups_api if lookups_api else None,
@@ -564,7 +565,7 @@ def load_table(phases: list[dict]) -> str:
     headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "steady s",
                "steady decode tok/s", "pass tok/s", "TTFT p50 ms",
                "TTFT p99 ms", "warm TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "lock/step mean ms",
-               "lock/step p99 ms", "mean decode batch", "hit rate", "errors", "bg CPU"]
+               "lock/step p99 ms", "mean decode batch", "gathers / passes", "hit rate", "errors", "bg CPU"]
     rows = []
     for p in phases:
         rows.append([p["sessions"], p["requests"], p["output_tokens"], int(p["server_prefill_tokens"]),
@@ -572,7 +573,8 @@ def load_table(phases: list[dict]) -> str:
                      C.fmt_ratio(p.get("steady_s"), 1), C.fmt_ratio(p.get("steady_decode_tok_s"), 1),
                      C.fmt_ratio(p.get("decode_pass_tok_s"), 1), _ms(p["ttft_p50"]), _ms(p["ttft_p99"]), _ms(p["ttft_warm_p50"]),
                      _ms(p["itl_p50"]), _ms(p["itl_p99"]), _ms(p["lock_step_mean"]), _lock(p),
-                     C.fmt_ratio(p["decode_batch_mean"], 2), C.fmt_pct(p["hit_rate"]), p["errors"],
+                     C.fmt_ratio(p["decode_batch_mean"], 2), f"{p.get('decode_gathers', 0):.0f} / {p['decode_passes']:.0f}",
+                     C.fmt_pct(p["hit_rate"]), p["errors"],
                      C.fmt_pct(p["others_busy"])])
     return C.table(headers, rows)
 

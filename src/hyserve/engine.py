@@ -496,9 +496,11 @@ class Engine:
         self._flush()  # the tokens just sampled reach their streams before the next pass, not after it
         if batch:
             self.metrics.decode_batch.observe(len(batch))
-            t0 = time.perf_counter()
-            logits = self.runtime.adapter.forward_batch([r.state for r in batch], tokens)
+            adapter, t0 = self.runtime.adapter, time.perf_counter()
+            gathers = adapter.gathers
+            logits = adapter.forward_batch([r.state for r in batch], tokens)
             self.metrics.decode_pass.observe(time.perf_counter() - t0)
+            self.metrics.decode_gathers.inc(adapter.gathers - gathers)
             for i, run in enumerate(batch):
                 run.logits = logits[i]
 

@@ -112,6 +112,7 @@ class FamilyAdapter:
     def __init__(self, model):
         self.model = model
         self._batch = None  # the last decode batch (batching.DecodeBatch), reused while its rows decode on
+        self.gathers = 0  # decode batches built afresh (a metric)
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 names it `cache`; keep older names working.
         self._cache_kw = next(k for k in ("cache", "past_key_values", "cache_params") if k in params)
@@ -158,6 +159,7 @@ class FamilyAdapter:
         rows = place(batch, states) if batch is not None else None
         if rows is None:
             self._batch = batch = gather(states, self.model.config, self.model.device)
+            self.gathers += 1
             rows = list(range(len(states)))
         mask, positions = batch.inputs(self.model.device)
         ids = torch.zeros((len(batch.owners), 1), dtype=torch.long, device=self.model.device)  # idle rows: token 0

@@ -135,7 +135,7 @@ def test_models_health_metrics_cache_admin(qwen35_server):
                  "hyserve_time_to_first_token_seconds", "hyserve_inter_token_latency_seconds",
                  "hyserve_cache_hits", "hyserve_cache_bytes", "hyserve_cache_snapshot_seconds",
                  "hyserve_runtime_lock_hold_seconds", "hyserve_cache_snapshots_per_request",
-                 "hyserve_decode_batch_size", "hyserve_spec_proposed_tokens"):
+                 "hyserve_decode_batch_size", "hyserve_decode_batch_gathers", "hyserve_spec_proposed_tokens"):
         assert name in families, name
     gen = sum(s.value for s in families["hyserve_generation_tokens"].samples if s.name.endswith("_total"))
     assert gen >= 3
