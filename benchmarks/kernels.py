@@ -16,7 +16,8 @@ of ~1k tokens. Greedy tokens of a short generation are compared across variants.
 Then, on the model thread of this process, the pieces alone at the warm turn's shapes (`--micro` runs
 only these): SDPA's flash kernel against `grouped_attention` (79 queries over 4.2k keys), transformers'
 chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), and exp against
-`safe_exp` on inputs whose exp underflows.
+`safe_exp` on inputs whose exp underflows, and (the machine's state) a 32 MB copy into fresh pages
+against one into a kept buffer.
 
     python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
     python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
@@ -155,6 +156,13 @@ def micro(rounds: int = 30) -> list[dict]:
         rows.append({"piece": "exp of 51,200 values in [-300, -90]", "reference": "torch.exp",
                      "reference_ms": ms(lambda: low.exp()), "hyserve_ms": ms(lambda: kernels.safe_exp(low)),
                      "max_abs_diff": (kernels.safe_exp(low) - low.exp()).abs().max().item()})
+        # the machine's cost of fresh memory, which hyserve's kept buffers (the grouped attention's scores, the
+        # decode batch's rows) avoid: a copy into new pages faults every page in, a copy into a kept buffer not
+        big = torch.randn(8 << 20, generator=g)
+        kept = torch.empty_like(big)
+        rows.append({"piece": "copy of 32 MB (machine state)", "reference": "into a fresh buffer (clone)",
+                     "reference_ms": ms(lambda: big.clone()), "hyserve_ms": ms(lambda: kept.copy_(big)),
+                     "max_abs_diff": (kept - big).abs().max().item()})
         return rows
 
     return model_thread.run(run)
