@@ -94,6 +94,21 @@ def test_deferral_off_checkpoints_inline_and_matches_cache_off(make_service, arc
     assert (len(pieces) == len(SCRIPT)) == (arch != "mamba2"), pieces
 
 
+def test_a_failed_capture_takes_no_checkpoint_and_output_stays_exact(make_service):
+    """Fail closed: when the kernels hand out no states (here: the adapter reports none), the boundaries
+    inside the pass are declined, nothing is recorded from them, and the output still equals cache-off."""
+    from hyserve.cache.policy import CheckpointPolicy
+    svc = make_service("qwen3_5", policy=CheckpointPolicy(defer_tail=0, reply_rerender=False))
+    real = svc.runtime.adapter.forward_capturing
+    svc.runtime.adapter.forward_capturing = lambda state, ids, offsets: (real(state, ids, offsets)[0], None)
+    got = run_chat(svc, SCRIPT[:3], pause=False)
+    want = run_chat(make_service("qwen3_5", cache_enabled=False), SCRIPT[:3], pause=False)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    events = list(svc.cache.telemetry.recent)
+    failed = [e for e in events if e["event"] == "declined" and e["reason"] == "capture_failed"]
+    assert failed and not any(e["event"] == "recorded" and e["kind"] in ("history", "system") for e in events)
+
+
 def _count_prefill_pieces(svc) -> list[int]:
     """Spy on the adapter: the length of every multi-token forward pass (prefill pieces) it runs (a capturing
     pass runs through `forward` too)."""

@@ -7,13 +7,12 @@ left-padded to the longest, masked out with an attention mask, and every row get
 
 The batched cache outlives the step (`DecodeBatch`). After a pass each request's state becomes a set
 of views of its own row, so nothing is copied back; when the next step decodes requests whose rows
-are untouched since, the same batched cache runs again with no gathering at all. A request that
-leaves frees its row; one that joins (or was taken out by a pass of its own) is copied into a free
-row when its KV fits the batch's width, so a request coming and going costs a copy of its own state,
-not of everyone's (`place`). A free row decodes a dummy token, masked off from nothing but its own
-old KV, until a joining request takes it; when more than a quarter of the rows would idle, or a
-joining request does not fit, the batch is gathered afresh from the requests' states. Gathering
-copies every request's state: at 16 requests of 1k tokens ~15 ms, as long as the pass itself, and
+are untouched since, the same batched cache runs again with no gathering at all. A finished request
+frees its row and a joining one is copied into a free row when its KV fits the batch's width, so a
+request coming and going costs a copy of its own state, not of everyone's (`place`). A free row
+decodes a dummy token over its own old state until a joining request takes it. The batch is gathered
+afresh from the requests' states when that is not possible or not worth it (see `place`). Gathering
+copies every request's state: at 16 requests of 1k tokens about as long as the pass itself, and
 under short replies requests join or leave at almost every step. The batch's attention layers also
 keep spare columns, so a step writes its token in place where `DynamicLayer.update` would
 concatenate (copy) the whole batch.
@@ -138,7 +137,7 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     would idle."""
     owners = [ref() if ref is not None else None for ref in batch.owners]
     row_of = {id(o): r for r, o in enumerate(owners) if o is not None}
-    if len(row_of.keys() - {id(s) for s in states}):
+    if row_of.keys() - {id(s) for s in states}:
         return None
     rows: list[int | None] = [None] * len(states)
     back: dict[int, int] = {}  # index in `states` -> own row, for states that ran a pass of their own

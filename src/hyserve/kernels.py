@@ -442,11 +442,14 @@ def capture(length: int, offsets):
 
 
 def _capture_for(x: torch.Tensor, seq_dim: int = 1) -> PieceCapture | None:
-    """The capture in progress on this thread, if `x` (batch 1) can be one of its piece's layers."""
+    """The capture in progress on this thread, if `x` (batch 1) can be one of its piece's layers: the delta
+    rule's input holds exactly the piece's tokens (`seq_dim` 1), the conv's (`seq_dim` -1) the piece after
+    the previous conv state or padding, so at least as many."""
     cap = getattr(_CAPTURE, "current", None)
     if cap is None:
         return None
-    if x.shape[0] != 1 or x.shape[seq_dim] < cap.length or (seq_dim == 1 and x.shape[1] != cap.length):
-        cap.unexpected += 1
+    n = x.shape[seq_dim]
+    if x.shape[0] != 1 or n < cap.length or (seq_dim == 1 and n != cap.length):
+        cap.unexpected += 1  # the pass is not what the capture was set up for: it yields no states
         return None
     return cap
