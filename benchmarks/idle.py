@@ -1,0 +1,104 @@
+"""What idle time does to the next warm turn, on this machine.
+
+A server waits between requests; a benchmark that waits for the server to go idle before each turn
+(`multiturn.py`, like a user reading the reply) times the turn after that wait. This script times the
+same warm turn (restore a ~4.2k-token state, prefill 79 new tokens, argmax: what `multiturn.py`'s bare
+loop does) back to back, and after sleeping S seconds, on hyserve's model thread. Then it copies the
+weights, which transformers leaves as views of the mmapped safetensors file, into anonymous memory and
+times both again, since where the weights live is the first suspect for a slowdown after idle.
+
+    python benchmarks/idle.py                  # bench qwen3_5, sleeps 0, 0.05, 0.5, 2 s, medians of 7
+    python benchmarks/idle.py --quick          # tiny qwen3_5, a smoke test
+    python benchmarks/idle.py --json benchmarks/results/idle.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+SLEEPS = (0.0, 0.05, 0.5, 2.0)
+
+
+def measure(rt, snap, prompt: list[int], cached: int, sleeps, reps: int) -> dict[float, float]:
+    """Median ms of the warm turn after each idle time in `sleeps` (0: back to back, after a warm-up)."""
+    import torch
+
+    ad = rt.adapter
+
+    def warm() -> float:
+        t0 = time.perf_counter()
+        state = ad.restore(snap, prompt[:cached])
+        int(torch.argmax(ad.forward(state, prompt[cached:])))
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        warm()
+    out = {}
+    for s in sleeps:
+        times = []
+        for _ in range(reps):
+            time.sleep(s)
+            times.append(warm())
+        out[s] = C.median(times) * 1e3
+    return out
+
+
+def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
+    import torch
+
+    ad = rt.adapter
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, len(rt.tokenizer) - 1) for _ in range(total)]
+    cached = total - new
+    state = ad.new_state()
+    for i in range(0, cached, 512):
+        ad.forward(state, prompt[i : min(cached, i + 512)])
+    snap = ad.snapshot(state)
+    rows = [{"weights": "mmapped safetensors (as loaded)", **measure(rt, snap, prompt, cached, sleeps, reps)}]
+    with torch.no_grad():
+        for p in list(rt.model.parameters()) + list(rt.model.buffers()):
+            p.data = p.data.clone()
+    rows.append({"weights": "copied to anonymous memory", **measure(rt, snap, prompt, cached, sleeps, reps)})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny qwen3_5, short prompt, 3 repeats")
+    p.add_argument("--reps", type=int, default=None, help="repeats per idle time (default 7; quick 3)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+    C.setup_torch(args.threads)
+    from hyserve import model_thread
+    from hyserve.runtime import ModelRuntime
+
+    size = "tiny" if args.quick else "bench"
+    rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), device="cpu")
+    reps = args.reps or (3 if args.quick else 7)
+    sleeps = (0.0, 0.05) if args.quick else SLEEPS
+    new, total = (16, 200) if args.quick else (79, 4258)
+    rows = model_thread.run(run, rt, new, total, sleeps, reps)
+    headers = ["weights"] + [("back to back" if s == 0 else f"after {s:g} s idle") + " (ms)" for s in sleeps]
+    table = C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
+    print(f"warm turn: restore {total - new} tokens, prefill {new}, argmax; medians of {reps}")
+    print(table)
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/idle.py"] + sys.argv[1:]),
+                                   "machine": C.machine_info(), "rows": [{str(k): v for k, v in r.items()} for r in rows],
+                                   "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
