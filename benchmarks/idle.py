@@ -5,7 +5,8 @@ A server waits between requests; a benchmark that waits for the server to go idl
 same warm turn (restore a ~4.2k-token state, prefill 79 new tokens, argmax: what `multiturn.py`'s bare
 loop does) back to back, and after sleeping S seconds, on hyserve's model thread. Then it copies the
 weights, which transformers leaves as views of the mmapped safetensors file, into anonymous memory and
-times both again, since where the weights live is the first suspect for a slowdown after idle.
+times both again, since where the weights live is the first suspect for a slowdown after idle. Last,
+two plain PyTorch operations without the model, the same way: the machine alone.
 
     python benchmarks/idle.py                  # bench qwen3_5, sleeps 0, 0.05, 0.5, 2 s, medians of 7
     python benchmarks/idle.py --quick          # tiny qwen3_5, a smoke test
@@ -51,6 +52,35 @@ def measure(rt, snap, prompt: list[int], cached: int, sleeps, reps: int) -> dict
     return out
 
 
+def plain_ops(sleeps, reps: int) -> list[dict]:
+    """The machine alone, no model: a product that stays in cache and a sum streamed from memory, timed the
+    same way (mean of a few calls right after each idle time)."""
+    import torch
+
+    a, w = torch.randn(79, 512), torch.randn(1536, 512)  # 3 MB: stays in cache
+    big = torch.randn(32 << 20)  # 128 MB: streamed from memory
+    rows = []
+    for name, fn, n in (("(no model) 79x512 by 512x1536 product, in cache", lambda: a @ w.t(), 20),
+                        ("(no model) sum over 128 MB", lambda: big.sum(), 2)):
+        def timed() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n
+
+        for _ in range(3):
+            timed()
+        row = {"weights": name}
+        for s in sleeps:
+            times = []
+            for _ in range(reps):
+                time.sleep(s)
+                times.append(timed())
+            row[s] = C.median(times) * 1e3
+        rows.append(row)
+    return rows
+
+
 def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
     import torch
 
@@ -67,7 +97,7 @@ def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
         for p in list(rt.model.parameters()) + list(rt.model.buffers()):
             p.data = p.data.clone()
     rows.append({"weights": "copied to anonymous memory", **measure(rt, snap, prompt, cached, sleeps, reps)})
-    return rows
+    return rows + plain_ops(sleeps, reps)
 
 
 def main(argv=None) -> int:
@@ -87,7 +117,7 @@ def main(argv=None) -> int:
     sleeps = (0.0, 0.05) if args.quick else SLEEPS
     new, total = (16, 200) if args.quick else (79, 4258)
     rows = model_thread.run(run, rt, new, total, sleeps, reps)
-    headers = ["weights"] + [("back to back" if s == 0 else f"after {s:g} s idle") + " (ms)" for s in sleeps]
+    headers = ["warm turn, weights / operation"] + [("back to back" if s == 0 else f"after {s:g} s idle") + " (ms)" for s in sleeps]
     table = C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
     print(f"warm turn: restore {total - new} tokens, prefill {new}, argmax; medians of {reps}")
     print(table)
