@@ -28,8 +28,23 @@ import _common as C  # noqa: E402
 SLEEPS = (0.0, 0.05, 0.5, 2.0)
 
 
-def measure(rt, snap, prompt: list[int], cached: int, sleeps, reps: int) -> dict[float, float]:
-    """Median ms of the warm turn after each idle time in `sleeps` (0: back to back, after a warm-up)."""
+def after_idle(timed, sleeps, reps: int) -> dict[float, float]:
+    """Median ms of `timed()` (seconds) right after each idle time in `sleeps` (0: back to back), after a
+    warm-up."""
+    for _ in range(3):
+        timed()
+    out = {}
+    for s in sleeps:
+        times = []
+        for _ in range(reps):
+            time.sleep(s)
+            times.append(timed())
+        out[s] = C.median(times) * 1e3
+    return out
+
+
+def warm_turn(rt, snap, prompt: list[int], cached: int):
+    """The warm turn as a timed function: restore the snapshot, prefill the rest, argmax."""
     import torch
 
     ad = rt.adapter
@@ -40,16 +55,7 @@ def measure(rt, snap, prompt: list[int], cached: int, sleeps, reps: int) -> dict
         int(torch.argmax(ad.forward(state, prompt[cached:])))
         return time.perf_counter() - t0
 
-    for _ in range(3):
-        warm()
-    out = {}
-    for s in sleeps:
-        times = []
-        for _ in range(reps):
-            time.sleep(s)
-            times.append(warm())
-        out[s] = C.median(times) * 1e3
-    return out
+    return warm
 
 
 def plain_ops(sleeps, reps: int) -> list[dict]:
@@ -62,22 +68,13 @@ def plain_ops(sleeps, reps: int) -> list[dict]:
     rows = []
     for name, fn, n in (("(no model) 79x512 by 512x1536 product, in cache", lambda: a @ w.t(), 20),
                         ("(no model) sum over 128 MB", lambda: big.sum(), 2)):
-        def timed() -> float:
+        def timed(fn=fn, n=n) -> float:
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             return (time.perf_counter() - t0) / n
 
-        for _ in range(3):
-            timed()
-        row = {"weights": name}
-        for s in sleeps:
-            times = []
-            for _ in range(reps):
-                time.sleep(s)
-                times.append(timed())
-            row[s] = C.median(times) * 1e3
-        rows.append(row)
+        rows.append({"weights": name, **after_idle(timed, sleeps, reps)})
     return rows
 
 
@@ -92,11 +89,12 @@ def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
     for i in range(0, cached, 512):
         ad.forward(state, prompt[i : min(cached, i + 512)])
     snap = ad.snapshot(state)
-    rows = [{"weights": "mmapped safetensors (as loaded)", **measure(rt, snap, prompt, cached, sleeps, reps)}]
+    warm = warm_turn(rt, snap, prompt, cached)
+    rows = [{"weights": "mmapped safetensors (as loaded)", **after_idle(warm, sleeps, reps)}]
     with torch.no_grad():
         for p in list(rt.model.parameters()) + list(rt.model.buffers()):
             p.data = p.data.clone()
-    rows.append({"weights": "copied to anonymous memory", **measure(rt, snap, prompt, cached, sleeps, reps)})
+    rows.append({"weights": "copied to anonymous memory", **after_idle(warm, sleeps, reps)})
     return rows + plain_ops(sleeps, reps)
 
 
