@@ -76,7 +76,11 @@ class DecodeBatch:
         self.owners: list[weakref.ref | None] = [weakref.ref(s) for s in states]
         self.pads = pads  # left padding of each row in the attention KV
         self.positions = [s.position for s in states]  # tokens in each row (a free row's keep counting)
-        self.width = max(p + n for p, n in zip(pads, self.positions))  # attention KV columns
+
+    @property
+    def width(self) -> int:
+        """Columns of the attention KV: every row's padding plus its tokens comes to this."""
+        return max(p + n for p, n in zip(self.pads, self.positions))
 
     def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mask for one more token per row, and each row's position."""
@@ -153,7 +157,8 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     if len(joining) - len(back) > len(free) or len(owners) - len(states) > len(states) // 4:
         return None
     attention = any(isinstance(layer, _GrowingLayer) for layer in batch.cache.layers)
-    if attention and any(states[i].position > batch.width for i in joining):
+    width = batch.width
+    if attention and any(states[i].position > width for i in joining):
         return None  # its KV is longer than the batch's: gather afresh, wider
     free.reverse()
     for i in joining:
@@ -165,12 +170,13 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
 def _copy_into_row(batch: DecodeBatch, row: int, state: LiveState) -> None:
     """Write `state` into `row` of the batch: its attention KV right-aligned at the batch's width (zeros to
     the left: masked, and a masked value must not be a NaN), its conv and recurrent states as they are."""
-    pad = batch.width - state.position
+    width = batch.width
+    pad = width - state.position
     for layer, own in zip(batch.cache.layers, state.cache.layers):
         if isinstance(layer, _GrowingLayer):
             for buf, t in ((layer._k, own.keys), (layer._v, own.values)):
                 buf[row, :, :pad].zero_()
-                buf[row, :, pad : batch.width] = t[0]
+                buf[row, :, pad:width] = t[0]
             continue
         for idx in range(layer.number_of_states):
             if layer.conv_states[idx] is not None:
@@ -198,4 +204,3 @@ def scatter(batch: DecodeBatch, states: Sequence[LiveState], rows: Sequence[int]
         state.tokens.append(int(token))
         state.batch = batch.serial
     batch.positions = [n + 1 for n in batch.positions]  # every row, free ones too, took one token
-    batch.width += 1
