@@ -91,6 +91,55 @@ def test_a_restored_state_never_writes_into_its_snapshot(runtimes, arch):
     assert all(torch.equal(x, y) for x, y in zip(before, _tensors(snap.cache)))
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
+    """A snapshot's tensors are compact copies in one mapped block (outside the heap), counted once."""
+    import gc
+    import sys
+
+    from hyserve.state import cache_nbytes
+
+    rt = runtimes(arch)
+    ad = rt.adapter
+    live = ad.new_state()
+    ad.forward(live, _ids(rt, 21, seed=2))
+    snap = ad.snapshot(live)
+    copies, originals = _tensors(snap.cache), _tensors(live.cache)
+    assert len({t.untyped_storage().data_ptr() for t in copies}) == 1
+    assert all(c.is_contiguous() and torch.equal(c, o) for c, o in zip(copies, originals))
+    assert all(c.data_ptr() % 64 == 0 for c in copies)
+    exact = sum(t.numel() * t.element_size() for t in copies)
+    assert exact <= snap.nbytes == cache_nbytes(snap.cache) < exact + 64 * len(copies)
+    ptr = copies[0].untyped_storage().data_ptr()
+    if sys.platform.startswith("linux"):  # the block is a mapping of its own, unmapped with the snapshot
+        assert _mapping_of(ptr) is not None and _mapping_of(ptr)[1] - _mapping_of(ptr)[0] >= snap.nbytes
+        del snap, copies
+        gc.collect()
+        assert _mapping_of(ptr) is None
+
+
+def _mapping_of(address: int):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi
+    return None
+
+
+def test_packed_clones_of_mixed_dtypes_and_views():
+    from hyserve.state import packed_clones
+
+    base = torch.arange(60, dtype=torch.float32).view(6, 10)
+    tensors = [base[1:4, ::3], torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64),
+               torch.empty(0), base.t()]
+    copies = packed_clones(tensors)
+    for t, c in zip(tensors, copies):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)
+    base.zero_()
+    assert copies[0].sum() > 0  # copies, not views
+
+
 def _tensors(cache):
     from hyserve.state import _cache_tensors
     return list(_cache_tensors(cache))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import mmap
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -53,7 +54,32 @@ def _cache_tensors(cache) -> Iterable[torch.Tensor]:
                 yield from (t for t in states.values() if isinstance(t, torch.Tensor))
 
 
-def clone_cache(cache_or_layer, share_kv: bool = False):
+_ALIGN = 64  # bytes: every tensor of a packed block starts on a cache line
+
+
+def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Compact copies of CPU `tensors`, all in one block of memory mapped for them alone (and unmapped when
+    the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
+    short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
+    heap grew for as long as a load lasted (`benchmarks/load.py`'s soak). A block of its own per snapshot
+    returns to the OS whole when it is evicted. The price is fresh pages for every copy: a 9 MiB snapshot
+    of the bench model took 3.0 instead of 1.5 ms here (MAP_POPULATE made it 3.6)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    if total == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows: plain clones)
+        return [t.clone() for t in tensors]
+    block = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(block, dtype=torch.uint8)  # keeps `block` alive while any view of it lives
+    out = []
+    for t, off in zip(tensors, offsets):
+        copy_ = raw[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out.append(copy_.copy_(t))
+    return out
+
+
+def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
     """Deep copy in which every state tensor is a compact clone. A live state in a decode batch holds
     views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch.
 
@@ -61,10 +87,17 @@ def clone_cache(cache_or_layer, share_kv: bool = False):
     them. That is safe because such a layer never writes into its tensors: `update` concatenates into
     new ones, `crop` and hyserve's truncation slice or clone (tests/test_state.py checks that a restored
     state's progress leaves its snapshot bit-identical). Conv and recurrent states are updated in
-    place, so they are always cloned."""
+    place, so they are always cloned.
+
+    `packed`: the clones of CPU tensors share one block of their own (`packed_clones`): for snapshots."""
     shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) if type(layer) is DynamicLayer
                for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)} if share_kv else set())
-    memo = {id(t): (t if id(t) in shared else t.clone()) for t in _cache_tensors(cache_or_layer)}
+    tensors = {id(t): t for t in _cache_tensors(cache_or_layer)}  # each once
+    cpu = [t for i, t in tensors.items() if packed and i not in shared and t.device.type == "cpu"]
+    memo = dict(zip(map(id, cpu), packed_clones(cpu)))
+    for i, t in tensors.items():
+        if i not in memo:
+            memo[i] = t if i in shared else t.clone()
     return copy.deepcopy(cache_or_layer, memo)
 
 
@@ -186,7 +219,7 @@ class FamilyAdapter:
     # -- snapshot / restore -----------------------------------------------------------------
     def snapshot(self, state: LiveState) -> Snapshot:
         """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
-        cache = clone_cache(state.cache)
+        cache = clone_cache(state.cache, packed=True)
         return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
 
     def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
