@@ -453,6 +453,8 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
         "cache_entries_end": after["cache"]["entries"],
         "cache_evictions": delta(before, after, "hyserve_cache_evictions_total"),
         "cache_bytes_max_sampled": max(c for _, _, c in samples if c is not None),
+        "malloc_trims": delta(before, after, "hyserve_malloc_trim_seconds_count"),
+        "malloc_trim_seconds": delta(before, after, "hyserve_malloc_trim_seconds_sum"),
         "hit_rate": (lambda h, m: h / (h + m) if h + m else None)(
             delta(before, after, "hyserve_cache_hits_total"), delta(before, after, "hyserve_cache_misses_total")),
     }
@@ -583,12 +585,14 @@ def soak_table(s: dict) -> str:
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
     headers = ["seconds", "sessions", "requests", "failures", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
                "RSS start MiB", "RSS max MiB", "RSS end MiB", "RSS-cache start/max/end MiB", "cache MiB end / budget",
-               "evictions", "hit rate", "bg CPU"]
+               "evictions", "hit rate", "heap trims (mean ms)", "bg CPU"]
+    trims = s.get("malloc_trims") or 0
     row = [f"{s['wall_s']:.0f}", s["sessions"], s["requests"], s["failures"], C.fmt_ratio(s["output_tok_s"], 1),
            _ms(s["ttft_p50"]), _ms(s["ttft_p99"]), mib(s["rss_start"]), mib(s["rss_max"]), mib(s["rss_end"]),
            f"{mib(s['rss_minus_cache_start'])} / {mib(s['rss_minus_cache_max'])} / {mib(s['rss_minus_cache_end'])}",
            f"{mib(s['cache_bytes_end'])} / {mib(s['cache_budget_bytes'])}", int(s["cache_evictions"]),
-           C.fmt_pct(s["hit_rate"]), C.fmt_pct(s["others_busy"])]
+           C.fmt_pct(s["hit_rate"]), f"{trims:.0f} ({s['malloc_trim_seconds'] / trims * 1e3:.1f})" if trims else "0",
+           C.fmt_pct(s["others_busy"])]
     return C.table(headers, [row])
 
 

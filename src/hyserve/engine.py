@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from . import model_thread
+from .allocator import Trimmer
 from .cache.manager import PrefixCache, Restored
 from .cache.policy import Boundary, CheckpointPolicy
 from .metrics import Metrics
@@ -167,6 +168,7 @@ class Engine:
         # a wake-up per token per request cost the model thread ~3 % at 16 streams. The last field is the
         # stream's `taken` event while its first item is on the way (see `_flush`), else None.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object, threading.Event | None]] = []
+        self._trimmer = Trimmer()
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
@@ -293,6 +295,10 @@ class Engine:
                 log.exception("engine step failed")
             finally:
                 self._flush()
+            if self.scheduler.busy:  # fragmentation grows with allocations, i.e. under load
+                took = self._trimmer.maybe()
+                if took is not None:
+                    self.metrics.malloc_trim.observe(took)
 
     def step(self) -> None:
         sched = self.scheduler

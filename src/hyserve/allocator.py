@@ -1,0 +1,55 @@
+"""Hand freed heap memory back to the OS now and then, so a long-running server's RSS follows what it holds.
+
+Under sustained load tensors of many sizes come and go: decode batches, prefill activations, snapshot
+copies. glibc serves those below its mmap threshold (which it raises to 32 MiB as it sees large blocks
+freed) from its heaps, and a heap only shrinks from its top, so free memory between live blocks stays
+resident. In `benchmarks/load.py`'s soak the server's RSS minus its cache bytes rose in steps for as
+long as the load lasted and fell back once it stopped. `malloc_trim(0)` releases the free pages
+anywhere in glibc's heaps. The pages are faulted in again when reused, so it runs at most once per
+`interval` seconds, between engine steps, never under the runtime lock.
+
+A no-op where the C library has no `malloc_trim` (musl, macOS, Windows) or `HYSERVE_MALLOC_TRIM=0`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import time
+
+TRIM_EVERY = 10.0  # seconds between trims under load
+
+
+def _malloc_trim():
+    if os.environ.get("HYSERVE_MALLOC_TRIM", "1") == "0":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class Trimmer:
+    """`maybe()`: trim if `interval` seconds have passed since the last trim; returns the seconds it took,
+    or None when it did not run."""
+
+    def __init__(self, interval: float = TRIM_EVERY):
+        self.interval = interval
+        self._trim = _malloc_trim()
+        self._last = time.monotonic()
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def maybe(self) -> float | None:
+        now = time.monotonic()
+        if self._trim is None or now - self._last < self.interval:
+            return None
+        self._trim(0)
+        self._last = time.monotonic()
+        return self._last - now
