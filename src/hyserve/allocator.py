@@ -1,12 +1,13 @@
 """Hand freed heap memory back to the OS now and then, so a long-running server's RSS follows what it holds.
 
-Under sustained load tensors of many sizes come and go: decode batches, prefill activations, snapshot
-copies. glibc serves those below its mmap threshold (which it raises to 32 MiB as it sees large blocks
-freed) from its heaps, and a heap only shrinks from its top, so free memory between live blocks stays
-resident. In `benchmarks/load.py`'s soak the server's RSS minus its cache bytes rose in steps for as
-long as the load lasted and fell back once it stopped. `malloc_trim(0)` releases the free pages
-anywhere in glibc's heaps. The pages are faulted in again when reused, so it runs at most once per
-`interval` seconds, between engine steps, never under the runtime lock.
+Under sustained load tensors of many sizes come and go: decode batches, prefill activations, the
+states of requests. glibc serves those below its mmap threshold (which it raises to 32 MiB as it sees
+large blocks freed) from its heaps, and a heap only shrinks from its top: free memory between live
+blocks stays resident. Snapshots, the long-lived part, live outside the heap (`state.packed_clones`),
+so the heap stops growing; `malloc_trim(0)` then hands back the free pages inside it. The pages are
+faulted in again when reused, so this runs at most once per `interval` seconds, between engine steps,
+never under the runtime lock, and only while requests are running (idle, nothing churns).
+`benchmarks/load.py`'s soak counts the trims and their time.
 
 A no-op where the C library has no `malloc_trim` (musl, macOS, Windows) or `HYSERVE_MALLOC_TRIM=0`.
 """

@@ -62,8 +62,8 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
     short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
     heap grew for as long as a load lasted (`benchmarks/load.py`'s soak). A block of its own per snapshot
-    returns to the OS whole when it is evicted. The price is fresh pages for every copy: a 9 MiB snapshot
-    of the bench model took 3.0 instead of 1.5 ms here (MAP_POPULATE made it 3.6)."""
+    returns to the OS whole when it is evicted. The price is fresh pages for every copy, which fault in
+    one by one as it is written (`benchmarks/kernels.py --micro` times it against heap clones)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
