@@ -6,7 +6,8 @@ large blocks freed) from its heaps, and a heap only shrinks from its top: free m
 blocks stays resident. Snapshots, the long-lived part, live outside the heap (`state.packed_clones`),
 so the heap stops growing; `malloc_trim(0)` then hands back the free pages inside it. The pages are
 faulted in again when reused, so this runs at most once per `interval` seconds, between engine steps,
-never under the runtime lock, and only while requests are running (idle, nothing churns).
+never under the runtime lock, and only while several requests run (their allocations interleave; a
+lone request's do not, and a chat's warm turn should not fault its pages in again).
 `benchmarks/load.py`'s soak counts the trims and their time.
 
 A no-op where the C library has no `malloc_trim` (musl, macOS, Windows) or `HYSERVE_MALLOC_TRIM=0`.

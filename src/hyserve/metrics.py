@@ -37,7 +37,7 @@ class Metrics:
         self.decode_pass = Histogram("hyserve_decode_pass_seconds", "Time per batched decode pass (the forward for one token of every row)",
                                      buckets=_FAST, registry=r)
         self.decode_gathers = Counter("hyserve_decode_batch_gathers", "Batched decode passes that first gathered every request's state afresh (the others reused the batch, copying at most joining requests into free rows)", registry=r)
-        self.malloc_trim = Histogram("hyserve_malloc_trim_seconds", "Time per hand-back of freed heap memory to the OS (every 10 s under load)",
+        self.malloc_trim = Histogram("hyserve_malloc_trim_seconds", "Time per hand-back of freed heap memory to the OS (every 10 s while several requests run)",
                                      buckets=_FAST, registry=r)
         self.waiting = Gauge("hyserve_requests_waiting", "Requests queued for a slot", registry=r)
         self.spec_proposed = Counter("hyserve_spec_proposed_tokens", "Speculative tokens proposed (prompt lookup)", registry=r)
