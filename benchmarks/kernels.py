@@ -16,8 +16,9 @@ of ~1k tokens. Greedy tokens of a short generation are compared across variants.
 Then, on the model thread of this process, the pieces alone at the warm turn's shapes (`--micro` runs
 only these): SDPA's flash kernel against `grouped_attention` (79 queries over 4.2k keys), transformers'
 chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), and exp against
-`safe_exp` on inputs whose exp underflows, and (the machine's state) a 32 MB copy into fresh pages
-against one into a kept buffer.
+`safe_exp` on inputs whose exp underflows, (the machine's state) a 32 MB copy into fresh pages
+against one into a kept buffer, and a snapshot's copy into heap clones against one into a block mapped
+for it alone (`state.packed_clones`, slower: the price of keeping snapshots out of the heap).
 
     python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
     python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
@@ -113,6 +114,7 @@ def micro(rounds: int = 30) -> list[dict]:
     import torch.nn.functional as F
 
     from hyserve import kernels, model_thread
+    from hyserve.state import packed_clones
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     def ms(fn) -> float:
@@ -163,6 +165,15 @@ def micro(rounds: int = 30) -> list[dict]:
         rows.append({"piece": "copy of 32 MB (machine state)", "reference": "into a fresh buffer (clone)",
                      "reference_ms": ms(lambda: big.clone()), "hyserve_ms": ms(lambda: kept.copy_(big)),
                      "max_abs_diff": (kept - big).abs().max().item()})
+        # a snapshot's copy (~4.2k-token bench qwen3_5 state: KV of 2 attention layers, conv and recurrent states
+        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone (state.packed_clones)
+        state = [r(1, 2, prefix + new, 64) for _ in range(4)] + [r(1, 8, 64, 64) for _ in range(6)] \
+            + [r(1, 1024, 4) for _ in range(6)]
+        mib = sum(t.numel() * t.element_size() for t in state) / 2**20
+        rows.append({"piece": f"snapshot copy of {mib:.1f} MiB", "reference": "heap clones (tensor.clone)",
+                     "reference_ms": ms(lambda: [t.clone() for t in state]),
+                     "hyserve_ms": ms(lambda: packed_clones(state)),
+                     "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state))})
         return rows
 
     return model_thread.run(run)

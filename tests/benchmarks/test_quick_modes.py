@@ -25,7 +25,7 @@ def test_run_py_quick_writes_results_and_plots(tmp_path):
 @pytest.mark.parametrize("script,flag", [("benchmarks/multiturn.py", "--json"), ("benchmarks/speculative.py", "--out"),
                                          ("benchmarks/load.py", "--json"), ("benchmarks/threads.py", "--json"),
                                          ("benchmarks/long_decode.py", "--json"), ("benchmarks/kernels.py", "--json"),
-                                         ("benchmarks/idle.py", "--json")])
+                                         ("benchmarks/idle.py", "--json"), ("benchmarks/memory.py", "--json")])
 def test_quick_mode_exits_cleanly(script, flag, tmp_path):
     out = tmp_path / "out.json"  # never overwrite the real results in benchmarks/results
     run([script, "--quick", flag, str(out)], tmp_path)
