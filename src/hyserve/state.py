@@ -61,7 +61,7 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Compact copies of CPU `tensors`, all in one block of memory mapped for them alone (and unmapped when
     the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
     short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
-    heap grew for as long as a load lasted (`benchmarks/load.py`'s soak). A block of its own per snapshot
+    heap grew for as long as a load lasted (`benchmarks/memory.py`). A block of its own per snapshot
     returns to the OS whole when it is evicted. The price is fresh pages for every copy, which fault in
     one by one as it is written (`benchmarks/kernels.py --micro` times it against heap clones)."""
     offsets, total = [], 0
