@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
 import gc
 import json
 import os
@@ -43,9 +42,10 @@ class _MallInfo2(ctypes.Structure):
 
 def glibc_heap() -> dict | None:
     """glibc's own account of its allocations (all arenas), or None on another C library."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    from hyserve.allocator import libc_function
+
+    fn = libc_function("mallinfo2")
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     m = fn()

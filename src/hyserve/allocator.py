@@ -23,15 +23,18 @@ import time
 TRIM_EVERY = 10.0  # seconds between trims under load
 
 
-def _malloc_trim():
-    if os.environ.get("HYSERVE_MALLOC_TRIM", "1") == "0":
-        return None
+def libc_function(name: str):
+    """The C library's function `name` (ctypes), or None where it has none (not glibc, or no C library found)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+
+
+def _malloc_trim():
+    fn = libc_function("malloc_trim") if os.environ.get("HYSERVE_MALLOC_TRIM", "1") != "0" else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
 
 
