@@ -4,9 +4,12 @@ One hyserve server (bench-size qwen3_5 hybrid by default, prefix cache on) runs 
 process of its own on 127.0.0.1 (`_common.ServerProcess`), as users run it: the clients in this process
 share no interpreter lock with the server's model thread. For every N in --sessions (default 1, 4, 16),
 N chat sessions start together; each sends T turns (default 4) of ~100-300-token synthetic user
-messages with max_tokens 32, temperature 0, and sends the reply text back as the assistant message,
-like a chat client. All N are measured in one
+messages with max_tokens 128 (the output length of vLLM's `bench serve` random dataset), temperature 0,
+and sends the reply text back as the assistant message, like a chat client. All N are measured in one
 run against the same server process; the prefix cache is cleared (DELETE /v1/cache) before each N.
+Shorter replies make the load prefill-bound: the bench model's random-weight replies do not re-tokenize
+to the ids it generated, so each turn also re-runs the previous reply (`--max-tokens 32`: ~8 prompt tokens
+computed per token generated at N=16), and prefill on 2 cores is compute-bound however many sessions wait.
 
 Client side (`openai.AsyncOpenAI`, stream=True): TTFT = request sent -> first content chunk;
 ITL = gap between consecutive content chunks of one stream. Server side (GET /metrics, differences
@@ -60,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny model, N=1,4, 2 turns, soak 10 s (< 1 minute)")
     p.add_argument("--sessions", default=None, help="comma-separated session counts (default 1,4,16; quick 1,4)")
     p.add_argument("--turns", type=int, default=None, help="turns per session (default 4; quick 2)")
-    p.add_argument("--max-tokens", type=int, default=32, help="reply length per turn (default 32)")
+    p.add_argument("--max-tokens", type=int, default=128, help="reply length per turn (default 128)")
     p.add_argument("--min-user-tokens", type=int, default=100)
     p.add_argument("--max-user-tokens", type=int, default=300)
     p.add_argument("--soak", type=float, default=None, help="soak seconds (default 300; quick 10; 0 = skip)")
@@ -388,17 +391,19 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
     results, errors = [], []
     t0 = time.perf_counter()
     deadline = t0 + args.soak
-    samples = [(0.0, C.pid_rss_bytes(server_pid), before["cache"]["bytes"])]  # (t, server RSS, cache bytes)
+    # (t, server RSS, cache bytes, live-state bytes: running requests' states and the decode batch)
+    samples = [(0.0, C.pid_rss_bytes(server_pid), before["cache"]["bytes"], _sum(before, "hyserve_live_state_bytes"))]
     started = [0]
     stop = asyncio.Event()
 
     async def sample():
         t, rss = time.perf_counter() - t0, C.pid_rss_bytes(server_pid)
         try:
-            cached = (await http.get("/v1/cache")).json()["bytes"]
-        except Exception:  # a missed cache sample is not a request failure
-            cached = None
-        samples.append((t, rss, cached))
+            m = await scrape(http)
+            cached, live = m["cache"]["bytes"], _sum(m, "hyserve_live_state_bytes")
+        except Exception:  # a missed sample is not a request failure
+            cached = live = None
+        samples.append((t, rss, cached, live))
 
     async def sampler():
         while not stop.is_set():
@@ -435,8 +440,13 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
     await sample()
     others = mon.stop()
     after = await scrape(http)
-    rss = [r for _, r, _ in samples if r is not None]
-    other = [r - c for _, r, c in samples if r is not None and c is not None]  # RSS not held by the cache
+    rss = [r for _, r, _, _ in samples if r is not None]
+    other = [r - c for _, r, c, _ in samples if r is not None and c is not None]  # RSS not held by the cache
+    # RSS held neither by the cache nor by running requests: what would grow if anything leaked. Its
+    # highest sample in each third of the soak shows whether it levels off.
+    rest = [(t, r - c - v) for t, r, c, v in samples if None not in (r, c, v)]
+    thirds = [max((x for t, x in rest if k * args.soak / 3 <= t < (k + 1) * args.soak / 3), default=None)
+              for k in range(3)]
     ttfts = [r["ttft"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
     return {
@@ -449,10 +459,12 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
         "rss_end": rss[-1] if rss else None, "rss_samples": samples,
         "rss_minus_cache_start": other[0] if other else None, "rss_minus_cache_max": max(other) if other else None,
         "rss_minus_cache_end": other[-1] if other else None,
+        "live_bytes_max_sampled": max((v for *_, v in samples if v is not None), default=None),
+        "rss_rest_max_by_third": thirds, "rss_rest_end": rest[-1][1] if rest else None,
         "cache_budget_bytes": after["cache"]["budget_bytes"], "cache_bytes_end": after["cache"]["bytes"],
         "cache_entries_end": after["cache"]["entries"],
         "cache_evictions": delta(before, after, "hyserve_cache_evictions_total"),
-        "cache_bytes_max_sampled": max(c for _, _, c in samples if c is not None),
+        "cache_bytes_max_sampled": max(c for _, _, c, _ in samples if c is not None),
         "malloc_trims": delta(before, after, "hyserve_malloc_trim_seconds_count"),
         "malloc_trim_seconds": delta(before, after, "hyserve_malloc_trim_seconds_sum"),
         "hit_rate": (lambda h, m: h / (h + m) if h + m else None)(
@@ -585,12 +597,15 @@ def soak_table(s: dict) -> str:
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
     headers = ["seconds", "sessions", "requests", "failures", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
                "RSS start MiB", "RSS max MiB", "RSS end MiB", "RSS-cache start/max/end MiB", "cache MiB end / budget",
-               "evictions", "hit rate", "heap trims (mean ms)", "bg CPU"]
+               "live states max MiB", "RSS-cache-live max by third / end MiB", "evictions", "hit rate",
+               "heap trims (mean ms)", "bg CPU"]
     trims = s.get("malloc_trims") or 0
     row = [f"{s['wall_s']:.0f}", s["sessions"], s["requests"], s["failures"], C.fmt_ratio(s["output_tok_s"], 1),
            _ms(s["ttft_p50"]), _ms(s["ttft_p99"]), mib(s["rss_start"]), mib(s["rss_max"]), mib(s["rss_end"]),
            f"{mib(s['rss_minus_cache_start'])} / {mib(s['rss_minus_cache_max'])} / {mib(s['rss_minus_cache_end'])}",
-           f"{mib(s['cache_bytes_end'])} / {mib(s['cache_budget_bytes'])}", int(s["cache_evictions"]),
+           f"{mib(s['cache_bytes_end'])} / {mib(s['cache_budget_bytes'])}", mib(s.get("live_bytes_max_sampled")),
+           " / ".join(mib(x) for x in s.get("rss_rest_max_by_third") or []) + f" / {mib(s.get('rss_rest_end'))}",
+           int(s["cache_evictions"]),
            C.fmt_pct(s["hit_rate"]), f"{trims:.0f} ({s['malloc_trim_seconds'] / trims * 1e3:.1f})" if trims else "0",
            C.fmt_pct(s["others_busy"])]
     return C.table(headers, [row])

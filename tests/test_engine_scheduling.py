@@ -93,3 +93,29 @@ def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(ma
     waits = [waiting for name, waiting in seen if name in ("Delta", "Finished")]
     assert len(waits) == len(got) and waits[0] and not any(waits[1:])  # only the first item makes it wait
     assert ("taken-after-flush", True) in seen  # the consumer's taking it is what the wait listens for
+
+
+def test_the_live_state_gauge_counts_running_states_and_drops_to_zero_when_idle(make_service, monkeypatch):
+    """`hyserve_live_state_bytes`: what running requests hold (the RSS beyond the cache's budget that grows
+    with load) is sampled between steps; it is non-zero while requests run and 0 once none does."""
+    import hyserve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LIVE_BYTES_EVERY", 0.0)  # sample after every step
+    svc = make_service("qwen3_5")
+    eng, seen = svc.engine, []
+    inner = eng._sample_live_bytes
+
+    def spy():
+        running = len(eng.scheduler.running)
+        inner()
+        seen.append((running, svc.metrics.registry.get_sample_value("hyserve_live_state_bytes")))
+
+    eng._sample_live_bytes = spy
+    _admitted_together(svc, [_chat(svc, "Tell me a story about a robot."), _chat(svc, "Hi")])
+    for _ in range(500):  # the worker samples once more after the step that finished the last request
+        if seen and not seen[-1][0]:
+            break
+        threading.Event().wait(0.01)
+    busy = [b for n, b in seen if n]
+    assert busy and all(b > 0 for b in busy)
+    assert seen[-1] == (0, 0.0)

@@ -35,6 +35,7 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import QueueFull, Scheduler
 from .sequence import OutputSequence
 from .speculative import PromptLookup, SpeculativeConfig, accepted_prefix
+from .state import cache_nbytes
 
 log = logging.getLogger("hyserve.engine")
 
@@ -109,6 +110,7 @@ class _Job:
 PIECE_COST = 64
 # Longest the model thread waits, after emitting streams' first tokens, for their event loops to take them
 FIRST_TOKEN_HANDOFF = 0.002  # seconds
+LIVE_BYTES_EVERY = 1.0  # seconds between samples of the running states' bytes (a walk over their tensors)
 
 
 def _deliver(pairs: list[tuple[asyncio.Queue, object]]) -> None:
@@ -169,6 +171,7 @@ class Engine:
         # stream's `taken` event while its first item is on the way (see `_flush`), else None.
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object, threading.Event | None]] = []
         self._trimmer = Trimmer()
+        self._live_sampled = 0.0
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
 
@@ -299,6 +302,20 @@ class Engine:
                 took = self._trimmer.maybe()
                 if took is not None:
                     self.metrics.malloc_trim.observe(took)
+            self._sample_live_bytes()
+
+    def _sample_live_bytes(self) -> None:
+        """Set the live-state gauge: what running requests hold beyond the cache's budget, the part of the
+        RSS that grows with load (at most `max_running` states and one decode batch). Between steps, so no
+        state is changing; at most once a second, and whenever nothing runs (it then reads 0 or the idle batch)."""
+        running = list(self.scheduler.running)
+        now = time.monotonic()
+        if running and now - self._live_sampled < LIVE_BYTES_EVERY:
+            return
+        self._live_sampled = now
+        caches = [run.state.cache for run in running if run.restored is not None]
+        batch = self.runtime.adapter.batch_cache
+        self.metrics.live_bytes.set(cache_nbytes(*caches, *([batch] if batch is not None else [])))
 
     def step(self) -> None:
         sched = self.scheduler

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -40,6 +40,9 @@ class Metrics:
         self.malloc_trim = Histogram("hyserve_malloc_trim_seconds", "Time per hand-back of freed heap memory to the OS (every 10 s while several requests run)",
                                      buckets=_FAST, registry=r)
         self.waiting = Gauge("hyserve_requests_waiting", "Requests queued for a slot", registry=r)
+        self.live_bytes = Gauge("hyserve_live_state_bytes", "Bytes held by running requests' states and the decode "
+                                "batch (sampled at most once a second)", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
         self.spec_proposed = Counter("hyserve_spec_proposed_tokens", "Speculative tokens proposed (prompt lookup)", registry=r)
         self.spec_accepted = Counter("hyserve_spec_accepted_tokens", "Speculative tokens accepted and used", registry=r)
         self.spec_seconds = Histogram("hyserve_spec_verify_seconds", "Time per verify pass incl. rollback", buckets=_FAST, registry=r)

@@ -101,15 +101,17 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
     return copy.deepcopy(cache_or_layer, memo)
 
 
-def cache_nbytes(cache) -> int:
-    """Real bytes held by the cache's tensors (storage size, so a view never under-counts)."""
+def cache_nbytes(*caches) -> int:
+    """Real bytes held by the caches' tensors (storage size, so a view never under-counts), each storage once
+    however many of the caches view it (live states view their decode batch's rows)."""
     seen, total = set(), 0
-    for t in _cache_tensors(cache):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+    for cache in caches:
+        for t in _cache_tensors(cache):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total
 
 
@@ -207,6 +209,11 @@ class FamilyAdapter:
             raise
         scatter(batch, states, rows, tokens)
         return out.logits[rows, -1].float()
+
+    @property
+    def batch_cache(self):
+        """The last decode batch's cache (kept between steps), or None."""
+        return self._batch.cache if self._batch is not None else None
 
     def drop_batch(self) -> None:
         """Free the last decode batch's buffers (the engine calls this when nothing is running)."""
