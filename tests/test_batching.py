@@ -110,3 +110,34 @@ def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
+def test_the_batch_narrows_when_only_finished_requests_used_its_left_columns(runtimes, arch, monkeypatch):
+    """Rows are right-aligned at the batch's width, which grows by a column every pass. When the long request
+    finishes and short ones keep taking its row, the batch is gathered afresh, narrower, instead of keeping
+    (and attending over) columns nobody uses; every row still equals decoding alone."""
+    monkeypatch.setattr(batching, "SPARE", 2)
+    ad = runtimes(arch).adapter
+    gathers = []
+    real_gather = batching.gather
+    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
+    prompts = [_ids(runtimes(arch), n, seed=n) for n in (60, 9, 12, 10, 14)]
+    batched = [_solo(ad, p)[0] for p in prompts]
+    solo = [_solo(ad, p)[0] for p in prompts]
+
+    def step(members):
+        toks = [3 + (5 * i + len(solo[i].tokens)) % 40 for i in members]
+        got = ad.forward_batch([batched[i] for i in members], toks)
+        for row, (i, t) in enumerate(zip(members, toks)):
+            assert torch.allclose(got[row], ad.forward(solo[i], [t]), atol=1e-4), (arch, members, row)
+        return ad._batch.width
+
+    assert step([0, 1, 2, 3]) == 61
+    batched[0] = None  # the long request finished; a short one takes its row
+    step([4, 1, 2, 3])
+    assert len(gathers) == 2  # 61 columns for requests of at most 15 tokens: gathered afresh
+    assert ad._batch.width == max(len(s.tokens) for s in batched[1:])
+    for _ in range(3):
+        step([4, 1, 2, 3])
+    assert len(gathers) == 2  # and then reused

@@ -137,8 +137,12 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     request may have it. A joining request is copied into a row whose state is gone (its request
     finished). Gathered afresh when a state still alive is not among `states` (a pass updates every
     row's conv and recurrent states in place, which that state may view), when a joining request's KV
-    is longer than the batch is wide or no row is free for it, or when more than a quarter of the rows
-    would idle."""
+    is longer than the batch is wide or no row is free for it, when more than a quarter of the rows
+    would idle, or when more than a third of the batch's width (and more than SPARE columns) is left
+    padding in every row. Every row is right-aligned at the width, which grows by one column a pass, so
+    under a steady load, where requests keep joining the rows of finished ones and the batch is never
+    gathered for another reason, the width would grow without end: the batch's memory and every pass's
+    attention with it (in a 900 s soak of `benchmarks/load.py` the batch grew to about 400 MiB and never shrank)."""
     owners = [ref() if ref is not None else None for ref in batch.owners]
     row_of = {id(o): r for r, o in enumerate(owners) if o is not None}
     if row_of.keys() - {id(s) for s in states}:
@@ -160,6 +164,8 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     width = batch.width
     if attention and any(states[i].position > width for i in joining):
         return None  # its KV is longer than the batch's: gather afresh, wider
+    if attention and width - max(s.position for s in states) > max(SPARE, width // 3):
+        return None  # columns that only finished requests used: gather afresh, narrower
     free.reverse()
     for i in joining:
         rows[i] = back[i] if i in back else free.pop()
