@@ -137,6 +137,9 @@ def test_models_health_metrics_cache_admin(qwen35_server):
                  "hyserve_runtime_lock_hold_seconds", "hyserve_cache_snapshots_per_request",
                  "hyserve_decode_batch_size", "hyserve_decode_batch_gathers", "hyserve_spec_proposed_tokens"):
         assert name in families, name
+    assert "hyserve_live_state_bytes" in families
+    rss = families["process_resident_memory_bytes"].samples[0].value  # the process collector (Linux)
+    assert rss > 10 << 20
     gen = sum(s.value for s in families["hyserve_generation_tokens"].samples if s.name.endswith("_total"))
     assert gen >= 3
     stats = httpx.get(f"{base}/v1/cache").json()
