@@ -1,10 +1,11 @@
 """Where a loaded server's memory goes: an in-process soak that counts it every few seconds.
 
 `load.py`'s soak reads the server process's RSS from outside. This one runs the same kind of load (S
-sessions looping 4-turn chats of ~100-300-token user messages, 32-token greedy replies, a 512 MiB
+sessions looping 4-turn chats of ~100-300-token user messages, 128-token greedy replies, a 512 MiB
 prefix cache) on an engine in this process, without HTTP, so it can also count what the RSS is made of:
 
 - `cache`: bytes of the prefix cache's snapshots (its own accounting);
+- `live`: bytes of the running requests' states and the decode batch (`hyserve_live_state_bytes`);
 - `tensors`: bytes of every CPU tensor storage the garbage collector can reach (weights, snapshots,
   live states, decode batch), each storage once;
 - glibc's view (`mallinfo2`, all arenas): `heap` = bytes its heaps span, `in use` and `free` within
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=float, default=None, help="seconds between samples (default 20; quick 2)")
     p.add_argument("--sessions", type=int, default=None, help="concurrent sessions (default 16; quick 4)")
     p.add_argument("--cache-mib", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
@@ -117,7 +118,9 @@ def main(argv=None) -> int:
 
     def sample(t: float) -> dict:
         heap = glibc_heap() or {}
-        return {"t": t, "rss": rss_bytes(), "cache": service.cache.stats()["bytes"], "tensors": tensor_bytes(),
+        live = service.metrics.registry.get_sample_value("hyserve_live_state_bytes")
+        return {"t": t, "rss": rss_bytes(), "cache": service.cache.stats()["bytes"], "live": live,
+                "tensors": tensor_bytes(),
                 "requests": requests[0], "trims": _count(getattr(service.metrics, "malloc_trim", None)), **heap}
 
     t0 = time.perf_counter()
@@ -135,10 +138,10 @@ def main(argv=None) -> int:
     engine.stop()
 
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    headers = ["s", "requests", "RSS MiB", "cache MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
+    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
                "in use MiB", "free MiB", "mmapped MiB", "trims"]
-    table = C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["tensors"]),
-                               mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
+    table = C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
+                               mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
                                mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
     import hyserve
 
