@@ -13,24 +13,36 @@ def _solo(ad, prompt):
     return st, ad.forward(st, prompt)
 
 
+class _Requests:
+    """Requests of the given prompt lengths, each decoded both through batched passes (`batched`) and alone
+    (`solo`); `gathers` counts the batches gathered afresh."""
+
+    def __init__(self, runtimes, arch, lengths, monkeypatch):
+        self.arch, self.ad, self.gathers = arch, runtimes(arch).adapter, []
+        real_gather = batching.gather
+        monkeypatch.setattr(batching, "gather", lambda *a: self.gathers.append(1) or real_gather(*a))
+        prompts = [_ids(runtimes(arch), n, seed=n) for n in lengths]
+        self.batched = [_solo(self.ad, p)[0] for p in prompts]
+        self.solo = [_solo(self.ad, p)[0] for p in prompts]
+
+    def step(self, members, toks=None):
+        """One batched pass over `members` (indices); every row must equal decoding alone. Returns the batch's
+        width."""
+        if toks is None:
+            toks = [3 + (7 * i + len(self.solo[i].tokens)) % 50 for i in members]
+        got = self.ad.forward_batch([self.batched[i] for i in members], toks)
+        for row, (i, t) in enumerate(zip(members, toks)):
+            want = self.ad.forward(self.solo[i], [t])
+            assert torch.allclose(got[row], want, atol=1e-4), (self.arch, members, row)
+            assert self.batched[i].tokens == self.solo[i].tokens
+        return self.ad._batch.width
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
 def test_persistent_batch_equals_solo_decode(runtimes, arch, monkeypatch):
-    ad = runtimes(arch).adapter
-    gathers = []
-    real_gather = batching.gather
-    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
     monkeypatch.setattr(batching, "SPARE", 2)  # the batch KV fills its spare columns and grows mid-test
-    prompts = [_ids(runtimes(arch), n, seed=n) for n in (9, 17, 30)]
-    batched = [_solo(ad, p)[0] for p in prompts]
-    solo = [_solo(ad, p)[0] for p in prompts]
-
-    def step(members, toks):
-        got = ad.forward_batch([batched[i] for i in members], toks)
-        for row, (i, t) in enumerate(zip(members, toks)):
-            want = ad.forward(solo[i], [t])
-            assert torch.allclose(got[row], want, atol=1e-4), (arch, members, row)
-            assert batched[i].tokens == solo[i].tokens
-
+    r = _Requests(runtimes, arch, (9, 17, 30), monkeypatch)
+    ad, gathers, batched, solo, step = r.ad, r.gathers, r.batched, r.solo, r.step
     for k in range(4):  # the same three rows: gathered once, then reused
         step([0, 1, 2], [5 + k, 6 + k, 7 + k])
     assert len(gathers) == 1
@@ -54,22 +66,8 @@ def test_requests_join_and_leave_without_gathering_everyone(runtimes, arch, monk
     fits; every row still equals decoding alone, whatever the free rows hold. Gathered afresh when a
     joiner is longer than the batch, when too many rows would idle, or when a live state sits a pass out
     (the pass would overwrite the conv and recurrent states it views)."""
-    ad = runtimes(arch).adapter
-    gathers = []
-    real_gather = batching.gather
-    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
-    prompts = [_ids(runtimes(arch), n, seed=n) for n in (9, 17, 30, 12, 21, 14, 60, 10)]
-    batched = [_solo(ad, p)[0] for p in prompts]
-    solo = [_solo(ad, p)[0] for p in prompts]
-
-    def step(members):
-        toks = [3 + (7 * i + len(solo[i].tokens)) % 50 for i in members]
-        got = ad.forward_batch([batched[i] for i in members], toks)
-        for row, (i, t) in enumerate(zip(members, toks)):
-            want = ad.forward(solo[i], [t])
-            assert torch.allclose(got[row], want, atol=1e-4), (arch, members, row)
-            assert batched[i].tokens == solo[i].tokens
-
+    r = _Requests(runtimes, arch, (9, 17, 30, 12, 21, 14, 60, 10), monkeypatch)
+    ad, gathers, batched, solo, step = r.ad, r.gathers, r.batched, r.solo, r.step
     step([0, 1, 2, 3, 4])
     batched[4] = None  # request 4 finished: its state is gone
     step([0, 1, 2, 3])  # its row idles (one of four may)
@@ -118,21 +116,8 @@ def test_the_batch_narrows_when_only_finished_requests_used_its_left_columns(run
     finishes and short ones keep taking its row, the batch is gathered afresh, narrower, instead of keeping
     (and attending over) columns nobody uses; every row still equals decoding alone."""
     monkeypatch.setattr(batching, "SPARE", 2)
-    ad = runtimes(arch).adapter
-    gathers = []
-    real_gather = batching.gather
-    monkeypatch.setattr(batching, "gather", lambda *a: gathers.append(1) or real_gather(*a))
-    prompts = [_ids(runtimes(arch), n, seed=n) for n in (60, 9, 12, 10, 14)]
-    batched = [_solo(ad, p)[0] for p in prompts]
-    solo = [_solo(ad, p)[0] for p in prompts]
-
-    def step(members):
-        toks = [3 + (5 * i + len(solo[i].tokens)) % 40 for i in members]
-        got = ad.forward_batch([batched[i] for i in members], toks)
-        for row, (i, t) in enumerate(zip(members, toks)):
-            assert torch.allclose(got[row], ad.forward(solo[i], [t]), atol=1e-4), (arch, members, row)
-        return ad._batch.width
-
+    r = _Requests(runtimes, arch, (60, 9, 12, 10, 14), monkeypatch)
+    ad, gathers, batched, step = r.ad, r.gathers, r.batched, r.step
     assert step([0, 1, 2, 3]) == 61
     batched[0] = None  # the long request finished; a short one takes its row
     step([4, 1, 2, 3])
