@@ -307,13 +307,12 @@ class Engine:
     def _sample_live_bytes(self) -> None:
         """Set the live-state gauge: what running requests hold beyond the cache's budget, the part of the
         RSS that grows with load (at most `max_running` states and one decode batch). Between steps, so no
-        state is changing; at most once a second, and whenever nothing runs (it then reads 0 or the idle batch)."""
-        running = list(self.scheduler.running)
+        state is changing; at most once a second, and whenever nothing runs (the batch is dropped then: 0)."""
         now = time.monotonic()
-        if running and now - self._live_sampled < LIVE_BYTES_EVERY:
-            return
+        if self.scheduler.running and now - self._live_sampled < LIVE_BYTES_EVERY:
+            return  # the common case, once per step: no copy, no walk
         self._live_sampled = now
-        caches = [run.state.cache for run in running if run.restored is not None]
+        caches = [run.state.cache for run in list(self.scheduler.running) if run.restored is not None]
         batch = self.runtime.adapter.batch_cache
         self.metrics.live_bytes.set(cache_nbytes(*caches, *([batch] if batch is not None else [])))
 
