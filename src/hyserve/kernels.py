@@ -154,23 +154,34 @@ def grouped_attention(query, key, value, mask, scaling=None):
     shape = (b, hk, groups * length, keys)
     scores = torch.matmul((query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2),
                           out=_scratch("scores", shape, query))
-    blocked = ~mask
-    # only the columns some query may not see (a cached prefix is open to all): a warm turn's last 79
-    hidden = torch.nonzero(blocked.any(dim=-2).view(-1))
-    if len(hidden):
-        first = int(hidden[0])
-        scores.view(b, hk, groups, length, keys)[..., first:].masked_fill_(blocked[:, :, None, :, first:],
-                                                                           float("-inf"))
-    probs = torch.ops.aten._softmax.out(scores, -1, False, out=_scratch("probs", shape, query))
+    first, blocked = _blocked_tail(mask)
+    if blocked is not None:
+        scores.view(b, hk, groups, length, keys)[..., first:].masked_fill_(blocked[:, :, None], float("-inf"))
+    probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place: one pass less over memory
     return torch.matmul(probs, value).view(b, h, length, value.shape[-1])
 
 
 _SCRATCH = threading.local()
 
 
+def _blocked_tail(mask: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """The first key column some query may not see (a cached prefix is open to all: a warm turn's new
+    tokens) and the blocked part of `mask` from there (None: nothing blocked). Scanning a 79 x 4.2k mask
+    costs about 0.2 ms; every attention layer of a forward pass gets the same mask object, so the result
+    for the last one is kept (with a reference to it, so that its memory is not reused by another)."""
+    last = getattr(_SCRATCH, "mask", None)
+    if last is not None and last[0] is mask:
+        return last[1], last[2]
+    hidden = torch.nonzero((~mask).any(dim=-2).view(-1))
+    first = int(hidden[0]) if len(hidden) else mask.shape[-1]
+    blocked = ~mask[..., first:] if len(hidden) else None
+    _SCRATCH.mask = (mask, first, blocked)
+    return first, blocked
+
+
 def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A buffer of `shape` for `grouped_attention`'s scores and probabilities, kept between calls by each thread
-    (in a server only the model thread calls it; at most SHORT_MAX_SCORE_BYTES each). Allocating two fresh 10 MB
+    """A buffer of `shape` for `grouped_attention`'s scores (its softmax runs in place), kept between calls by each
+    thread (in a server only the model thread calls it; at most SHORT_MAX_SCORE_BYTES). Allocating two fresh 10 MB
     buffers per call made glibc map and unmap them each time whenever its heap had just been trimmed: the
     first touch of every page then cost 8.9 instead of 3.2 ms per call (a `benchmarks/kernels.py --micro` run
     before and after, in the fourth session of 2026-12-03)."""
@@ -253,10 +264,10 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
 def chunk_size_for(length: int) -> int:
     """The chunk size for a prefill piece of `length` tokens. transformers pads every piece to a multiple
     of 64, so a warm turn's 79 new tokens cost two chunks (128 rows) of every per-chunk product. A piece
-    of up to 96 tokens runs as one chunk of its length rounded up to 16; a longer one in chunks of 32
-    when that pads less than 64 would. `benchmarks/kernels.py` measures the warm turn with and without."""
+    of up to 96 tokens runs as one chunk of exactly its length (no padded rows); a longer one in chunks
+    of 32 when that pads less than 64 would. `benchmarks/kernels.py` measures the warm turn with and without."""
     if length <= 96:
-        return max(16, -(-length // 16) * 16)
+        return max(1, length)
     return 32 if -(-length // 32) * 32 < -(-length // 64) * 64 else 64
 
 
@@ -314,13 +325,14 @@ def chunked_delta_rule(query, key, value, g, beta, chunk_size: int, initial_stat
     dtype = query.dtype
     b, length, hk, dk = key.shape
     h, dv = value.shape[-2:]
-    if hk != h:
-        query, key = query.repeat_interleave(h // hk, dim=2), key.repeat_interleave(h // hk, dim=2)
-    q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))  # [b, h, L, d]
-    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()  # [b, h, L]
-    if use_qk_l2norm_in_kernel:
+    q, k = query.float(), key.float()
+    if use_qk_l2norm_in_kernel:  # per row: the same before as after repeating the key heads, at half the work
         q, k = _l2norm(q), _l2norm(k)
     q = q * dk**-0.5
+    if hk != h:
+        q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, value.float()))  # [b, h, L, d]
+    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()  # [b, h, L]
     pad = -length % chunk_size
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -337,7 +349,10 @@ def chunked_delta_rule(query, key, value, g, beta, chunk_size: int, initial_stat
     ut = torch.matmul(k_beta, kt).mul_(decay)
     attn = torch.matmul(q, kt).mul_(decay)
     e_cum = safe_exp(cum).unsqueeze(-1)  # [bh, n, c, 1]
-    rhs = torch.cat([v * beta, k_beta * e_cum], dim=-1)
+    # both right-hand sides in one column-major block: the solver takes it without a copy
+    rhs = torch.empty(b * h, n, dv + dk, c, dtype=torch.float32, device=q.device).transpose(-1, -2)
+    torch.mul(v, beta, out=rhs[..., :dv])
+    torch.mul(k_beta, e_cum, out=rhs[..., dv:])
     solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
     q_decayed = q * e_cum
