@@ -101,6 +101,18 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
     return copy.deepcopy(cache_or_layer, memo)
 
 
+def set_seen_tokens(cache, n: int) -> None:
+    """Tell `cache` it holds `n` tokens. transformers 5.25 counts tokens in each linear-attention layer
+    (`cumulative_length_linear`), and a model whose first layer is one (Qwen3.5) takes its positions and
+    mask from that count. hyserve builds, cuts and batches states itself (captured, truncated, rolled
+    back, gathered, scattered), so the count is set from the state's own position before every pass
+    rather than kept in step by each of those paths. Earlier versions keep no count: a no-op there."""
+    for layer in getattr(cache, "layers", ()):
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(n)
+
+
 def cache_nbytes(*caches) -> int:
     """Real bytes held by the caches' tensors (storage size, so a view never under-counts), each storage once
     however many of the caches view it (live states view their decode batch's rows)."""
@@ -164,6 +176,7 @@ class FamilyAdapter:
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
         state.batch = None  # its tensors move on from the batch's rows
+        set_seen_tokens(state.cache, state.position)
         out = self.model(
             input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_kw: state.cache}
         )
@@ -197,6 +210,7 @@ class FamilyAdapter:
             self.gathers += 1
             rows = list(range(len(states)))
         mask, positions = batch.inputs(self.model.device)
+        set_seen_tokens(batch.cache, batch.width)
         ids = torch.zeros((len(batch.owners), 1), dtype=torch.long, device=self.model.device)  # idle rows: token 0
         ids[rows, 0] = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.model.device)
         try:
