@@ -74,7 +74,8 @@ class ModelRuntime:
         device = resolve_device(device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
         model.to(device).eval()
-        kernels.install(model)
+        adapter = adapter_for(model)
+        kernels.install(model, adapter, model.config.get_text_config().vocab_size)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
         try:
@@ -89,7 +90,7 @@ class ModelRuntime:
         max_len = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
         if not isinstance(max_len, int) or max_len > 10**7:
             max_len = 32768
-        return cls(model, tokenizer, adapter_for(model), model_dir, frozenset(eos), int(max_len), threading.Lock())
+        return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock())
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -118,6 +119,11 @@ class ModelRuntime:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def kernels(self):
+        """Which of hyserve's kernels passed the load-time check for this model (`kernels.KernelReport`)."""
+        return self.adapter.kernels
 
     @property
     def has_recurrent_layers(self) -> bool:

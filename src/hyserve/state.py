@@ -155,9 +155,13 @@ class FamilyAdapter:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     has_recurrent_layers: ClassVar[bool] = True
+    captures_with_kernels: ClassVar[bool] = False  # `forward_capturing` needs hyserve's kernels
 
     def __init__(self, model):
+        from .kernels import KernelReport
+
         self.model = model
+        self.kernels = KernelReport()  # which of hyserve's kernels passed the load-time check (`kernels.install`)
         self._batch = None  # the last decode batch (batching.DecodeBatch), reused while its rows decode on
         self.gathers = 0  # decode batches built afresh (a metric)
         params = inspect.signature(model.forward).parameters
@@ -311,14 +315,15 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
 
     hyserve's own conv and delta-rule kernels can hand out the state at any token inside a prefill piece
     (`kernels.capture`), so a checkpoint boundary needs no pass of its own. That needs those kernels, which
-    run only on the model thread and on CPU."""
+    run only on the model thread, and only once the load-time check has seen them capture exactly."""
 
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+    captures_with_kernels = True
 
     def can_capture(self) -> bool:
-        from . import kernels, model_thread
+        from . import model_thread
 
-        return kernels.enabled() and self.model.device.type == "cpu" and model_thread.on_model_thread()
+        return self.kernels.on("capture") and model_thread.on_model_thread()
 
     @torch.inference_mode()
     def forward_capturing(self, state, token_ids, offsets):
