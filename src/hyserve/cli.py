@@ -1,4 +1,4 @@
-"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`."""
+"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`, `hyserve env`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,13 @@ def cmd_demo(args) -> int:
     return run_demo(arch=args.arch, cache_dir=args.cache_dir)
 
 
+def cmd_env(args) -> int:
+    from .env import report
+
+    print(report(args.model_dir, args.dtype))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .tiny import ARCHS
 
@@ -118,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("env", help="print the versions hyserve runs on and, for a model, its kernels' load-time check")
+    p.add_argument("model_dir", nargs="?", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.set_defaults(func=cmd_env)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return args.func(args)

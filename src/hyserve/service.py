@@ -65,6 +65,8 @@ class Service:
 def build_service(config: ServiceConfig) -> Service:
     runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
     metrics = Metrics()
+    for name, status in runtime.kernels.status.items():
+        metrics.kernel_active.labels(name).set(1 if status == "on" else 0)
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
     cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,

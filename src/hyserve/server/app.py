@@ -157,7 +157,9 @@ def create_app(service: Service) -> FastAPI:
         if service.draining:
             return JSONResponse({"status": "draining", "model": service.model_name}, status_code=503)
         # idle: nothing queued, running or left for idle time (benchmarks wait for it between turns)
-        return {"status": "ok", "model": service.model_name, "idle": service.engine.idle}
+        # kernels: each of hyserve's kernels "on", or "off: why" (the load-time check against transformers)
+        return {"status": "ok", "model": service.model_name, "idle": service.engine.idle,
+                "kernels": rt.kernels.status}
 
     @app.get("/metrics")
     async def prometheus():
