@@ -61,9 +61,9 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Compact copies of CPU `tensors`, all in one block of memory mapped for them alone (and unmapped when
     the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
     short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
-    heap grew for as long as a load lasted (`benchmarks/memory.py`). A block of its own per snapshot
+    heap grew for as long as a load lasted (`benchmarks/bench_memory.py`). A block of its own per snapshot
     returns to the OS whole when it is evicted. The price is fresh pages for every copy, which fault in
-    one by one as it is written (`benchmarks/kernels.py --micro` times it against heap clones)."""
+    one by one as it is written (`benchmarks/bench_kernels.py --micro` times it against heap clones)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -204,7 +204,7 @@ class FamilyAdapter:
     def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
         """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
-        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, long_decode.py)."""
+        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
         from .batching import gather, place, scatter
 
         batch = self._batch

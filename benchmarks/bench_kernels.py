@@ -20,10 +20,10 @@ chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), an
 against one into a kept buffer, and a snapshot's copy into heap clones against one into a block mapped
 for it alone (`state.packed_clones`, slower: the price of keeping snapshots out of the heap).
 
-    python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
-    python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
-    python benchmarks/kernels.py --micro         # only the pieces (~10 s)
-    python benchmarks/kernels.py --json benchmarks/results/kernels.json
+    python benchmarks/bench_kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
+    python benchmarks/bench_kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
+    python benchmarks/bench_kernels.py --micro         # only the pieces (~10 s)
+    python benchmarks/bench_kernels.py --json benchmarks/results/kernels.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 VARIANTS = [("reference", {"HYSERVE_FLUSH_DENORMAL": "0", "HYSERVE_KERNELS": "0"}),
             ("+ flush denormals", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "0"}),

@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding: what the verify/rollback mechanism buys, and what it costs.
 
-    python benchmarks/speculative.py            # bench-size models, qwen3_5 + mamba2 + qwen3 (< 10 min, 2 cores)
-    python benchmarks/speculative.py --quick    # tiny qwen3_5 only, 1 thread (< 1 min): a smoke test, not numbers
+    python benchmarks/bench_speculative.py            # bench-size models, qwen3_5 + mamba2 + qwen3 (< 10 min, 2 cores)
+    python benchmarks/bench_speculative.py --quick    # tiny qwen3_5 only, 1 thread (< 1 min): a smoke test, not numbers
 
 Every model here is random-init (built by `hyserve.tiny`, never downloaded). A random model does not
 copy its prompt, so the workload speculation is meant for -- a code-editing reply that repeats long
@@ -57,7 +57,7 @@ def _complete(d: Path) -> bool:
 
 def ensure_model(arch: str, size: str, wait_s: float = 600.0) -> Path:
     """A random-init model folder, reused if present. Another benchmark may be building it: wait for it."""
-    # benchmarks/_common.py names folders "<size>-<arch>"; also accept "<arch>-<size>".
+    # benchmarks/bench_common.py names folders "<size>-<arch>"; also accept "<arch>-<size>".
     candidates = [MODELS_DIR / f"{size}-{arch}", MODELS_DIR / f"{arch}-{size}"]
     deadline = time.monotonic() + wait_s
     while True:
@@ -437,7 +437,7 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
 
 def verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
     """Time the pieces of a verify pass on the adapter directly, on the model thread the engine uses (a
-    second torch thread would run slower: see benchmarks/threads.py), with the engine idle."""
+    second torch thread would run slower: see benchmarks/bench_threads.py), with the engine idle."""
     from hyserve import model_thread
 
     return model_thread.run(_verify_cost, svc, prompt, ks, iters)
@@ -539,9 +539,9 @@ def loadavg():
 
 def machine_info() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common
+    import bench_common
 
-    return _common.machine_info()
+    return bench_common.machine_info()
 
 
 # -- main ----------------------------------------------------------------------------------------------

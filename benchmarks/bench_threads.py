@@ -14,9 +14,9 @@ forward pass then pays a sleep and a wake-up. This script times a warm-turn pref
 Both threads run transformers' own functions, with denormals left on (HYSERVE_KERNELS=0,
 HYSERVE_FLUSH_DENORMAL=0 are set here), since hyserve's kernels apply on the model thread only.
 
-    python benchmarks/threads.py            # bench qwen3_5, 7 repeats per row (~30 s)
-    python benchmarks/threads.py --quick    # tiny qwen3_5, a smoke test
-    python benchmarks/threads.py --json benchmarks/results/threads.json
+    python benchmarks/bench_threads.py            # bench qwen3_5, 7 repeats per row (~30 s)
+    python benchmarks/bench_threads.py --quick    # tiny qwen3_5, a smoke test
+    python benchmarks/bench_threads.py --json benchmarks/results/threads.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 # hyserve's kernels and its denormal flushing apply on the model thread only; both threads compared here
 # must run the same code, so this script measures transformers' own functions on both.
