@@ -98,6 +98,14 @@ def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
     return rows + plain_ops(sleeps, reps)
 
 
+def idle_table(rows: list[dict]) -> str:
+    """Rows as in the JSON: `weights` and the median ms after each idle time, keyed by the seconds as text."""
+    sleeps = [k for k in rows[0] if k != "weights"]
+    headers = ["warm turn, weights / operation"] + [
+        ("back to back" if float(s) == 0 else f"after {float(s):g} s idle") + " (ms)" for s in sleeps]
+    return C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny qwen3_5, short prompt, 3 repeats")
@@ -114,16 +122,15 @@ def main(argv=None) -> int:
     reps = args.reps or (3 if args.quick else 7)
     sleeps = (0.0, 0.05) if args.quick else SLEEPS
     new, total = (16, 200) if args.quick else (79, 4258)
-    rows = model_thread.run(run, rt, new, total, sleeps, reps)
-    headers = ["warm turn, weights / operation"] + [("back to back" if s == 0 else f"after {s:g} s idle") + " (ms)" for s in sleeps]
-    table = C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
+    rows = [{str(k): v for k, v in r.items()} for r in model_thread.run(run, rt, new, total, sleeps, reps)]
+    table = idle_table(rows)
     print(f"warm turn: restore {total - new} tokens, prefill {new}, argmax; medians of {reps}")
     print(table)
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_idle.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), "rows": [{str(k): v for k, v in r.items()} for r in rows],
+                                   "machine": C.machine_info(), "rows": rows,
                                    "table": table}, indent=1))
     return 0
 

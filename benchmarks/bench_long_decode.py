@@ -24,6 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
 
 
+def context_table(rows: list[dict]) -> str:
+    """One row per context length (the JSON's `rows`)."""
+    return C.table(["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
+                   [[r["context"], f"{r['concat_ms']:.2f}", f"{r['in_place_ms']:.2f}",
+                     f"{r['concat_ms'] / r['in_place_ms']:.2f}x", f"{r['max_logit_diff']:.1e}"] for r in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, short contexts, few steps")
@@ -70,9 +77,7 @@ def main(argv=None) -> int:
     rows = [model_thread.run(measure, c) for c in contexts]
     print(f"qwen3_5 {size}, one request, median of {steps} alternating decode steps, torch {torch.__version__} "
           f"({threads} threads)")
-    print(C.table(["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
-                  [[r["context"], f"{r['concat_ms']:.2f}", f"{r['in_place_ms']:.2f}",
-                    f"{r['concat_ms'] / r['in_place_ms']:.2f}x", f"{r['max_logit_diff']:.1e}"] for r in rows]))
+    print(context_table(rows))
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)

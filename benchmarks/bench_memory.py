@@ -71,6 +71,16 @@ def rss_bytes() -> int:
     return C.pid_rss_bytes(os.getpid()) or 0
 
 
+def census_table(rows: list[dict]) -> str:
+    """One row per sample (the JSON's `rows`), in MiB."""
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
+               "in use MiB", "free MiB", "mmapped MiB", "trims"]
+    return C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
+                              mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
+                              mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny qwen3_5, 4 sessions, 10 s")
@@ -137,12 +147,7 @@ def main(argv=None) -> int:
     rows.append(sample(time.perf_counter() - t0))  # the load is over: what stays
     engine.stop()
 
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
-               "in use MiB", "free MiB", "mmapped MiB", "trims"]
-    table = C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
-                               mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
-                               mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
+    table = census_table(rows)
     import hyserve
 
     print(f"hyserve from {Path(hyserve.__file__).parent}")

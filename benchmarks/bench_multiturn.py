@@ -202,6 +202,20 @@ def _bare_loop(rt, prompt: list[int], cached: int, chunk: int, memo: dict) -> fl
     return time.perf_counter() - t0
 
 
+def turn_table(summary: list[dict]) -> str:
+    """Per-turn medians (the JSON's `turns`); with the columns of the inline server when it ran."""
+    headers = ["turn", "prompt tok", "cached tok", "cached/prior", "TTFT off (s)", "TTFT on (s)", "speedup",
+               "bare loop (s)", "on/bare", "bg CPU"]
+    rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
+             C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
+             C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
+    if any("ttft_split" in s for s in summary):
+        headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
+        for row, s in zip(rows, summary):
+            row[6:6] = [C.fmt_s(s["ttft_split"]), C.fmt_ratio(s["ttft_split"] / s["ttft_on"] if s["ttft_on"] else None)]
+    return C.table(headers, rows)
+
+
 def _busy(rows: list[dict]) -> float:
     """Mean share of the CPU other processes used during one replay of the conversation."""
     return C.mean(r[k]["others_busy"] for r in rows for k in ("on", "off")) or 0.0
@@ -345,17 +359,8 @@ def main(argv=None) -> int:
         s["on_over_bare"] = s["ttft_on"] / s["bare"] if s["bare"] else None
         summary.append(s)
 
-    headers = ["turn", "prompt tok", "cached tok", "cached/prior", "TTFT off (s)", "TTFT on (s)", "speedup",
-               "bare loop (s)", "on/bare", "bg CPU"]
-    rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
-             C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
-             C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
-    if args.split_server:
-        headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
-        for row, s in zip(rows, summary):
-            row[6:6] = [C.fmt_s(s["ttft_split"]), C.fmt_ratio(s["ttft_split"] / s["ttft_on"] if s["ttft_on"] else None)]
     print()
-    print(C.table(headers, rows))
+    print(turn_table(summary))
     print("bg CPU = share of the machine's CPU used by other processes during that turn's requests (0% = quiet)")
     warm = [s for s in summary if s["turn"] > 1 and s["cached_tokens"]]
     result = {"args": vars(args), "machine": info, "model": name, "turns": summary, "runs": all_runs,

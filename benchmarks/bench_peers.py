@@ -367,6 +367,19 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
     return rows
 
 
+def turn_table(summary: list[dict]) -> str:
+    """Per-turn medians (the JSON's `turns`) of both servers."""
+    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
+               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
+    return C.table(headers, [
+        [s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
+         f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
+         s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
+         s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
+         C.fmt_ratio(s["llama_over_hyserve"]) + "x",
+         f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     binary = find_llama_server(args.llama_server)
@@ -447,16 +460,8 @@ def main(argv=None) -> int:
         s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]
         s["llama_over_hyserve"] = s["llama"]["ttft"] / s["hyserve"]["ttft"] if s["hyserve"]["ttft"] else None
         summary.append(s)
-    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
-               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
-    table = [[s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
-              f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
-              s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
-              s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
-              C.fmt_ratio(s["llama_over_hyserve"]) + "x",
-              f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary]
     print()
-    print(C.table(headers, table))
+    print(turn_table(summary))
     print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
           "tokens of the history before the new user message; bg CPU = others' share of the CPU")
     eq = sum(s["replies_equal"] for s in summary)

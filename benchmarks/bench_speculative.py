@@ -544,6 +544,35 @@ def machine_info() -> dict:
     return bench_common.machine_info()
 
 
+def oracle_table(results: dict) -> str:
+    """The oracle proposer's runs (the JSON's `oracle`): decode speed at controlled acceptance."""
+    rows = []
+    for r in results["oracle"]:
+        rows.append([r["arch"], r["k"], f"{100 * r['target_acceptance']:.0f}%",
+                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
+                     f"{r['verify_passes']} ({r['passes_with_rejection']})", fmt(r["tps_off"]), fmt(r["tps_on"]),
+                     fmt(r["speedup"], 2, "x"), fmt(r["mean_verify_ms"]), fmt(r["plain_step_ms"]),
+                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
+    return md_table(["arch", "k", "target acc", "accepted", "verify passes (rewound)", "off tok/s", "spec tok/s",
+                     "speedup", "ms/verify", "ms/plain step", "other cpu", "identical"], rows)
+
+
+def lookup_table(results: dict) -> str:
+    """The real PromptLookup proposer's runs (the JSON's `prompt_lookup`)."""
+    rows = []
+    for r in results["prompt_lookup"]:
+        b = r["breakdown"]
+        rows.append([r["arch"], r["workload"], r["prompt_tokens"], f"{100 * r['hit_rate']:.0f}%",
+                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
+                     f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
+                     f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
+                     fmt(r["tps_off"]), fmt(r["tps_on"]), fmt(r["speedup"], 3, "x"), fmt(r["slowdown"], 3),
+                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
+    return md_table(["arch", "workload", "prompt tok", "steps w/ proposal", "accepted", "acc/prop (prompt match)",
+                     "acc/prop (output match)", "off tok/s", "spec tok/s", "speedup", "slowdown (off/on)",
+                     "other cpu", "identical"], rows)
+
+
 # -- main ----------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -685,29 +714,10 @@ def main(argv=None) -> int:
     # -- tables --------------------------------------------------------------------------------------
     print(f"\n## Oracle proposer (copying workload), {size} models, {max_tokens} completion tokens, "
           f"median of {rounds} interleaved rounds\n")
-    rows = []
-    for r in results["oracle"]:
-        rows.append([r["arch"], r["k"], f"{100 * r['target_acceptance']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
-                     f"{r['verify_passes']} ({r['passes_with_rejection']})", fmt(r["tps_off"]), fmt(r["tps_on"]),
-                     fmt(r["speedup"], 2, "x"), fmt(r["mean_verify_ms"]), fmt(r["plain_step_ms"]),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    print(md_table(["arch", "k", "target acc", "accepted", "verify passes (rewound)", "off tok/s", "spec tok/s",
-                    "speedup", "ms/verify", "ms/plain step", "other cpu", "identical"], rows))
+    print(oracle_table(results))
 
     print(f"\n## Real PromptLookup (k={args.lookup_k}, n={args.ngram}), random-init weights\n")
-    rows = []
-    for r in results["prompt_lookup"]:
-        b = r["breakdown"]
-        rows.append([r["arch"], r["workload"], r["prompt_tokens"], f"{100 * r['hit_rate']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
-                     f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
-                     f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
-                     fmt(r["tps_off"]), fmt(r["tps_on"]), fmt(r["speedup"], 3, "x"), fmt(r["slowdown"], 3),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    print(md_table(["arch", "workload", "prompt tok", "steps w/ proposal", "accepted", "acc/prop (prompt match)",
-                    "acc/prop (output match)", "off tok/s", "spec tok/s", "speedup", "slowdown (off/on)",
-                    "other cpu", "identical"], rows))
+    print(lookup_table(results))
 
     print("\n## PromptLookup bookkeeping and hit rate for other n (replayed on the same outputs, no timing)\n")
     rows = []
