@@ -206,9 +206,9 @@ def provenance(result: dict, path: Path) -> str:
     if not commit or not date:  # a result from before the scripts recorded them: the file's own commit
         commit, date = _git_log(path)
     command = m.get("command") or result.get("command")
-    parts = [f"`{command}`" if command else "command not recorded",
+    parts = [f"`{command}`" if command else "an unrecorded command",
              f"at `{commit[:7]}`" + (" with uncommitted changes" if m.get("dirty") else "") if commit
-             else "commit unknown", f"on {date[:10]}" if date else "date unknown"]
+             else "at an unknown commit", f"on {date[:10]}" if date else "on an unknown date"]
     machine = [m.get("cpu") or "CPU unknown", f"{m['cores']} cores" if m.get("cores") else None,
                f"{m['mem_gib']} GiB RAM" if m.get("mem_gib") else None,
                f"torch {m['torch']}" if m.get("torch") else None,
