@@ -50,7 +50,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 # A few queries against a long cache (a warm turn's new message): plain products beat SDPA's CPU flash
-# kernel when all the scores fit in cache at once (`benchmarks/kernels.py --micro`).
+# kernel when all the scores fit in cache at once (`benchmarks/bench_kernels.py --micro`).
 SHORT_MAX_QUERIES = 128
 SHORT_MIN_KEYS = 1024
 SHORT_MAX_SCORE_BYTES = 24 << 20

@@ -70,7 +70,7 @@ def chunk_size_for(length: int) -> int:
     """The chunk size for a prefill piece of `length` tokens. transformers pads every piece to a multiple
     of 64, so a warm turn's 79 new tokens cost two chunks (128 rows) of every per-chunk product. A piece
     of up to 96 tokens runs as one chunk of exactly its length (no padded rows); a longer one in chunks
-    of 32 when that pads less than 64 would. `benchmarks/kernels.py` measures the warm turn with and without."""
+    of 32 when that pads less than 64 would. `benchmarks/bench_kernels.py` measures the warm turn with and without."""
     if length <= 96:
         return max(1, length)
     return 32 if -(-length // 32) * 32 < -(-length // 64) * 64 else 64
@@ -108,7 +108,7 @@ _EXP_FLOOR = -87.0
 def safe_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x), but 0 where x < -87 (where float32 exp is a denormal, 1e-38 or less, or 0). PyTorch's
     vectorized exp takes a slow path for such inputs, many times slower per element even with denormals
-    flushed (`benchmarks/kernels.py --micro`: exp of a chunk's worth of underflowing decays)."""
+    flushed (`benchmarks/bench_kernels.py --micro`: exp of a chunk's worth of underflowing decays)."""
     return x.clamp(min=_EXP_FLOOR).exp_().masked_fill_(x < _EXP_FLOOR, 0.0)
 
 

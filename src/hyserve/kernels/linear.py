@@ -1,5 +1,5 @@
 """Linear layers for a decode batch. For a few dozen rows, MKL's x @ W^T with row-major float32 weights
-is slower than the same product taken as (W @ x^T)^T (`benchmarks` times both); a batched decode step runs
+is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro` times both); a batched decode step runs
 one row per request through every layer. The result is returned as that transposed view (rows stay
 contiguous among themselves, so every reshape the models do still works): making it contiguous cost a
 quarter of the product.
