@@ -19,10 +19,12 @@ from ..service import Service
 from .errors import APIError, install_handlers
 from .guards import GuardMiddleware, bearer, tenant_salt
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .strict_json import StrictJSONRoute
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="hyserve", docs_url=None, redoc_url=None)
+    app.router.route_class = StrictJSONRoute
     install_handlers(app)
     app.add_middleware(GuardMiddleware, service=service)
     app.state.service = service
