@@ -47,3 +47,21 @@ def test_serve_options_reach_the_checkpoint_policy(tmp_path):
     off = service_config_from_args(p.parse_args([str(tmp_path), "--no-defer-checkpoints", "--no-system-checkpoint"]))
     assert default.defer_tail > 0 and default.system_prompt
     assert off.policy.defer_tail == 0 and not off.policy.system_prompt
+
+
+def test_admin_api_key_from_the_flag_or_the_environment(tmp_path, monkeypatch):
+    import argparse
+
+    from hyserve.cli import _add_serve_options, service_config_from_args
+
+    def config(*argv):
+        p = argparse.ArgumentParser()
+        p.add_argument("model_dir")
+        _add_serve_options(p)
+        return service_config_from_args(p.parse_args([str(tmp_path), *argv]))
+
+    monkeypatch.delenv("HYSERVE_ADMIN_API_KEY", raising=False)
+    assert config().admin_api_key is None
+    assert config("--api-key", "a,b", "--admin-api-key", "root").admin_api_key == "root"
+    monkeypatch.setenv("HYSERVE_ADMIN_API_KEY", "from-env")
+    assert config().admin_api_key == "from-env"

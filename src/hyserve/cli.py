@@ -39,6 +39,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("HYSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (comma-separated for several tenants; "
                         "env HYSERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=os.environ.get("HYSERVE_ADMIN_API_KEY"),
+                   help="a key that sees and clears every tenant's cache at /v1/cache (env HYSERVE_ADMIN_API_KEY); "
+                        "other keys act on their own tenant's entries")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--max-messages", type=int, default=2048)
@@ -65,6 +68,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
         max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
         api_keys=tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip()),
+        admin_api_key=(args.admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
     )
 

@@ -39,6 +39,7 @@ class ServiceConfig:
     max_waiting: int = 64
     request_timeout: float | None = None  # seconds
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    admin_api_key: str | None = None  # sees and clears every tenant's cache; others act on their own
     max_body_bytes: int = 8 << 20
     max_tokens_cap: int | None = None
     max_messages: int = 2048
@@ -56,6 +57,7 @@ class Service:
     cache: PrefixCache
     engine: Engine
     draining: bool = False  # set on SIGTERM: running requests finish, new ones get 503
+    inflight: int = 0  # HTTP requests being served (not /health, /metrics): draining waits for them
 
     @property
     def model_name(self) -> str:
