@@ -45,6 +45,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--max-messages", type=int, default=2048)
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize special-token strings typed in message content (<|im_start|>, ...) as control "
+                        "tokens, as before; default: they stay text, so content cannot forge turns")
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
 
@@ -70,6 +73,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         api_keys=tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip()),
         admin_api_key=(args.admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
 
 

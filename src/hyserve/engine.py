@@ -18,6 +18,7 @@ boundaries, so that work is done once, inside the prefill that needs those token
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -176,18 +177,18 @@ class Engine:
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict]) -> ChatPrompt:
+    def render_chat(self, messages: list[dict], salt: str = "") -> ChatPrompt:
         """Render the prompt and the policy's boundary candidates in one batched tokenization, on the
         caller's thread (the HTTP layer's pool), so the engine's thread never waits on a render.
-        Raises when the prompt itself cannot be rendered."""
-        prompt, boundaries, skipped = self._render(messages, None)
+        `salt`: the tenant's namespace. Raises when the prompt itself cannot be rendered."""
+        prompt, boundaries, skipped = self._render(messages, None, salt)
         return ChatPrompt(prompt, boundaries, skipped)
 
-    def _render(self, messages: list[dict], prompt: list[int] | None):
+    def _render(self, messages: list[dict], prompt: list[int] | None, salt: str = ""):
         rt = self.runtime
         wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
         items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
-        rendered = rt.render_many(items) if items else []
+        rendered = rt.render_many(items, salt) if items else []
         if prompt is None:
             prompt = rendered.pop(0)
             if isinstance(prompt, Exception):
@@ -198,7 +199,7 @@ class Engine:
     def _boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
         """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
         try:
-            _, boundaries, skipped = self._render(req.messages, req.prompt)
+            _, boundaries, skipped = self._render(req.messages, req.prompt, req.cache_salt)
         except Exception as exc:
             boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
         return boundaries, skipped
@@ -566,7 +567,8 @@ class Engine:
         if reason in ("cancelled", "timeout") or not run.decoding:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
-            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
+            render = functools.partial(rt.render_chat, salt=req.cache_salt)
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, render,
                                                           rt.has_recurrent_layers)
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()

@@ -43,6 +43,7 @@ class ServiceConfig:
     max_body_bytes: int = 8 << 20
     max_tokens_cap: int | None = None
     max_messages: int = 2048
+    allow_special_tokens_in_content: bool = False  # True: `<|im_start|>` typed in a message is a control token
 
     @property
     def model_name(self) -> str:
@@ -66,6 +67,7 @@ class Service:
 
 def build_service(config: ServiceConfig) -> Service:
     runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
+    runtime.special_tokens_in_content = config.allow_special_tokens_in_content
     metrics = Metrics()
     for name, status in runtime.kernels.status.items():
         metrics.kernel_active.labels(name).set(1 if status == "on" else 0)

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..cache.namespace import tenant_of
 from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
 from .errors import APIError, install_handlers
@@ -41,6 +42,13 @@ def create_app(service: Service) -> FastAPI:
 
     cfg = service.config
 
+    def salt_of(body: SamplingFields, request: Request) -> str:
+        """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
+        return tenant_salt(request.scope.get(API_KEY) if cfg.api_keys else None, body.cache_salt)
+
+    def too_long(exc: PromptTooLong, param: str) -> APIError:
+        return APIError(400, str(exc), param=param, code="context_length_exceeded")
+
     def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
                       request: Request, chat: ChatPrompt | None = None) -> GenerationRequest:
         room = rt.max_model_len - len(prompt)
@@ -56,9 +64,9 @@ def create_app(service: Service) -> FastAPI:
             )
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
-        salt = tenant_salt(request.scope.get(API_KEY) if cfg.api_keys else None, body.cache_salt)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
-                                 messages=messages, chat=chat, cache_salt=salt, timeout=cfg.request_timeout)
+                                 messages=messages, chat=chat, cache_salt=salt_of(body, request),
+                                 timeout=cfg.request_timeout)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
@@ -128,7 +136,9 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            chat = await run_in_threadpool(service.engine.render_chat, messages)
+            chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request))
+        except PromptTooLong as exc:
+            raise too_long(exc, "messages")
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         req = build_request(body, chat.prompt, messages, request, chat)
@@ -138,7 +148,10 @@ def create_app(service: Service) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = await run_in_threadpool(rt.encode, body.prompt)
+            try:
+                prompt = await run_in_threadpool(rt.encode, body.prompt, salt_of(body, request))
+            except PromptTooLong as exc:
+                raise too_long(exc, "prompt")
         else:
             vocab = len(rt.tokenizer)
             if any(t < 0 or t >= vocab for t in body.prompt):
