@@ -52,6 +52,9 @@ class GenerationRequest:
     messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
     chat: "ChatPrompt | None" = None  # prompt and boundaries from Engine.render_chat, off the engine's thread
     cache_salt: str = ""  # tenant namespace of the prefix cache
+    template_kwargs: dict | None = None  # chat: extra template arguments (tools, ...) of every render of `messages`
+    # chat: the reply text -> the assistant message the next request's `messages` will hold for it
+    reply_message: Callable[[str], dict] | None = None
     timeout: float | None = None  # seconds from arrival
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -177,18 +180,20 @@ class Engine:
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], salt: str = "") -> ChatPrompt:
+    def render_chat(self, messages: list[dict], salt: str = "", template_kwargs: dict | None = None) -> ChatPrompt:
         """Render the prompt and the policy's boundary candidates in one batched tokenization, on the
         caller's thread (the HTTP layer's pool), so the engine's thread never waits on a render.
-        `salt`: the tenant's namespace. Raises when the prompt itself cannot be rendered."""
-        prompt, boundaries, skipped = self._render(messages, None, salt)
+        `salt`: the tenant's namespace; `template_kwargs`: the request's (tools, ...), given to every render.
+        Raises when the prompt itself cannot be rendered."""
+        prompt, boundaries, skipped = self._render(messages, None, salt, template_kwargs)
         return ChatPrompt(prompt, boundaries, skipped)
 
-    def _render(self, messages: list[dict], prompt: list[int] | None, salt: str = ""):
+    def _render(self, messages: list[dict], prompt: list[int] | None, salt: str = "",
+                template_kwargs: dict | None = None):
         rt = self.runtime
         wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
         items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
-        rendered = rt.render_many(items, salt) if items else []
+        rendered = rt.render_many(items, salt, template_kwargs) if items else []
         if prompt is None:
             prompt = rendered.pop(0)
             if isinstance(prompt, Exception):
@@ -199,7 +204,7 @@ class Engine:
     def _boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
         """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
         try:
-            _, boundaries, skipped = self._render(req.messages, req.prompt, req.cache_salt)
+            _, boundaries, skipped = self._render(req.messages, req.prompt, req.cache_salt, req.template_kwargs)
         except Exception as exc:
             boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
         return boundaries, skipped
@@ -567,7 +572,7 @@ class Engine:
         if reason in ("cancelled", "timeout") or not run.decoding:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
-            render = functools.partial(rt.render_chat, salt=req.cache_salt)
+            render = functools.partial(rt.render_chat, salt=req.cache_salt, template_kwargs=req.template_kwargs)
             ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, render,
                                                           rt.has_recurrent_layers)
             if why == "rerender_mismatch" and self.cache.enabled:

@@ -26,6 +26,7 @@ from typing import Sequence
 MARK = "\U000f0000"  # plane-15 private use; a MARK typed in content is escaped like a special token
 _FIRST = 0xF0001  # the marker's second character: _FIRST + index into `strings`
 _LAST = 0xFFFFD
+ESCAPED_FIELDS = ("content", "reasoning_content", "tool_calls")  # what a client writes into a message
 
 
 class ContentEscaper:
@@ -51,16 +52,26 @@ class ContentEscaper:
         self._plain.encode_special_tokens = True
 
     def escape(self, messages: Sequence[dict]) -> list[dict]:
-        """Copies of the messages whose string content holds a special-token string, with markers."""
+        """Copies of the messages whose client-written text (content, reasoning, tool-call arguments) holds a
+        special-token string, with markers."""
         out = []
         for m in messages:
-            content = m.get("content")
-            if isinstance(content, str):
-                escaped, n = self._find.subn(lambda hit: self._code[hit.group()], content)
-                if n:
-                    m = {**m, "content": escaped}
-            out.append(m)
+            changed = {k: v for k in ESCAPED_FIELDS if k in m and (v := self.escape_value(m[k])) is not m[k]}
+            out.append({**m, **changed} if changed else m)
         return out
+
+    def escape_value(self, value):
+        """`value` (a string, or JSON-like lists and dicts of them) with markers; `value` itself if unchanged."""
+        if isinstance(value, str):
+            escaped, n = self._find.subn(lambda hit: self._code[hit.group()], value)
+            return escaped if n else value
+        if isinstance(value, dict):
+            items = {k: self.escape_value(v) for k, v in value.items()}
+            return items if any(items[k] is not value[k] for k in value) else value
+        if isinstance(value, list):
+            items = [self.escape_value(v) for v in value]
+            return items if any(a is not b for a, b in zip(items, value)) else value
+        return value
 
     def restore(self, text: str) -> str:
         """The text as the client sent it: each marker back to its string."""

@@ -108,20 +108,27 @@ class ModelRuntime:
         return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock())
 
     # -- prompts ---------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "") -> list[int]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "",
+                    template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the model's own chat template; this is also how checkpoint boundaries are found.
-        `salt`: the tenant's namespace (the prefix cache's), for the tokenizer's reuse of earlier texts."""
-        (ids,) = self.render_many([(messages, add_generation_prompt)], salt)
+        `salt`: the tenant's namespace (the prefix cache's), for the tokenizer's reuse of earlier texts.
+        `template_kwargs`: the request's extra template arguments (`tools`, `chat_template_kwargs`)."""
+        (ids,) = self.render_many([(messages, add_generation_prompt)], salt, template_kwargs)
         if isinstance(ids, Exception):
             raise ids
         return ids
 
-    def render_many(self, items: Sequence[tuple[list[dict], bool]], salt: str = "") -> list[list[int] | Exception]:
+    def render_many(self, items: Sequence[tuple[list[dict], bool]], salt: str = "",
+                    template_kwargs: dict | None = None) -> list[list[int] | Exception]:
         """`render_chat` of several (messages, add_generation_prompt) at once, each text tokenized from the
         ids of the longest earlier text of the same tenant it extends (`prompt_tokens`). Every render escapes
-        content alike (`prompt_escape`), so boundaries stay token prefixes of the prompt. A template error,
-        or `PromptTooLong` for a text too long to fit, is returned in its item's place, not raised."""
+        content (and tool definitions) alike (`prompt_escape`), so boundaries stay token prefixes of the
+        prompt. A template error, or `PromptTooLong` for a text too long to fit, is returned in its item's
+        place, not raised."""
         escape = self.escaper is not None and not self.special_tokens_in_content
+        kwargs = dict(template_kwargs or {})
+        if escape and kwargs.get("tools"):
+            kwargs["tools"] = self.escaper.escape_value(kwargs["tools"])
         escaped: dict[int, dict] = {}  # the renders of one request share their messages: escape each once
         texts: list[str | Exception] = []
         for messages, gen in items:
@@ -131,7 +138,8 @@ class ModelRuntime:
                         if id(m) not in escaped:
                             escaped[id(m)] = self.escaper.escape([m])[0]
                     messages = [escaped[id(m)] for m in messages]
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
+                                                           **kwargs)
                 self._check_length(self.escaper.restore(text) if escape else text)
                 texts.append(text)
             except Exception as exc:

@@ -1,0 +1,70 @@
+"""Messages between the OpenAI wire form and the chat template's.
+
+Clients send `function.arguments` as a JSON string (the OpenAI API's type), while the Qwen3.5, Qwen3-Coder
+and Llama 3 templates read it as a mapping (`arguments|items`, `arguments|tojson`): `template_message`
+parses it, as vLLM does, and keeps a string that is not a JSON object as it is (the template then decides).
+Reasoning sent back under either name (`reasoning_content`, vLLM's `reasoning`) reaches the template as
+`reasoning_content`. `assistant_message` is the inverse: a parsed reply in the form a client sends it back.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .reply import ParsedReply
+
+
+def content_text(content) -> str:
+    """A message's content as text: a string, text parts joined, or "" for none."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+
+
+def template_arguments(arguments):
+    """`function.arguments` for a template: a JSON object string becomes the mapping it encodes."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
+def template_message(message: dict) -> dict:
+    """A wire message (a dict, None fields left out or None) as the chat template reads it."""
+    role = message["role"]
+    out = {"role": role, "content": content_text(message.get("content"))}
+    if role == "assistant":
+        reasoning = message.get("reasoning_content")
+        if not isinstance(reasoning, str):
+            reasoning = message.get("reasoning")
+        if isinstance(reasoning, str):
+            out["reasoning_content"] = reasoning
+        calls = message.get("tool_calls") or []
+        if calls:
+            out["tool_calls"] = [{
+                "id": c.get("id") or "",
+                "type": c.get("type") or "function",
+                "function": {"name": c["function"]["name"],
+                             "arguments": template_arguments(c["function"].get("arguments", {}))},
+            } for c in calls]
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
+    return out
+
+
+def assistant_message(reply: ParsedReply) -> dict:
+    """The reply as an OpenAI assistant message: what a client appends to its history for the next turn."""
+    out: dict = {"role": "assistant", "content": reply.content}
+    if reply.reasoning is not None:
+        out["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in reply.tool_calls]
+    return out
