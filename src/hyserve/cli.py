@@ -48,6 +48,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="tokenize special-token strings typed in message content (<|im_start|>, ...) as control "
                         "tokens, as before; default: they stay text, so content cannot forge turns")
+    p.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="how tool calls are read from replies: hermes (JSON in <tool_call>), qwen3_xml "
+                        "(<tool_call><function=...>), llama3_json, none, or auto (from the chat template)")
+    p.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   help="how reasoning is split from replies: think (<think>...</think>), none, or auto "
+                        "(from the chat template)")
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
 
@@ -74,6 +80,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         admin_api_key=(args.admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
 
 

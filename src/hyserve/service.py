@@ -11,6 +11,8 @@ from .cache.policy import CheckpointPolicy
 from .cache.telemetry import CacheTelemetry
 from .engine import Engine
 from .metrics import Metrics
+from .parsers import Parsers, choose_parsers
+from .parsers.registry import template_text
 from .runtime import ModelRuntime
 from .speculative import SpeculativeConfig
 
@@ -44,6 +46,8 @@ class ServiceConfig:
     max_tokens_cap: int | None = None
     max_messages: int = 2048
     allow_special_tokens_in_content: bool = False  # True: `<|im_start|>` typed in a message is a control token
+    tool_call_parser: str = "auto"  # a name in parsers.TOOL_PARSERS, "none", or "auto": from the chat template
+    reasoning_parser: str = "auto"  # likewise, parsers.REASONING_PARSERS
 
     @property
     def model_name(self) -> str:
@@ -57,6 +61,7 @@ class Service:
     metrics: Metrics
     cache: PrefixCache
     engine: Engine
+    parsers: Parsers = field(default_factory=lambda: Parsers(None, None))  # how chat replies are read
     draining: bool = False  # set on SIGTERM: running requests finish, new ones get 503
     inflight: int = 0  # HTTP requests being served (not /health, /metrics): draining waits for them
 
@@ -66,7 +71,10 @@ class Service:
 
 
 def build_service(config: ServiceConfig) -> Service:
+    """Raises ValueError for an unknown parser name (before the model is loaded)."""
+    choose_parsers("", config.tool_call_parser, config.reasoning_parser)
     runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
+    parsers = choose_parsers(template_text(runtime.tokenizer), config.tool_call_parser, config.reasoning_parser)
     runtime.special_tokens_in_content = config.allow_special_tokens_in_content
     metrics = Metrics()
     for name, status in runtime.kernels.status.items():
@@ -76,4 +84,4 @@ def build_service(config: ServiceConfig) -> Service:
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
                     max_waiting=config.max_waiting)
-    return Service(config, runtime, metrics, cache, engine)
+    return Service(config, runtime, metrics, cache, engine, parsers)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,11 +13,13 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..cache.namespace import tenant_of
+from ..chat import ChatRequestError, ChatTurn, template_message
 from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
 from .errors import APIError, install_handlers
+from .formats import ChatFormat, CompletionFormat, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
 from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -81,18 +82,21 @@ def create_app(service: Service) -> FastAPI:
             async def events():
                 status = "ok"
                 try:
-                    yield {"data": json.dumps(fmt("start", None))}
+                    for chunk in fmt("start", None):
+                        yield {"data": json.dumps(chunk)}
                     async for item in items:
                         if isinstance(item, Delta):
-                            yield {"data": json.dumps(fmt("delta", item))}
+                            for chunk in fmt("delta", item):
+                                yield {"data": json.dumps(chunk)}
                         elif isinstance(item, Finished) and item.reason == "timeout":
                             status = "timeout"
                             yield {"data": json.dumps({"error": {"message": "request timed out", "type": "timeout",
                                                                  "param": None, "code": "request_timeout"}})}
                         elif isinstance(item, Finished):
-                            yield {"data": json.dumps(fmt("final", item))}
+                            for chunk in fmt("final", item):
+                                yield {"data": json.dumps(chunk)}
                             if body.include_usage:
-                                yield {"data": json.dumps(fmt("usage", _usage(item)))}
+                                yield {"data": json.dumps(fmt("usage", usage(item)))}
                         elif isinstance(item, Failed):
                             status = "error"
                             yield {"data": json.dumps({"error": {"message": item.message, "type": "server_error",
@@ -134,15 +138,25 @@ def create_app(service: Service) -> FastAPI:
         check_model(body.model)
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request))
+            turn = ChatTurn(service.parsers, [t.model_dump(exclude_none=True) for t in body.tools or []] or None,
+                            body.tool_choice if isinstance(body.tool_choice, (str, type(None)))
+                            else body.tool_choice.model_dump(), body.parallel_tool_calls,
+                            dict(body.chat_template_kwargs or {}))
+        except ChatRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param)
+        messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+        try:
+            chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request),
+                                           turn.template_kwargs)
         except PromptTooLong as exc:
             raise too_long(exc, "messages")
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
+        turn.note_prompt(rt.tokenizer, chat.prompt)
         req = build_request(body, chat.prompt, messages, request, chat)
-        return await run("chat", body, req, request, _ChatFormat(service.model_name, body.return_token_ids))
+        req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
+        return await run("chat", body, req, request, ChatFormat(service.model_name, body.return_token_ids, turn))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -161,7 +175,7 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
         req = build_request(body, prompt, None, request)
         return await run("completions", body, req, request,
-                         _CompletionFormat(service.model_name, body.return_token_ids))
+                         CompletionFormat(service.model_name, body.return_token_ids))
 
     @app.get("/v1/models")
     async def models():
@@ -207,74 +221,3 @@ def create_app(service: Service) -> FastAPI:
         return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
     return app
-
-
-class _Format:
-    """Builds one endpoint's JSON: kind is 'start', 'delta', 'final', 'usage' (streaming) or 'full'."""
-
-    object_name = ""
-    prefix = ""
-
-    def __init__(self, model: str, token_ids: bool = False):
-        self.model, self.token_ids = model, token_ids
-        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
-
-    def _envelope(self, choices: list, obj: str | None = None) -> dict:
-        return {"id": self.id, "object": obj or self.object_name, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _choice(self, text: str, ids: list[int] | None, finish: str | None) -> dict:
-        raise NotImplementedError
-
-    def __call__(self, kind: str, payload):
-        if kind == "start":
-            return self._envelope([self._choice("", None, None, start=True)])
-        if kind == "delta":
-            return self._envelope([self._choice(payload.text, payload.token_ids, None)])
-        if kind == "final":
-            return self._envelope([self._choice("", [], _finish(payload))])
-        if kind == "usage":
-            return {**self._envelope([]), "usage": payload}
-        fin: Finished = payload
-        out = self._envelope([self._choice(fin.text, fin.token_ids, _finish(fin), full=True)], self.full_object)
-        out["usage"] = _usage(fin)
-        return out
-
-
-class _ChatFormat(_Format):
-    object_name, full_object, prefix = "chat.completion.chunk", "chat.completion", "chatcmpl"
-
-    def _choice(self, text, ids, finish, start=False, full=False):
-        if full:
-            body = {"message": {"role": "assistant", "content": text}}
-        elif start:
-            body = {"delta": {"role": "assistant", "content": ""}}
-        else:
-            body = {"delta": {"content": text} if text or ids else {}}
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish}
-        if self.token_ids and ids is not None:
-            choice["token_ids"] = ids
-        return choice
-
-
-class _CompletionFormat(_Format):
-    object_name, full_object, prefix = "text_completion", "text_completion", "cmpl"
-
-    def _choice(self, text, ids, finish, start=False, full=False):
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if self.token_ids and ids is not None:
-            choice["token_ids"] = ids
-        return choice
-
-
-def _finish(fin: Finished) -> str:
-    return "length" if fin.reason == "length" else "stop"
-
-
-def _usage(fin: Finished) -> dict:
-    return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": len(fin.token_ids),
-        "total_tokens": fin.prompt_tokens + len(fin.token_ids),
-        "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
-    }
