@@ -2,20 +2,28 @@
 
 Each directory is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template) that `hyserve serve` loads like a real checkpoint.
+With `chat_template=PATH` the directory carries that template instead (a real model's), and its tokenizer
+the template's control tokens: `<|...|>` strings as special tokens, and the tags Qwen tokenizers keep as
+plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from . import model_thread
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Tags real Qwen tokenizers hold as added tokens that are *not* special (they stay in decoded text).
+PLAIN_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+EOS_BY_TEMPLATE = ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>"]  # a template's end-of-turn token, first found
+LLAMA_BOS = "<|begin_of_text|>"
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -110,13 +118,31 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path."""
+def use_template(tokenizer: PreTrainedTokenizerFast, template: str) -> PreTrainedTokenizerFast:
+    """Give `tokenizer` a real chat template and the control tokens it writes (see the module docstring)."""
+    specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)) - set(SPECIAL_TOKENS))
+    if "bos_token" in template and LLAMA_BOS not in specials:
+        specials.append(LLAMA_BOS)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_TAGS if t in template])
+    if "bos_token" in template:
+        tokenizer.bos_token = LLAMA_BOS
+    tokenizer.eos_token = next((t for t in EOS_BY_TEMPLATE if t in template), tokenizer.eos_token)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tiny", seed: int = 0,
+                    chat_template: str | Path | None = None) -> Path:
+    """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path.
+    `chat_template`: the path of a real template to use instead of ChatML."""
     if arch not in _TINY:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
+    if chat_template is not None:
+        use_template(tokenizer, Path(chat_template).read_text())
     overrides = dict(_TINY[arch])
     if size == "bench":
         if arch not in _BENCH:
@@ -126,7 +152,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
     elif size != "tiny":
         raise ValueError("size must be 'tiny' or 'bench'")
     model_type = overrides.pop("model_type")
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = AutoConfig.for_model(
         model_type,
