@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,19 @@ from hyserve.service import ServiceConfig, build_service
 from hyserve.tiny import ARCHS, make_tiny_model
 
 FAMILIES = ARCHS  # qwen3_5, qwen3_next, mamba2, qwen3
+
+# Real chat templates (see its SOURCES.md), next to the project: tests that use them skip when it is absent.
+TEMPLATES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "chat_templates"
+QWEN35_TEMPLATE = "Qwen3.5-4B.jinja"
+QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
+LLAMA3_TEMPLATE = "meta-llama-Llama-3.1-8B-Instruct.jinja"
+
+
+def real_template(name: str) -> Path:
+    path = TEMPLATES_DIR / name
+    if not path.is_file():
+        pytest.skip(f"real chat template {name} not found in {TEMPLATES_DIR}")
+    return path
 
 
 def wait_idle(service, timeout: float = 30) -> None:
@@ -27,6 +41,21 @@ def wait_idle(service, timeout: float = 30) -> None:
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def template_model_dirs(tmp_path_factory):
+    """get(arch, template file name): a tiny model of `arch` with that real template (built once), or a skip."""
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, template: str) -> Path:
+        if (arch, template) not in built:
+            path = real_template(template)
+            built[arch, template] = make_tiny_model(tmp_path_factory.mktemp(f"{arch}-template"), arch,
+                                                    chat_template=path)
+        return built[arch, template]
+
+    return get
 
 
 @pytest.fixture(scope="session")

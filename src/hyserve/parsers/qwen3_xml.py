@@ -66,11 +66,11 @@ def convert(value: str, schema) -> object:
     """A parameter's text as the JSON value its schema's type asks for; the text itself when it cannot be."""
     types = schema.get("type") if isinstance(schema, dict) else None
     types = [types] if isinstance(types, str) else list(types or [])
-    if not types or "string" in types:
-        return value
     text = value.strip()
     if text.lower() == "null" and "null" in types:
         return None
+    if not types or "string" in types:
+        return value
     for t in types:
         if t == "boolean" and text.lower() in ("true", "false"):
             return text.lower() == "true"
