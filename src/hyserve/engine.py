@@ -567,10 +567,11 @@ class Engine:
         if reason in ("cancelled", "timeout") or not run.decoding:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
-            render = functools.partial(rt.render_chat, salt=req.cache_salt)
-            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, render,
+            render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt)
+            reply = {"role": "assistant", "content": text}
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, reply, render_next,
                                                           rt.has_recurrent_layers)
-            if why == "rerender_mismatch" and self.cache.enabled:
+            if why.startswith("rerender_mismatch") and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()
             if ok:
                 run.snapshots += self.cache.record(rt.adapter, state, "post_decode",
