@@ -8,6 +8,7 @@ under the lock it then restores each one's live state from the prefix cache.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from ..cache.manager import PrefixCache
 from ..cache.policy import Boundary, CheckpointPolicy
@@ -58,14 +59,17 @@ class Admission:
         now = time.perf_counter()
         for run in self.scheduler.take_waiting(lambda r: r.req.cancelled.is_set() or expired(r.req, now)):
             reason = "cancelled" if run.req.cancelled.is_set() else "timeout"
-            run.emit(Finished(reason, "", [], len(run.req.prompt), 0, None))
+            run.end(Finished(reason, "", [], len(run.req.prompt), 0, None))
 
-    def admit(self) -> list[Run]:
-        """Move waiting requests into free running slots and plan each (outside the runtime lock)."""
+    def admit(self, guard: Callable) -> list[Run]:
+        """Move waiting requests into free running slots and plan each one (outside the runtime lock: renders
+        for checkpoint boundaries). Every running request without a plan gets one here, each in its own
+        `guard`, so one that cannot be planned (a seed the sampler refuses) fails alone and leaves the running
+        list. Returns the newly admitted requests."""
         new = self.scheduler.admit()
         self.metrics.waiting.set(len(self.scheduler.waiting))
-        for run in new:  # renders for checkpoint boundaries happen outside the lock
-            self.plan(run)
+        for run in [r for r in self.scheduler.running if r.out is None]:
+            guard([run], self.plan, run)
         return new
 
     def plan(self, run: Run) -> None:
@@ -89,8 +93,15 @@ class Admission:
         if self.make_proposer and req.sampling.greedy:
             run.proposer = self.make_proposer(req.prompt)
 
+    def restore_all(self, guard: Callable) -> None:
+        """Under the runtime lock: a live state for every running request without one, each in its own
+        `guard`. One cancelled since it was admitted gets none (it finishes without running)."""
+        for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
+                    and not r.req.cancelled.is_set()]:
+            guard([run], self.restore, run)
+
     def restore(self, run: Run) -> None:
-        """Under the runtime lock: the run's live state, from its deepest cached checkpoint."""
+        """The run's live state, from its deepest cached checkpoint."""
         req = run.req
         run.restored = self.cache.restore(self.runtime.adapter, req.prompt, req.request_id, req.cache_salt)
         run.checkpoint = run.restored.cached_tokens

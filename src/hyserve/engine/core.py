@@ -34,7 +34,7 @@ from ..scheduler import Scheduler
 from ..speculative import PromptLookup, SpeculativeConfig
 from ..state import cache_nbytes
 from .admission import Admission
-from .api import ChatPrompt, Emit, Failed, Finished, GenerationRequest, expired
+from .api import ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background
 from .decode import Decode
 from .finishing import Finishing
@@ -65,7 +65,7 @@ class Engine:
         self.background = Background(runtime, cache, policy, self.scheduler, prefill_chunk)
         self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background)
         self.prefill = Prefill(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
-        self.decode = Decode(runtime, metrics, self.finishing.finish, self.outbox)
+        self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.outbox, prefill_chunk)
         if speculative:
             self.make_proposer = lambda prompt: PromptLookup(speculative, prompt)
         self._stopping = False
@@ -163,9 +163,9 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> None:
-        sched = self.scheduler
+        sched, guard = self.scheduler, self.finishing.guard
         self.admission.drop_abandoned()
-        new = self.admission.admit()
+        new = self.admission.admit(guard)
         if not sched.busy and sched.background:
             self._rebuilding = True
             try:
@@ -179,27 +179,12 @@ class Engine:
             self.metrics.lock_hold.labels("step").observe(time.perf_counter() - held)
 
     def _locked_step(self, new: list[Run]) -> None:
-        sched = self.scheduler
-        for run in new:
-            self.admission.restore(run)
-        now = time.perf_counter()
-        for run in list(sched.running):
-            if run.req.cancelled.is_set():
-                self.finishing.finish(run, "cancelled")
-            elif expired(run.req, now):
-                self.finishing.finish(run, "timeout")
-        self.prefill.run([r for r in sched.running if not r.decoding], self._guard)
+        """Every phase's work on one request runs in that request's own guard (`Finishing.guard`): a request
+        that raises leaves with a `Failed` item and takes no other request with it."""
+        sched, guard = self.scheduler, self.finishing.guard
+        self.admission.restore_all(guard)
+        self.finishing.reap()
+        self.prefill.run([r for r in sched.running if not r.decoding], guard)
         decoding = [r for r in sched.running if r.decoding]
         if decoding:
-            self._guard(decoding, self.decode.run, decoding)
-
-    def _guard(self, runs: list[Run], fn, *args):
-        """`fn(*args)`, or None after failing `runs` if it raised."""
-        try:
-            return fn(*args)
-        except Exception as exc:  # never leave a client hanging; the cache only holds verified snapshots
-            log.exception("request(s) %s failed", [r.req.request_id for r in runs])
-            for run in runs:
-                if run in self.scheduler.running:
-                    self.finishing.release(run)
-                    run.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            self.decode.run(decoding, guard)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -10,6 +11,8 @@ from ..cache.policy import Boundary
 from ..sampling import Sampler
 from ..sequence import OutputSequence
 from .api import Emit, GenerationRequest
+
+log = logging.getLogger("hyserve.engine")
 
 
 @dataclass
@@ -29,6 +32,18 @@ class Run:
     snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)
     spec_misses: int = 0  # verify passes in a row that accepted nothing
     spec_cooldown: int = 0  # decode steps to wait before proposing again
+    ended: bool = False  # its final item (Finished or Failed) was emitted
+
+    def end(self, item) -> None:
+        """Emit the final item, once: a request that already ended (a watchdog failed it, a cancel raced a
+        failure) gets nothing more. Never raises: a failing consumer must not fail anyone else."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            self.emit(item)
+        except Exception:
+            log.exception("request %s: emitting its final item failed", self.req.request_id)
 
     @property
     def state(self):

@@ -1,0 +1,147 @@
+"""One bad request never harms another (issue 19): a failure while planning, restoring, prefilling, sampling
+or decoding one request fails that request alone; innocent requests in the same step continue with exactly
+the tokens they get alone; a cancel at any point of a run's life leaves no run, state or pin behind."""
+
+import re
+import threading
+
+import pytest
+
+from hyserve.engine import Failed, Finished, GenerationRequest
+from hyserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+TEXTS = ["Tell me a story about a robot.", "What is the capital of France?", "def add(a, b):",
+         "The weather today is sunny", "Numbers: 0 1 2 3", "Thank you for the explanation!"]
+# mamba2 and qwen3 decode in a batch exactly as alone today; qwen3_5's batched pass differs from its solo one
+# under transformers 5.25 with HYSERVE_KERNELS=0 (tests/test_batching.py), which would fail these for that reason.
+ARCHS = ["mamba2", "qwen3"]
+
+
+def _req(svc, i, sampling=GREEDY, max_tokens=None, **kw):
+    msgs = [{"role": "user", "content": TEXTS[i % len(TEXTS)] + " please" * (i // len(TEXTS))}]
+    return GenerationRequest(prompt=svc.runtime.render_chat(msgs, True), max_tokens=max_tokens or 6 + 2 * i,
+                             sampling=sampling, messages=msgs, **kw)
+
+
+class _Collect:
+    """An `emit` that keeps every item; `done` is set by the final one."""
+
+    def __init__(self):
+        self.items, self.done = [], threading.Event()
+
+    def __call__(self, item):
+        self.items.append(item)
+        if isinstance(item, (Finished, Failed)):
+            self.done.set()
+
+    @property
+    def final(self):
+        assert self.done.wait(60), "request never finished"
+        finals = [i for i in self.items if isinstance(i, (Finished, Failed))]
+        assert len(finals) == 1, finals  # exactly one final item
+        return finals[0]
+
+
+def _together(svc, reqs):
+    """Submit `reqs` so that one step admits them all; return their collectors."""
+    eng, outs = svc.engine, []
+    with eng.scheduler.cond:  # the worker cannot admit until all are queued
+        for r in reqs:
+            outs.append(_Collect())
+            eng.submit(r, outs[-1])
+    for o in outs:
+        o.final
+    return outs
+
+
+def _solo(svc, n):
+    return [svc.engine.generate(_req(svc, i)).token_ids for i in range(n)]
+
+
+def _clean(svc):
+    """Nothing running, no live state, no pinned checkpoint, gauges back to 0; the engine is idle."""
+    from .conftest import wait_idle
+
+    wait_idle(svc)
+    eng, m = svc.engine, svc.metrics.registry.get_sample_value
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert m("hyserve_requests_running") == 0
+    assert svc.runtime.adapter.batch_cache is None
+    assert all(n.pins == 0 for n in svc.cache.tree._all_nodes())
+
+
+# -- one bad request among innocent ones decoding in the same step -------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bad", [SamplingParams(temperature=float("nan")), SamplingParams(temperature=1e-39),
+                                 SamplingParams(temperature=0.7, seed=2**64)], ids=["nan", "tiny", "seed"])
+def test_a_bad_request_fails_alone_and_innocents_get_their_solo_tokens(make_service, arch, bad):
+    svc = make_service(arch)
+    solo = _solo(svc, 4)
+    outs = _together(svc, [_req(svc, i) for i in range(2)] + [_req(svc, 9, sampling=bad)]
+                     + [_req(svc, i) for i in range(2, 4)])
+    innocent = [o.final for k, o in enumerate(outs) if k != 2]
+    assert all(isinstance(f, Finished) for f in innocent), innocent
+    assert [f.token_ids for f in innocent] == solo
+    bad_final = outs[2].final
+    if bad.temperature == 1e-39:  # a temperature that would underflow is greedy, as other servers treat it
+        assert isinstance(bad_final, Finished) and bad_final.token_ids == svc.engine.generate(_req(svc, 9)).token_ids
+    else:
+        assert isinstance(bad_final, Failed)
+    _clean(svc)
+    assert svc.engine.generate(_req(svc, 1)).token_ids == solo[1]  # and the engine goes on serving
+
+
+def _last_layer(model):
+    layers = [m for name, m in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    return layers[-1]
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["qwen3_5"])
+def test_a_batched_pass_that_fails_midway_fails_only_the_culprit(make_service, arch):
+    """The bad request's token makes a pass raise in its last layer, after every earlier layer has updated the
+    kept batch's recurrent state in place, in the rows the innocents' states view: their states are rebuilt,
+    and they go on exactly (retrying them from the states they hold gives other tokens)."""
+    svc = make_service(arch)
+    eng, model = svc.engine, svc.runtime.model
+    poison = model.config.get_text_config().vocab_size - 1
+    solo = _solo(svc, 4)
+    assert all(poison not in s for s in solo)
+    seen = threading.local()
+    forward = model.forward
+
+    def spy(*a, input_ids=None, **kw):
+        seen.poisoned = input_ids is not None and bool((input_ids == poison).any())
+        return forward(*a, input_ids=input_ids, **kw)
+
+    def raise_if_poisoned(module, args):
+        if getattr(seen, "poisoned", False):
+            raise RuntimeError("injected fault in the last layer")
+
+    inner_plan = eng.admission.plan
+    bad = _req(svc, 9)
+
+    def plan(run):
+        inner_plan(run)
+        if run.req is bad:  # greedy for two tokens (the batch is then kept: states view its rows), then poison
+            calls = iter(range(10**6))
+            run.sampler = lambda logits: int(logits.argmax()) if next(calls) < 2 else poison
+
+    model.forward = spy
+    hook = _last_layer(model).register_forward_pre_hook(raise_if_poisoned)
+    eng.admission.plan = plan
+    try:
+        if arch == "qwen3_5":  # its batched pass differs from solo today (see ARCHS): no exactness claim
+            outs = _together(svc, [_req(svc, i) for i in range(2)] + [bad] + [_req(svc, i) for i in range(2, 4)])
+            assert isinstance(outs[2].final, Failed)
+            assert all(isinstance(o.final, Finished) for k, o in enumerate(outs) if k != 2)
+            return
+        outs = _together(svc, [_req(svc, i) for i in range(2)] + [bad] + [_req(svc, i) for i in range(2, 4)])
+    finally:
+        hook.remove()
+        del model.forward
+        del eng.admission.plan
+    assert isinstance(outs[2].final, Failed) and "injected" in outs[2].final.message
+    assert [outs[k].final.token_ids for k in (0, 1, 3, 4)] == solo
+    _clean(svc)
