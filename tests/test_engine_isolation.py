@@ -13,9 +13,7 @@ from hyserve.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 TEXTS = ["Tell me a story about a robot.", "What is the capital of France?", "def add(a, b):",
          "The weather today is sunny", "Numbers: 0 1 2 3", "Thank you for the explanation!"]
-# mamba2 and qwen3 decode in a batch exactly as alone today; qwen3_5's batched pass differs from its solo one
-# under transformers 5.25 with HYSERVE_KERNELS=0 (tests/test_batching.py), which would fail these for that reason.
-ARCHS = ["mamba2", "qwen3"]
+ARCHS = ["qwen3_5", "mamba2", "qwen3"]
 
 
 def _req(svc, i, sampling=GREEDY, max_tokens=None, **kw):
@@ -98,7 +96,7 @@ def _last_layer(model):
     return layers[-1]
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["qwen3_5"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_batched_pass_that_fails_midway_fails_only_the_culprit(make_service, arch):
     """The bad request's token makes a pass raise in its last layer, after every earlier layer has updated the
     kept batch's recurrent state in place, in the rows the innocents' states view: their states are rebuilt,
@@ -132,11 +130,6 @@ def test_a_batched_pass_that_fails_midway_fails_only_the_culprit(make_service, a
     hook = _last_layer(model).register_forward_pre_hook(raise_if_poisoned)
     eng.admission.plan = plan
     try:
-        if arch == "qwen3_5":  # its batched pass differs from solo today (see ARCHS): no exactness claim
-            outs = _together(svc, [_req(svc, i) for i in range(2)] + [bad] + [_req(svc, i) for i in range(2, 4)])
-            assert isinstance(outs[2].final, Failed)
-            assert all(isinstance(o.final, Finished) for k, o in enumerate(outs) if k != 2)
-            return
         outs = _together(svc, [_req(svc, i) for i in range(2)] + [bad] + [_req(svc, i) for i in range(2, 4)])
     finally:
         hook.remove()
@@ -145,3 +138,84 @@ def test_a_batched_pass_that_fails_midway_fails_only_the_culprit(make_service, a
     assert isinstance(outs[2].final, Failed) and "injected" in outs[2].final.message
     assert [outs[k].final.token_ids for k in (0, 1, 3, 4)] == solo
     _clean(svc)
+
+
+# -- a cancel at each point of a run's life -------------------------------------------------------------------
+
+class _Repeat:
+    """Always proposes: the last token three times (a verify pass every step it is allowed one)."""
+
+    def __init__(self, prompt):
+        self.last = prompt[-1]
+
+    def extend(self, tokens):
+        self.last = tokens[-1]
+
+    def propose(self):
+        return [self.last] * 3
+
+
+POINTS = ["waiting", "admitted", "prefill", "decode", "speculation"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("seed", [None, 2**64], ids=["good", "bad_seed"])
+def test_a_cancel_at_any_point_of_a_runs_life_leaves_nothing_behind(make_service, arch, point, seed):
+    """The victim is cancelled (its client leaves) at `point`, next to an innocent request; with a seed the
+    sampler refuses it also fails at admission (the issue's wedge: a run left without a state). Either way it
+    ends with one final item, the innocent gets its solo tokens and the engine is left clean, serving."""
+    from hyserve.speculative import SpeculativeConfig
+
+    spec = point == "speculation"
+    svc = make_service(arch, prefill_chunk=8, speculative=SpeculativeConfig() if spec else None)
+    eng = svc.engine
+    if spec:
+        eng.make_proposer = _Repeat
+    solo = eng.generate(_req(svc, 1)).token_ids
+    victim = _req(svc, 0, max_tokens=20, sampling=SamplingParams(temperature=0.0, seed=seed))
+    assert len(victim.prompt) > 8  # more than one prefill chunk
+    fired = []
+
+    def hook(phase, attr, when):
+        inner = getattr(phase, attr)
+
+        def spy(run, *a, **kw):
+            try:
+                return inner(run, *a, **kw)
+            finally:
+                if run.req is victim and when(run) and not fired:
+                    fired.append(run.decoding)
+                    victim.cancelled.set()
+
+        setattr(phase, attr, spy)
+
+    if point == "waiting":
+        victim.cancelled.set()
+        fired.append(None)
+    elif point == "admitted":
+        hook(eng.admission, "plan", lambda run: True)
+    elif point == "prefill":
+        hook(eng.prefill, "chunk", lambda run: not run.decoding)
+    elif point == "decode":
+        hook(eng.decode, "next_token", lambda run: True)
+    else:
+        hook(eng.decode, "speculate", lambda run: True)
+    try:
+        outs = _together(svc, [victim, _req(svc, 1)])
+    finally:
+        for phase in (eng.admission, eng.prefill, eng.decode):
+            for attr in ("plan", "chunk", "next_token", "speculate"):
+                phase.__dict__.pop(attr, None)  # the class's own method again
+    got = outs[0].final
+    if seed is None:
+        assert fired == [{"waiting": None, "admitted": False, "prefill": False}.get(point, True)]
+        assert isinstance(got, Finished) and got.reason == "cancelled"
+        assert len(got.token_ids) < 20
+    elif point == "waiting":
+        assert isinstance(got, Finished) and got.reason == "cancelled"
+    else:  # planning it raised
+        assert isinstance(got, Failed)
+    assert isinstance(outs[1].final, Finished) and outs[1].final.token_ids == solo
+    _clean(svc)
+    assert eng.generate(_req(svc, 1)).token_ids == solo
