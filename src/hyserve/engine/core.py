@@ -41,6 +41,7 @@ from .finishing import Finishing
 from .outbox import Outbox
 from .prefill import Prefill
 from .run import Run
+from .watchdog import Watchdog
 
 log = logging.getLogger("hyserve.engine")
 
@@ -53,7 +54,7 @@ class Engine:
 
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None,
-                 max_running: int = 8, max_waiting: int = 64):
+                 max_running: int = 8, max_waiting: int = 64, stall_timeout: float = 60.0):
         self.runtime = runtime
         self.cache = cache
         self.policy = policy
@@ -72,8 +73,10 @@ class Engine:
         self._rebuilding = False
         self._trimmer = Trimmer()
         self._live_sampled = 0.0
+        self.watchdog = Watchdog(stall_after=stall_timeout)
         self._worker = threading.Thread(target=self._work, name="hyserve-engine", daemon=True)
         self._worker.start()
+        self.watchdog.watch(self._stalled)
 
     @property
     def make_proposer(self):
@@ -125,9 +128,14 @@ class Engine:
     def idle(self) -> bool:
         return self.scheduler.idle and not self._rebuilding
 
+    def problem(self) -> str | None:
+        """Why the engine is not making progress (`/health` then says degraded), or None."""
+        return self.watchdog.problem(self.scheduler.busy)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the worker after its current step (a thread left inside torch at exit would abort)."""
         self._stopping = True
+        self.watchdog.stop()
         with self.scheduler.cond:
             self.scheduler.cond.notify_all()
         if self._worker is not threading.current_thread():
@@ -137,10 +145,15 @@ class Engine:
     def _work(self) -> None:
         while not self._stopping:
             self.scheduler.wait_for_work()
+            self.watchdog.begin()
             try:
                 model_thread.run(self.step)  # every engine's model work runs on the one model thread
-            except Exception:  # a bug in a step must not kill the worker; the runs involved were failed
+            except Exception:  # a bug outside every request's guard must not kill the worker
                 log.exception("engine step failed")
+                if self.watchdog.failed():
+                    model_thread.run(self._recover)
+            else:
+                self.watchdog.succeeded()
             finally:
                 self.outbox.flush()
             if len(self.scheduler.running) > 1:  # heap holes come from requests' interleaved allocations
@@ -148,6 +161,31 @@ class Engine:
                 if took is not None:
                     self.metrics.malloc_trim.observe(took)
             self._sample_live_bytes()
+
+    def _recover(self) -> None:
+        """Steps keep raising: fail every request they involve (the running ones, else the waiting ones)
+        and start again from an empty running list and no decode batch."""
+        sched = self.scheduler
+        message = f"engine step failed {self.watchdog.failures} times in a row"
+        runs = list(sched.running) or sched.take_waiting(lambda run: True)
+        log.error("%s: failing %d request(s)", message, len(runs))
+        for run in runs:
+            self.finishing.fail(run, message)
+        self.runtime.adapter.drop_batch()
+
+    def _stalled(self) -> None:
+        """The watchdog's thread, while a step has run too long: answer the requests it holds with a `Failed`
+        item and cancel them (the step releases them if it ever returns), and fail those waiting behind it.
+        Nothing else is touched from here."""
+        sched = self.scheduler
+        runs = [r for r in list(sched.running) if not r.ended] + sched.take_waiting(lambda run: True)
+        if not runs:
+            return
+        log.error("an engine step has run for over %g s: failing %d request(s)", self.watchdog.stall_after, len(runs))
+        for run in runs:
+            run.req.cancelled.set()
+            run.end(Failed(f"the engine made no progress for {self.watchdog.stall_after:g} s"))
+        self.outbox.flush()
 
     def _sample_live_bytes(self) -> None:
         """Set the live-state gauge: what running requests hold beyond the cache's budget, the part of the

@@ -27,6 +27,7 @@ class Outbox:
     def __init__(self):
         # (loop, queue, item, the stream's `taken` event while its first item is on the way, else None)
         self.items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object, threading.Event | None]] = []
+        self.lock = threading.Lock()  # the watchdog's thread emits and flushes too
 
     def open(self, req: GenerationRequest) -> tuple[Emit, AsyncIterator[object]]:
         """An `emit` for the engine and the async iterator its consumer reads (in the running event loop)."""
@@ -35,7 +36,8 @@ class Outbox:
         taken = threading.Event()  # set once the consumer has handled the first item and asks for the next
 
         def emit(item) -> None:
-            self.items.append((loop, queue, item, None if taken.is_set() else taken))
+            with self.lock:
+                self.items.append((loop, queue, item, None if taken.is_set() else taken))
 
         return emit, _drain(req, queue, taken)
 
@@ -43,7 +45,8 @@ class Outbox:
         """Deliver the items emitted since the last flush: one call per event loop."""
         if not self.items:
             return
-        box, self.items = self.items, []
+        with self.lock:
+            box, self.items = self.items, []
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         firsts = []
         for loop, queue, item, taken in box:

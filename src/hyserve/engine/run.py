@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from ..sequence import OutputSequence
 from .api import Emit, GenerationRequest
 
 log = logging.getLogger("hyserve.engine")
+_ending = threading.Lock()  # a run can be ended by the model thread and by the watchdog's
 
 
 @dataclass
@@ -37,9 +39,10 @@ class Run:
     def end(self, item) -> None:
         """Emit the final item, once: a request that already ended (a watchdog failed it, a cancel raced a
         failure) gets nothing more. Never raises: a failing consumer must not fail anyone else."""
-        if self.ended:
-            return
-        self.ended = True
+        with _ending:
+            if self.ended:
+                return
+            self.ended = True
         try:
             self.emit(item)
         except Exception:
