@@ -219,3 +219,61 @@ def test_a_cancel_at_any_point_of_a_runs_life_leaves_nothing_behind(make_service
     assert isinstance(outs[1].final, Finished) and outs[1].final.token_ids == solo
     _clean(svc)
     assert eng.generate(_req(svc, 1)).token_ids == solo
+
+
+# -- the issue's load check: concurrent sessions with bad requests mixed in -----------------------------------
+
+def _sessions(svc, n, turns, bad=None):
+    """`n` concurrent multi-turn chat sessions (each turn sends the history with the previous replies); with
+    `bad`, a thread per bad kind keeps submitting such requests meanwhile. Returns each session's replies'
+    tokens and (params, final item) of every bad request."""
+    eng, replies, errors = svc.engine, [None] * n, []
+    stop, bad_finals = threading.Event(), []
+
+    def session(i):
+        try:
+            msgs, got = [{"role": "system", "content": "You are brief."}], []
+            for t in range(turns):
+                msgs.append({"role": "user", "content": f"{TEXTS[(i + t) % len(TEXTS)]} ({i}.{t})"})
+                req = GenerationRequest(prompt=svc.runtime.render_chat(msgs, True), max_tokens=4 + (i + t) % 5,
+                                        sampling=GREEDY, messages=msgs)
+                fin = eng.generate(req)
+                got.append(fin.token_ids)
+                msgs.append({"role": "assistant", "content": fin.text})
+            replies[i] = got
+        except Exception as exc:  # an innocent failure: reported, not raised in a thread
+            errors.append(exc)
+
+    def bad_stream(params):
+        k = 0
+        while not stop.is_set():
+            out = _Collect()
+            eng.submit(_req(svc, k, sampling=params, max_tokens=5), out)
+            bad_finals.append((params, out))
+            out.done.wait(10)
+            k += 1
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(n)]
+    feeders = [threading.Thread(target=bad_stream, args=(p,)) for p in bad or []]
+    for t in threads + feeders:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    for t in feeders:
+        t.join(30)
+    assert not errors, errors
+    return replies, [(p, o.final) for p, o in bad_finals]
+
+
+def test_concurrent_sessions_with_bad_requests_mixed_in_equal_a_run_without_them(make_service):
+    bad = [SamplingParams(temperature=float("nan")), SamplingParams(temperature=0.5, seed=2**64),
+           SamplingParams(temperature=1e-39)]
+    clean, _ = _sessions(make_service("qwen3_5", max_running=8), 12, 3)
+    svc = make_service("qwen3_5", max_running=8)
+    mixed, finals = _sessions(svc, 12, 3, bad)
+    assert mixed == clean  # 0 innocent failures (an innocent failure raises in `generate`), equal outputs
+    assert len(finals) >= 9  # the bad requests really ran among the sessions' turns
+    for params, final in finals:  # NaN temperature and a seed the sampler refuses fail; 1e-39 is greedy
+        assert isinstance(final, Failed if params is not bad[2] else Finished), (params, final)
+    _clean(svc)
