@@ -47,3 +47,27 @@ def test_serve_options_reach_the_checkpoint_policy(tmp_path):
     off = service_config_from_args(p.parse_args([str(tmp_path), "--no-defer-checkpoints", "--no-system-checkpoint"]))
     assert default.defer_tail > 0 and default.system_prompt
     assert off.policy.defer_tail == 0 and not off.policy.system_prompt
+
+
+def _config(tmp_path, *argv):
+    import argparse
+
+    from hyserve.cli import _add_serve_options, service_config_from_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    _add_serve_options(p)
+    return service_config_from_args(p.parse_args([str(tmp_path), *argv]))
+
+
+def test_admin_api_key_from_the_flag_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("HYSERVE_ADMIN_API_KEY", raising=False)
+    assert _config(tmp_path).admin_api_key is None
+    assert _config(tmp_path, "--api-key", "a,b", "--admin-api-key", "root").admin_api_key == "root"
+    monkeypatch.setenv("HYSERVE_ADMIN_API_KEY", "from-env")
+    assert _config(tmp_path).admin_api_key == "from-env"
+
+
+def test_special_tokens_in_content_flag(tmp_path):
+    assert not _config(tmp_path).allow_special_tokens_in_content
+    assert _config(tmp_path, "--allow-special-tokens-in-content").allow_special_tokens_in_content

@@ -16,9 +16,9 @@ class _Attn(torch.nn.Module):
 
 
 def _reference(name: str):
-    """transformers' own function `name` of the qwen3_5 module, whether or not hyserve patched it."""
+    """transformers' own function `name` of the qwen3_5 module (hooked only where transformers has no slots)."""
     fn = getattr(modeling_qwen3_5, name)
-    return getattr(fn, "_hyserve_reference", fn)
+    return getattr(fn, "reference", fn)
 
 
 def _reference_recurrent():
@@ -108,7 +108,7 @@ def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_
     q = torch.randn(1, q_len, 8, 16, generator=g).transpose(1, 2)
     k, v = torch.randn(1, 2, kv_len, 16, generator=g), torch.randn(1, 2, kv_len, 16, generator=g)
     mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(prefix)[None, None]
-    assert kernels._short_over_long(q, k, mask)
+    assert kernels.attention._short_over_long(q, k, mask)
     want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.25)
     got, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape
@@ -129,16 +129,28 @@ def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_
 def test_long_pieces_and_batches_keep_sdpa():
     q, k = torch.zeros(1, 8, 512, 16), torch.zeros(1, 2, 4600, 16)
     mask = torch.ones(1, 1, 512, 4600, dtype=torch.bool)
-    assert not kernels._short_over_long(q, k, mask)  # a long piece (its scores would not fit in cache either)
-    assert not kernels._short_over_long(q[:, :, :129], k[:, :, :1100], mask[..., :129, :1100])
-    assert not kernels._short_over_long(q[:, :, :8], k[:, :, :600], mask[..., :8, :600])  # a short cache
-    assert not kernels._short_over_long(q[:, :, :8].expand(2, -1, -1, -1), k, mask[..., :8, :])  # a batch
+    assert not kernels.attention._short_over_long(q, k, mask)  # a long piece (its scores would not fit in cache either)
+    assert not kernels.attention._short_over_long(q[:, :, :129], k[:, :, :1100], mask[..., :129, :1100])
+    assert not kernels.attention._short_over_long(q[:, :, :8], k[:, :, :600], mask[..., :8, :600])  # a short cache
+    assert not kernels.attention._short_over_long(q[:, :, :8].expand(2, -1, -1, -1), k, mask[..., :8, :])  # a batch
 
 
-def test_kernels_apply_on_the_model_thread_only(make_service):
-    make_service("qwen3_5")  # loading a model installs the kernels
-    fn = modeling_qwen3_5.torch_recurrent_gated_delta_rule
-    assert getattr(fn, "_hyserve_reference", None) is not None
+def _slot(service, name: str):
+    """The function the first Gated DeltaNet (or Mamba2) layer calls for `name`, hooked by hyserve: its own slot,
+    or the module-level function where this transformers has no slots."""
+    from hyserve.kernels import FUNCTIONS
+    from hyserve.kernels.seam import global_sites, slots
+
+    found = slots(service.runtime.model, name)
+    if found:
+        return found[0][1]
+    kernel = next(k for k in FUNCTIONS if k.name == name)
+    return getattr(global_sites(service.runtime.model, kernel)[0][1], kernel.legacy)
+
+
+def test_kernels_apply_on_the_model_thread_only(make_service, monkeypatch):
+    svc = make_service("qwen3_5")  # loading a model hooks the kernels that pass the load-time check
+    fn = _slot(svc, "fused_recurrent_gated_delta_rule")
     x = _deltanet_inputs(2, 2, 4, 16)
     ref = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     off_thread = []
@@ -148,15 +160,17 @@ def test_kernels_apply_on_the_model_thread_only(make_service):
     t.join()
     assert all(torch.equal(a, b) for a, b in zip(off_thread[0], ref))  # elsewhere: transformers itself
     calls = []
-    real = kernels.recurrent_step
-    try:
-        kernels.recurrent_step = lambda *a, **k: calls.append(1) or real(*a, **k)
-        model_thread.run(fn, **x, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    finally:
-        kernels.recurrent_step = real
+    real = kernels.delta_rule.recurrent_step
+    monkeypatch.setattr(kernels.delta_rule, "recurrent_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model_thread.run(fn, **x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert calls == [1]
-    conv = modeling_qwen3_5.causal_conv1d_update
-    assert getattr(conv, "_hyserve_reference", None) is not None
+
+    def reference_run():
+        with kernels.reference_only():  # the load-time check's baseline
+            return fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    model_thread.run(reference_run)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("rows,bias", [(1, True), (16, False), (16, True), (40, True), (100, False)])
@@ -230,15 +244,15 @@ def test_safe_exp_is_exp_above_the_floor_and_zero_below():
 
 
 def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
-    make_service("qwen3_5")  # loading a model installs the kernels
-    fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
-    reference = fn._hyserve_reference
+    svc = make_service("qwen3_5")  # loading a model installs the kernels
+    fn = _slot(svc, "chunk_gated_delta_rule")
+    reference = _reference("torch_chunk_gated_delta_rule")
     g = torch.Generator().manual_seed(3)
     x = dict(query=torch.randn(1, 20, 2, 16, generator=g), key=torch.randn(1, 20, 2, 16, generator=g),
              value=torch.randn(1, 20, 4, 16, generator=g), g=-torch.rand(1, 20, 4, generator=g),
              beta=torch.rand(1, 20, 4, generator=g), use_qk_l2norm_in_kernel=True)
     seen = []
-    monkeypatch.setattr(kernels, "chunk_size_for", lambda n: seen.append(n) or 16)
+    monkeypatch.setattr(kernels.delta_rule, "chunk_size_for", lambda n: seen.append(n) or 16)
     fn(**x)  # another thread: transformers' own 64-token chunks
     assert seen == []
     out, _ = model_thread.run(fn, **x)
@@ -261,8 +275,8 @@ def test_conv_prefill_equals_the_reference(length, bias, activation):
 
 
 def test_mamba2_takes_the_conv_kernels(make_service):
-    from transformers.models.mamba2 import modeling_mamba2
-
-    make_service("mamba2")
+    svc = make_service("mamba2")
     for name in ("causal_conv1d_fn", "causal_conv1d_update"):
-        assert getattr(getattr(modeling_mamba2, name), "_hyserve_reference", None) is not None, name
+        assert svc.runtime.adapter.kernels.on(name), svc.runtime.adapter.kernels.status
+        hooked = _slot(svc, name)
+        assert hasattr(getattr(hooked, "forward", hooked), "reference"), name

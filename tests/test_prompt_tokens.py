@@ -125,3 +125,18 @@ def test_a_mismatch_turns_the_reuse_off_and_returns_the_full_encode(tokenizer, m
     assert encoder.encode(b) == real(b) + [7]  # the reference wins
     assert encoder.reused_tokens > 0
     assert not encoder.enabled and "mismatch" in encoder.reason
+
+
+def test_entries_are_namespaced_by_salt(tokenizer):
+    """Tenant B tokenizing tenant A's text does not reuse A's entry (it would answer measurably faster)."""
+    encoder = PrefixEncoder(tokenizer)
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a private document " * 50}]
+    first = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    encoder.encode(first, salt="a")
+    msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    second = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    want = list(tokenizer(second, add_special_tokens=False)["input_ids"])
+    assert encoder.encode(first, salt="b") == encoder.encode(first, salt="a")
+    assert encoder.hits == 1  # only tenant a's repeat
+    assert encoder.encode(second, salt="c") == want and encoder.reused_tokens == 0
+    assert encoder.encode(second, salt="a") == want and encoder.reused_tokens > 0

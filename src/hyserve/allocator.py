@@ -8,7 +8,7 @@ so the heap stops growing; `malloc_trim(0)` then hands back the free pages insid
 faulted in again when reused, so this runs at most once per `interval` seconds, between engine steps,
 never under the runtime lock, and only while several requests run (their allocations interleave; a
 lone request's do not, and a chat's warm turn should not fault its pages in again).
-`benchmarks/load.py`'s soak counts the trims and their time.
+`benchmarks/bench_load.py`'s soak counts the trims and their time.
 
 A no-op where the C library has no `malloc_trim` (musl, macOS, Windows) or `HYSERVE_MALLOC_TRIM=0`.
 """

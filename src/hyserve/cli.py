@@ -1,4 +1,4 @@
-"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`."""
+"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`, `hyserve env`."""
 
 from __future__ import annotations
 
@@ -39,9 +39,15 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("HYSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (comma-separated for several tenants; "
                         "env HYSERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=os.environ.get("HYSERVE_ADMIN_API_KEY"),
+                   help="a key that sees and clears every tenant's cache at /v1/cache (env HYSERVE_ADMIN_API_KEY); "
+                        "other keys act on their own tenant's entries")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--max-messages", type=int, default=2048)
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize special-token strings typed in message content (<|im_start|>, ...) as control "
+                        "tokens, as before; default: they stay text, so content cannot forge turns")
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
 
@@ -65,7 +71,9 @@ def service_config_from_args(args) -> "ServiceConfig":
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
         max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
         api_keys=tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip()),
+        admin_api_key=(args.admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
 
 
@@ -99,6 +107,13 @@ def cmd_demo(args) -> int:
     return run_demo(arch=args.arch, cache_dir=args.cache_dir)
 
 
+def cmd_env(args) -> int:
+    from .env import report
+
+    print(report(args.model_dir, args.dtype))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .tiny import ARCHS
 
@@ -118,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("env", help="print the versions hyserve runs on and, for a model, its kernels' load-time check")
+    p.add_argument("model_dir", nargs="?", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.set_defaults(func=cmd_env)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return args.func(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from .server.run import BackgroundServer
@@ -29,6 +30,7 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
         client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
         messages = [{"role": "system", "content": "You are a helpful assistant."},
                     {"role": "user", "content": "What is the capital of France?"}]
+        cached = 0
         for turn in (1, 2):
             resp = client.chat.completions.create(model=f"tiny-{arch}", messages=messages, max_tokens=24,
                                                   temperature=0)
@@ -38,6 +40,7 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
             print(f"turn {turn} usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
                   f"cached_tokens={u.prompt_tokens_details.cached_tokens}")
             if turn == 2:
+                cached = u.prompt_tokens_details.cached_tokens
                 history = len(service.runtime.render_chat(messages[:-1], False))
                 print(f"turn 2 history_tokens={history} (the conversation before the new message)")
             messages += [{"role": "assistant", "content": reply},
@@ -47,6 +50,9 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
         stats = client.get("/cache", cast_to=object)
         print(f"prefix cache: {stats}")
     service.engine.stop()
+    if not cached:
+        print("hyserve demo: turn 2 reused no cached tokens: the prefix cache is not working", file=sys.stderr)
+        return 1
     return 0
 
 

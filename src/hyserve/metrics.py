@@ -43,6 +43,9 @@ class Metrics:
         self.live_bytes = Gauge("hyserve_live_state_bytes", "Bytes held by running requests' states and the decode "
                                 "batch (sampled at most once a second)", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
+        self.kernel_active = Gauge("hyserve_kernel_active", "1 where hyserve's kernel passed the load-time check "
+                                   "against the installed transformers and runs, 0 where transformers' own runs",
+                                   ["kernel"], registry=r)
         self.spec_proposed = Counter("hyserve_spec_proposed_tokens", "Speculative tokens proposed (prompt lookup)", registry=r)
         self.spec_accepted = Counter("hyserve_spec_accepted_tokens", "Speculative tokens accepted and used", registry=r)
         self.spec_seconds = Histogram("hyserve_spec_verify_seconds", "Time per verify pass incl. rollback", buckets=_FAST, registry=r)

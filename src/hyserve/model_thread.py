@@ -4,7 +4,7 @@ PyTorch's CPU kernels use OpenMP (libgomp), which keeps a pool of worker threads
 and lets them spin briefly between parallel regions. A thread that starts its pool while another
 thread's pool exists (together they outnumber the cores) gets one that barely spins, so every one of
 the hundreds of small parallel regions in a forward pass pays a sleep and a wake-up. Measured here
-(2 cores, bench qwen3_5, `benchmarks/threads.py`): a 79-token warm prefill took about 53 ms on the
+(2 cores, bench qwen3_5, `benchmarks/bench_threads.py`): a 79-token warm prefill took about 53 ms on the
 first torch thread and about 106 ms on a second one. With one engine thread per service, the second
 service in a process (a benchmark's cache-off server, a test's second fixture) ran at half speed. So
 engines, and benchmarks that time a bare forward pass, hand their model work to this one thread.
@@ -12,7 +12,7 @@ engines, and benchmarks that time a bare forward pass, hand their model work to 
 The thread also flushes denormal floats to zero (x86 FTZ/DAZ) before its first PyTorch operation. The
 flag is per thread and OpenMP workers copy it from the thread that creates them, so it must be set
 before the pool exists. Gated DeltaNet prefill produces denormals (decays exp(-large)), and each one
-costs a slow micro-coded path: `benchmarks/kernels.py` measures what flushing buys (a cold 4.1k-token
+costs a slow micro-coded path: `benchmarks/bench_kernels.py` measures what flushing buys (a cold 4.1k-token
 prefill and a 79-token warm one). Values below 1.2e-38 become 0, far below float32 rounding
 of any logit. `HYSERVE_FLUSH_DENORMAL=0` turns it off.
 """

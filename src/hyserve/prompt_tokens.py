@@ -20,6 +20,12 @@ special, not normalized, strip nothing; the pre-tokenizer is ByteLevel / Split /
 Whitespace (no Metaspace, whose first piece differs); no truncation or padding is configured. It also
 checks itself: at start-up against full encodes of chat-like texts, and then every `VERIFY_EVERY`-th
 reuse, falling back to full encodes for good on any mismatch.
+
+Entries are namespaced by the tenant's salt (the prefix cache's), so one tenant's texts never speed up, and
+so never reveal, another's. A text of `keep_below` ids or more (a prompt the context cannot hold: it is
+refused) is not kept. Texts with content markers (`prompt_escape`) are spliced after each encode; the
+identity above holds for them too, the cut points being the template's own special tokens. Encodes go
+through `encode_batch`, which releases the GIL (`encode` holds it for the whole text).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from array import array
 from collections import OrderedDict
 from typing import Sequence
 
+from .prompt_escape import MARK, ContentEscaper
+
 log = logging.getLogger("hyserve.prompt_tokens")
 
 VERIFY_EVERY = 64  # one reuse in this many is also encoded in full and compared
@@ -40,16 +48,19 @@ _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
 
 class PrefixEncoder:
     """`encode_many(texts)` equals the transformers tokenizer's own call (`add_special_tokens=False`) text by
-    text. Cached ids are kept as int32 arrays (a 32k-token prompt is 128 KiB)."""
+    text (with `escaper`: for texts with markers, that call on each marked piece with special tokens as
+    text). Cached ids are kept as int32 arrays (a 32k-token prompt is 128 KiB)."""
 
-    def __init__(self, tokenizer, capacity: int = 64):
+    def __init__(self, tokenizer, capacity: int = 64, escaper: ContentEscaper | None = None):
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
+        self._escaper = escaper
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[array, list[tuple[int, int]]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[array, list[tuple[int, int]]]] = OrderedDict()
         self._lock = threading.Lock()
         self._reuses = 0
         self.reused_tokens = 0  # ids taken from a cached prefix instead of being tokenized again
+        self.hits = 0  # texts answered whole from an entry
         config = json.loads(self._backend.to_str()) if self._backend is not None else None
         self.reason = _unsupported(tokenizer, config)
         if self.reason is None:
@@ -64,40 +75,50 @@ class PrefixEncoder:
     def enabled(self) -> bool:
         return self.reason is None
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_many([text])[0]
+    def encode(self, text: str, salt: str = "", keep_below: int | None = None) -> list[int]:
+        return self.encode_many([text], salt, keep_below)[0]
 
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Ids of each text. Shortest first, so a longer text of the batch (the prompt) can extend a
-        shorter one (its history boundary)."""
+    def encode_many(self, texts: Sequence[str], salt: str = "", keep_below: int | None = None) -> list[list[int]]:
+        """Ids of each text, reusing only entries of the same `salt`. Shortest first, so a longer text of the
+        batch (the prompt) can extend a shorter one (its history boundary)."""
         if not self.enabled:
-            return [list(ids) for ids in self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+            return [self._reference(t) for t in texts]
         out: dict[int, list[int]] = {}
         for i in sorted(range(len(texts)), key=lambda k: len(texts[k])):
-            out[i] = self._encode(texts[i])
+            out[i] = self._encode(texts[i], salt, keep_below)
         return [out[i] for i in range(len(texts))]
 
     # -- internals -------------------------------------------------------------------------------
     def _reference(self, text: str) -> list[int]:
-        """What hyserve tokenized with before: the transformers tokenizer's own call."""
+        """What the text tokenizes to without reuse: the transformers tokenizer's own call, spliced when the
+        text has content markers."""
+        if self._escaper is not None and MARK in text:
+            enc = self._backend.encode_batch([text], add_special_tokens=False)[0]
+            return self._escaper.splice(text, enc.ids, enc.offsets)[0]
         return list(self._tokenizer([text], add_special_tokens=False)["input_ids"][0])
 
     def _full(self, text: str, base: int = 0, first: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids of `text` and its cut points (character position + `base`, token index + `first`)."""
-        enc = self._backend.encode(text, add_special_tokens=False)
+        enc = self._backend.encode_batch([text], add_special_tokens=False)[0]  # releases the GIL
+        if self._escaper is not None and MARK in text:
+            ids, specials = self._escaper.splice(text, enc.ids, enc.offsets)
+            return ids, [(base + specials[i], first + i) for i in sorted(specials) if ids[i] in self._cuts]
         ids = enc.ids
         at = [i for i, t in enumerate(ids) if t in self._cuts]
         offsets = enc.offsets if at else []
         return ids, [(base + offsets[i][0], first + i) for i in at]
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, salt: str = "", keep_below: int | None = None) -> list[int]:
+        key = (salt, text)
         with self._lock:
-            hit = self._entries.get(text)
+            hit = self._entries.get(key)
             if hit is not None:
-                self._entries.move_to_end(text)
+                self._entries.move_to_end(key)
+                self.hits += 1
                 return hit[0].tolist()
-            prefix = max((p for p in self._entries if len(p) < len(text) and text.startswith(p)), key=len, default=None)
-            base = self._entries[prefix] if prefix is not None else None
+            prefix = max((p for s, p in self._entries if s == salt and len(p) < len(text) and text.startswith(p)),
+                         key=len, default=None)
+            base = self._entries[(salt, prefix)] if prefix is not None else None
         ids, cuts, reused = None, None, 0
         if base is not None:
             p_ids, p_cuts = base
@@ -113,10 +134,11 @@ class PrefixEncoder:
                 self._reuses += 1
                 self.reused_tokens += reused
                 verify = self._reuses % VERIFY_EVERY == 0
-            self._entries[text] = (array("i", ids), cuts)
-            self._entries.move_to_end(text)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            if keep_below is None or len(ids) < keep_below:
+                self._entries[key] = (array("i", ids), cuts)
+                self._entries.move_to_end(key)
+                while len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)
         if reused and verify and self._reference(text) != ids:
             self._disable(f"mismatch on a {len(ids)}-token text")
             return self._reference(text)
@@ -146,7 +168,7 @@ class PrefixEncoder:
                     return "self-check failed: prefix reuse does not reproduce this tokenizer's ids"
         finally:
             self._entries.clear()
-            self._reuses = self.reused_tokens = 0
+            self._reuses = self.reused_tokens = self.hits = 0
         return None
 
 

@@ -7,6 +7,7 @@ Weights come only from the local directory (never a hub download). The family ad
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -16,11 +17,15 @@ from typing import Sequence
 import torch
 
 from . import kernels, model_thread
+from .prompt_bound import check_length, max_chars_per_token
+from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
 from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+log = logging.getLogger("hyserve.runtime")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,10 +48,20 @@ class ModelRuntime:
     max_model_len: int
     lock: threading.Lock
     prompt_encoder: PrefixEncoder | None = None  # tokenizes a prompt from the ids of an earlier one it extends
+    special_tokens_in_content: bool = False  # True: special-token strings in message content are control tokens
+    escaper: ContentEscaper | None = None  # keeps them text otherwise (`prompt_escape`)
+    chars_per_token: int | None = None  # a prompt longer than this many characters per context token is refused
 
     def __post_init__(self) -> None:
+        if self.escaper is None:
+            try:
+                self.escaper = ContentEscaper(self.tokenizer)
+            except ValueError as exc:
+                log.warning("special-token strings in message content cannot be kept as text: %s", exc)
         if self.prompt_encoder is None:
-            self.prompt_encoder = PrefixEncoder(self.tokenizer)
+            self.prompt_encoder = PrefixEncoder(self.tokenizer, escaper=self.escaper)
+        if self.chars_per_token is None:
+            self.chars_per_token = max_chars_per_token(self.tokenizer)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
@@ -74,7 +89,8 @@ class ModelRuntime:
         device = resolve_device(device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
         model.to(device).eval()
-        kernels.install(model)
+        adapter = adapter_for(model)
+        kernels.install(model, adapter, model.config.get_text_config().vocab_size)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
         try:
@@ -89,35 +105,59 @@ class ModelRuntime:
         max_len = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
         if not isinstance(max_len, int) or max_len > 10**7:
             max_len = 32768
-        return cls(model, tokenizer, adapter_for(model), model_dir, frozenset(eos), int(max_len), threading.Lock())
+        return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock())
 
     # -- prompts ---------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of the model's own chat template; this is also how checkpoint boundaries are found."""
-        (ids,) = self.render_many([(messages, add_generation_prompt)])
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "") -> list[int]:
+        """Token ids of the model's own chat template; this is also how checkpoint boundaries are found.
+        `salt`: the tenant's namespace (the prefix cache's), for the tokenizer's reuse of earlier texts."""
+        (ids,) = self.render_many([(messages, add_generation_prompt)], salt)
         if isinstance(ids, Exception):
             raise ids
         return ids
 
-    def render_many(self, items: Sequence[tuple[list[dict], bool]]) -> list[list[int] | Exception]:
+    def render_many(self, items: Sequence[tuple[list[dict], bool]], salt: str = "") -> list[list[int] | Exception]:
         """`render_chat` of several (messages, add_generation_prompt) at once, each text tokenized from the
-        ids of the longest earlier text it extends (`prompt_tokens`). A template error is returned in its
-        item's place, not raised."""
+        ids of the longest earlier text of the same tenant it extends (`prompt_tokens`). Every render escapes
+        content alike (`prompt_escape`), so boundaries stay token prefixes of the prompt. A template error,
+        or `PromptTooLong` for a text too long to fit, is returned in its item's place, not raised."""
+        escape = self.escaper is not None and not self.special_tokens_in_content
+        escaped: dict[int, dict] = {}  # the renders of one request share their messages: escape each once
         texts: list[str | Exception] = []
         for messages, gen in items:
             try:
-                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen))
+                if escape:
+                    for m in messages:
+                        if id(m) not in escaped:
+                            escaped[id(m)] = self.escaper.escape([m])[0]
+                    messages = [escaped[id(m)] for m in messages]
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+                self._check_length(self.escaper.restore(text) if escape else text)
+                texts.append(text)
             except Exception as exc:
                 texts.append(exc)
         good = [t for t in texts if isinstance(t, str)]
-        encoded = iter(self.prompt_encoder.encode_many(good) if good else [])
+        encoded = iter(self.prompt_encoder.encode_many(good, salt, self.max_model_len) if good else [])
         return [next(encoded) if isinstance(t, str) else t for t in texts]  # fresh lists already
 
-    def encode(self, text: str) -> list[int]:
-        return self.prompt_encoder.encode(text)
+    def encode(self, text: str, salt: str = "") -> list[int]:
+        """Ids of a raw prompt (completions): special-token strings in it are control tokens, as in vLLM; the
+        caller owns the format there. Raises PromptTooLong before tokenizing a text that cannot fit."""
+        self._check_length(text)
+        if MARK in text:  # not a rendered chat: its private-use characters are not content markers
+            return list(self.tokenizer([text], add_special_tokens=False)["input_ids"][0])
+        return self.prompt_encoder.encode(text, salt, self.max_model_len)
+
+    def _check_length(self, text: str) -> None:
+        check_length(len(text), self.chars_per_token, self.max_model_len)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def kernels(self):
+        """Which of hyserve's kernels passed the load-time check for this model (`kernels.KernelReport`)."""
+        return self.adapter.kernels
 
     @property
     def has_recurrent_layers(self) -> bool:

@@ -40,9 +40,11 @@ class ServiceConfig:
     request_timeout: float | None = None  # seconds
     stall_timeout: float = 60.0  # seconds a step may run before the watchdog fails its requests (/health: degraded)
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    admin_api_key: str | None = None  # sees and clears every tenant's cache; others act on their own
     max_body_bytes: int = 8 << 20
     max_tokens_cap: int | None = None
     max_messages: int = 2048
+    allow_special_tokens_in_content: bool = False  # True: `<|im_start|>` typed in a message is a control token
 
     @property
     def model_name(self) -> str:
@@ -57,6 +59,7 @@ class Service:
     cache: PrefixCache
     engine: Engine
     draining: bool = False  # set on SIGTERM: running requests finish, new ones get 503
+    inflight: int = 0  # HTTP requests being served (not /health, /metrics): draining waits for them
 
     @property
     def model_name(self) -> str:
@@ -65,7 +68,10 @@ class Service:
 
 def build_service(config: ServiceConfig) -> Service:
     runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
+    runtime.special_tokens_in_content = config.allow_special_tokens_in_content
     metrics = Metrics()
+    for name, status in runtime.kernels.status.items():
+        metrics.kernel_active.labels(name).set(1 if status == "on" else 0)
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
     cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,

@@ -61,9 +61,9 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Compact copies of CPU `tensors`, all in one block of memory mapped for them alone (and unmapped when
     the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
     short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
-    heap grew for as long as a load lasted (`benchmarks/memory.py`). A block of its own per snapshot
+    heap grew for as long as a load lasted (`benchmarks/bench_memory.py`). A block of its own per snapshot
     returns to the OS whole when it is evicted. The price is fresh pages for every copy, which fault in
-    one by one as it is written (`benchmarks/kernels.py --micro` times it against heap clones)."""
+    one by one as it is written (`benchmarks/bench_kernels.py --micro` times it against heap clones)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -99,6 +99,18 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
         if i not in memo:
             memo[i] = t if i in shared else t.clone()
     return copy.deepcopy(cache_or_layer, memo)
+
+
+def set_seen_tokens(cache, n: int) -> None:
+    """Tell `cache` it holds `n` tokens. transformers 5.25 counts tokens in each linear-attention layer
+    (`cumulative_length_linear`), and a model whose first layer is one (Qwen3.5) takes its positions and
+    mask from that count. hyserve builds, cuts and batches states itself (captured, truncated, rolled
+    back, gathered, scattered), so the count is set from the state's own position before every pass
+    rather than kept in step by each of those paths. Earlier versions keep no count: a no-op there."""
+    for layer in getattr(cache, "layers", ()):
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(n)
 
 
 def cache_nbytes(*caches) -> int:
@@ -143,9 +155,13 @@ class FamilyAdapter:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     has_recurrent_layers: ClassVar[bool] = True
+    captures_with_kernels: ClassVar[bool] = False  # `forward_capturing` needs hyserve's kernels
 
     def __init__(self, model):
+        from .kernels import KernelReport
+
         self.model = model
+        self.kernels = KernelReport()  # which of hyserve's kernels passed the load-time check (`kernels.install`)
         self._batch = None  # the last decode batch (batching.DecodeBatch), reused while its rows decode on
         self.gathers = 0  # decode batches built afresh (a metric)
         params = inspect.signature(model.forward).parameters
@@ -164,6 +180,7 @@ class FamilyAdapter:
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
         state.batch = None  # its tensors move on from the batch's rows
+        set_seen_tokens(state.cache, state.position)
         out = self.model(
             input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_kw: state.cache}
         )
@@ -187,7 +204,7 @@ class FamilyAdapter:
     def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
         """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
-        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, long_decode.py)."""
+        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
         from .batching import gather, place, scatter
 
         batch = self._batch
@@ -197,6 +214,7 @@ class FamilyAdapter:
             self.gathers += 1
             rows = list(range(len(states)))
         mask, positions = batch.inputs(self.model.device)
+        set_seen_tokens(batch.cache, batch.width)
         ids = torch.zeros((len(batch.owners), 1), dtype=torch.long, device=self.model.device)  # idle rows: token 0
         ids[rows, 0] = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.model.device)
         try:
@@ -297,14 +315,15 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
 
     hyserve's own conv and delta-rule kernels can hand out the state at any token inside a prefill piece
     (`kernels.capture`), so a checkpoint boundary needs no pass of its own. That needs those kernels, which
-    run only on the model thread and on CPU."""
+    run only on the model thread, and only once the load-time check has seen them capture exactly."""
 
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+    captures_with_kernels = True
 
     def can_capture(self) -> bool:
-        from . import kernels, model_thread
+        from . import model_thread
 
-        return kernels.enabled() and self.model.device.type == "cpu" and model_thread.on_model_thread()
+        return self.kernels.on("capture") and model_thread.on_model_thread()
 
     @torch.inference_mode()
     def forward_capturing(self, state, token_ids, offsets):

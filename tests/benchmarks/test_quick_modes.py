@@ -1,6 +1,8 @@
-"""Smoke tests: every benchmark script's --quick mode runs and writes its results (no timing asserts)."""
+"""Smoke tests: every benchmark script's --quick mode runs and writes its results (no timing asserts), and
+bench_report.py renders the doc's tables from those results."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,30 +12,66 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(args, tmp_path, timeout=300):
+def run(args, timeout=300):
     r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
 
 
-def test_run_py_quick_writes_results_and_plots(tmp_path):
-    run(["benchmarks/run.py", "--quick", "--out", str(tmp_path)], tmp_path)
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results and list(tmp_path.glob("*.png"))
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """A results folder of this module's quick runs, under the names the report reads (never the real
+    benchmarks/results)."""
+    return tmp_path_factory.mktemp("results")
 
 
-@pytest.mark.parametrize("script,flag", [("benchmarks/multiturn.py", "--json"), ("benchmarks/speculative.py", "--out"),
-                                         ("benchmarks/load.py", "--json"), ("benchmarks/threads.py", "--json"),
-                                         ("benchmarks/long_decode.py", "--json"), ("benchmarks/kernels.py", "--json"),
-                                         ("benchmarks/idle.py", "--json"), ("benchmarks/memory.py", "--json")])
-def test_quick_mode_exits_cleanly(script, flag, tmp_path):
-    out = tmp_path / "out.json"  # never overwrite the real results in benchmarks/results
-    run([script, "--quick", flag, str(out)], tmp_path)
-    assert json.loads(out.read_text())
+def test_run_py_quick_writes_results_and_plots(results):
+    out = results / "run"
+    run(["benchmarks/bench_run.py", "--quick", "--out", str(out)])
+    assert json.loads((out / "results.json").read_text()) and list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("script,flag,name", [
+    ("benchmarks/bench_multiturn.py", "--json", "multiturn-8turn.json"),
+    ("benchmarks/bench_speculative.py", "--out", "speculative.json"),
+    ("benchmarks/bench_load.py", "--json", "load.json"),
+    ("benchmarks/bench_threads.py", "--json", "threads.json"),
+    ("benchmarks/bench_long_decode.py", "--json", "long_decode.json"),
+    ("benchmarks/bench_kernels.py", "--json", "kernels.json"),
+    ("benchmarks/bench_idle.py", "--json", "idle.json"),
+    ("benchmarks/bench_memory.py", "--json", "memory.json")])
+def test_quick_mode_exits_cleanly(script, flag, name, results):
+    out = results / name
+    run([script, "--quick", flag, str(out)])
+    result = json.loads(out.read_text())
+    assert result["machine"]["commit"] and result["machine"]["date"] and result["machine"]["command"]
 
 
 def test_peers_quick_skips_cleanly_without_llama_server(tmp_path, monkeypatch):
     """On a machine without the optional llama.cpp peer (CI's fresh install), the script says so and exits 0."""
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
-    r = run(["benchmarks/peers.py", "--quick", "--json", str(tmp_path / "out.json")], tmp_path)
+    r = run(["benchmarks/bench_peers.py", "--quick", "--json", str(tmp_path / "out.json")])
     assert "SKIP" in r.stdout and not (tmp_path / "out.json").exists()
+
+
+def test_report_renders_every_result(results, tmp_path):
+    """Run after the quick modes above: each of their files fills its block of a copy of the doc, the others
+    say that no result exists yet, and --check then finds the copy up to date."""
+    doc = tmp_path / "benchmarks.md"
+    shutil.copyfile(ROOT / "docs" / "benchmarks.md", doc)
+    args = ["benchmarks/bench_report.py", "--results", str(results), "--doc", str(doc)]
+    run([*args, "--write"])
+    text = doc.read_text()
+    present = [p.relative_to(results).as_posix() for p in results.rglob("*.json")]
+    assert present
+    for name in present:
+        assert f"`benchmarks/results/{name}`" not in text, f"{name} present but not rendered"
+    assert text.count("Measured with `python benchmarks/bench_") >= len(present)
+    if (results / "run" / "warm_cost_vs_history.png").is_file():
+        assert (tmp_path / "img" / "warm_cost_vs_history.png").is_file()
+    run([*args, "--check"])
+
+
+def test_doc_is_generated_from_the_committed_results():
+    """Every table in docs/benchmarks.md is what bench_report.py renders from benchmarks/results/."""
+    run(["benchmarks/bench_report.py", "--check"])

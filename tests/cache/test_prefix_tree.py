@@ -94,3 +94,21 @@ def test_over_budget_snapshot_is_declined_and_remove_prunes():
     node = t.lookup([1, 2, 3, 4], 4, False).node
     t.remove(node)
     assert t.entries == 0 and t.total_bytes == 0 and not t.root.children
+
+
+def test_a_tenant_clear_drops_only_that_tenants_salts():
+    from hyserve.cache.namespace import make_salt
+
+    t = PrefixTree(1000)
+    a, a_proj, b, keyless = make_salt("ta", None), make_salt("ta", "proj"), make_salt("tb", None), make_salt("", "x")
+    for salt in (a, a_proj, b, keyless):
+        t.insert([1, 2, 3], snap([1, 2, 3]), salt)
+    t.insert([1, 2], snap([1, 2]), a)
+    node = t.lookup([1, 2, 3, 4], 4, False, salt=a_proj).node
+    t.pin(node)  # in use by a running request: kept
+    assert t.usage("ta") == (3, 30) and t.usage(None) == (5, 50)
+    assert t.clear("ta") == 2
+    assert t.usage("ta") == (1, 10) and t.has([1, 2, 3], a_proj) and not t.has([1, 2, 3], a)
+    assert t.has([1, 2, 3], b) and t.has([1, 2, 3], keyless) and t.usage("") == (1, 10)
+    assert t.entries == 3 and t.total_bytes == 30 and a not in t.roots  # an emptied salt keeps no root
+    assert t.clear() == 2 and t.entries == 1

@@ -57,6 +57,49 @@ CASES = [
      None, 400, "messages", "context_length_exceeded"),
     ("over context: prompt", "/v1/completions", {"model": MODEL, "prompt": "dog " * 5000}, None, 400, "prompt",
      "context_length_exceeded"),
+    # every field's real domain, refused at the HTTP layer instead of failing in the engine
+    ("seed over 2**64-1", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, None, 400, "seed", None),
+    ("seed under -2**63", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, None, 400,
+     "seed", None),
+    ("seed a float", "/v1/chat/completions", {"model": MODEL, "messages": OK_MSGS, "seed": 1.5}, None, 400, "seed",
+     None),
+    ("temperature NaN", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "x", "temperature": NaN}', 400,
+     "temperature", None),
+    ("temperature Infinity", "/v1/completions", None,
+     '{"model": "tiny-qwen3_5", "prompt": "x", "temperature": Infinity}', 400, "temperature", None),
+    ("temperature over 2", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, None, 400,
+     "temperature", None),
+    ("top_p NaN", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "x", "top_p": NaN}', 400, "top_p",
+     None),
+    ("top_p over 1", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, None, 400, "top_p", None),
+    ("top_k under -1", "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, None, 400, "top_k", None),
+    ("top_k over int32", "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**31}, None, 400, "top_k",
+     None),
+    ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, None, 400,
+     "max_tokens", None),
+    ("max_completion_tokens zero", "/v1/chat/completions",
+     {"model": MODEL, "messages": OK_MSGS, "max_completion_tokens": 0}, None, 400, "max_completion_tokens", None),
+    ("cache_salt too long", "/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": "s" * 257}, None, 400,
+     "cache_salt", None),
+    ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, None, 400, "stop", None),
+    # a lone UTF-16 surrogate, wherever it is, is a 400 naming the field (it would fail the tokenizer or the reply)
+    ("surrogate: model", "/v1/completions", None, '{"model": "\\ud800", "prompt": "x"}', 400, "model", None),
+    ("surrogate: prompt", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "hi \\ud800"}', 400,
+     "prompt", None),
+    ("surrogate: low alone", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "\\udc00 hi"}', 400,
+     "prompt", None),
+    ("surrogate: message", "/v1/chat/completions", None,
+     '{"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
+     "messages.0.content", None),
+    ("surrogate: text part", "/v1/chat/completions", None,
+     '{"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\uDBFF"}]}]}',
+     400, "messages.0.content.0.text", None),
+    ("surrogate: stop", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "x", "stop": ["a", "\\ud9ab"]}',
+     400, "stop.1", None),
+    ("surrogate: unknown field", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "x", "user": "\\ud800"}',
+     400, "user", None),
+    ("surrogate: a key", "/v1/completions", None, '{"model": "tiny-qwen3_5", "prompt": "x", "\\ud800": 1}', 400,
+     None, None),
 ]
 
 
@@ -67,6 +110,26 @@ def test_bad_input(qwen35_server, name, path, body, raw, status, param, code):
     after = httpx.get(f"{qwen35_server.base_url}/v1/cache").json()
     assert (after["entries"], after["bytes"], after["lookups"]) == (before["entries"], before["bytes"],
                                                                      before["lookups"])
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "seed": 2**64 - 1}, {"prompt": "x", "seed": -(2**63)}, {"prompt": "x", "top_k": 2**31 - 1},
+    {"prompt": "pair \U0001F600 and text"},  # json.dumps escapes it as a surrogate pair: one character, no error
+])
+def test_edges_of_each_domain_are_served(qwen35_server, body):
+    raw = json.dumps({"model": MODEL, "max_tokens": 2, **body})
+    r = post(qwen35_server, "/v1/completions", None, raw)
+    assert r.status_code == 200, r.text
+
+
+def test_a_temperature_that_would_underflow_decodes_greedily(qwen35_server):
+    def text(t):
+        r = post(qwen35_server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6,
+                                                    "temperature": t, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    greedy = text(0)
+    assert text(1e-39) == greedy and text(1e-6) == greedy
 
 
 def test_unknown_route_is_an_openai_error(qwen35_server):

@@ -129,6 +129,7 @@ def test_models_health_metrics_cache_admin(qwen35_server):
     base = qwen35_server.base_url
     health = httpx.get(f"{base}/health").json()
     assert health["status"] == "ok" and health["idle"] in (True, False)
+    assert health["kernels"]["capture"] == "on", health["kernels"]  # the load-time check passed
     text = httpx.get(f"{base}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("hyserve_requests", "hyserve_prompt_tokens", "hyserve_generation_tokens",
@@ -138,6 +139,8 @@ def test_models_health_metrics_cache_admin(qwen35_server):
                  "hyserve_decode_batch_size", "hyserve_decode_batch_gathers", "hyserve_spec_proposed_tokens"):
         assert name in families, name
     assert "hyserve_live_state_bytes" in families
+    active = {s.labels["kernel"]: s.value for s in families["hyserve_kernel_active"].samples}
+    assert active["chunk_gated_delta_rule"] == 1 and set(active) == set(health["kernels"])
     rss = families["process_resident_memory_bytes"].samples[0].value  # the process collector (Linux)
     assert rss > 10 << 20
     gen = sum(s.value for s in families["hyserve_generation_tokens"].samples if s.name.endswith("_total"))

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ..metrics import Metrics
 from ..state import FamilyAdapter, LiveState, token_hash
+from .namespace import tenant_of
 from .prefix_tree import PrefixTree, _Node
 from .telemetry import CacheTelemetry
 
@@ -32,6 +33,7 @@ class PrefixCache:
         self.enabled = enabled
         self.lookups = 0
         self.hits = 0
+        self._tenant_counts: dict[str, list[int]] = {}  # tenant -> [lookups, hits]
 
     def _gauges(self) -> None:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
@@ -46,13 +48,16 @@ class PrefixCache:
         if not self.enabled:
             return Restored(adapter.new_state(), 0, None)
         self.lookups += count
+        tenant = tenant_of(salt)
+        counts = self._tenant_counts.setdefault(tenant, [0, 0])
+        counts[0] += count
         t0 = time.perf_counter()
         match = self.tree.lookup(prompt, max_length=len(prompt) - keep_last, truncate=not adapter.has_recurrent_layers,
                                  salt=salt)
         if match is None:
             if count:
                 self.metrics.cache_misses.labels("no_match").inc()
-            self.telemetry.emit("miss", "no_match", request_id=request_id, prompt_tokens=len(prompt))
+            self.telemetry.emit("miss", "no_match", tenant=tenant, request_id=request_id, prompt_tokens=len(prompt))
             return Restored(adapter.new_state(), 0, None)
         snap, node = match.snapshot, match.node
         expected = prompt[: node.depth] if not match.needs_truncation else node.path_tokens()
@@ -73,19 +78,20 @@ class PrefixCache:
             self.tree.remove(node)
             self._gauges()
             self.metrics.cache_misses.labels(problem).inc()
-            self.telemetry.emit("miss", problem, request_id=request_id, prompt_tokens=len(prompt),
+            self.telemetry.emit("miss", problem, tenant=tenant, request_id=request_id, prompt_tokens=len(prompt),
                                 checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes)
             return Restored(adapter.new_state(), 0, None)
         seconds = time.perf_counter() - t0
         self.tree.pin(node)
         if count:
             self.hits += 1
+            counts[1] += 1
             self.metrics.cache_hits.inc()
             self.metrics.cached_tokens.inc(match.length)
         self.metrics.restore_seconds.observe(seconds)
         self.metrics.lock_hold.labels("restore").observe(seconds)
-        self.telemetry.emit("hit", "truncated" if match.needs_truncation else "exact", request_id=request_id,
-                            prompt_tokens=len(prompt), cached_tokens=match.length,
+        self.telemetry.emit("hit", "truncated" if match.needs_truncation else "exact", tenant=tenant,
+                            request_id=request_id, prompt_tokens=len(prompt), cached_tokens=match.length,
                             checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3))
         return Restored(state, match.length, node)
 
@@ -97,7 +103,7 @@ class PrefixCache:
         """Snapshot `state` as a checkpoint if its position is exactly `expected_tokens` and it is new."""
         if not self.enabled:
             return False
-        base = dict(request_id=request_id, kind=kind, tokens=expected_tokens)
+        base = dict(request_id=request_id, kind=kind, tokens=expected_tokens, tenant=tenant_of(salt))
         if state.position != expected_tokens:
             self.telemetry.emit("declined", "position_mismatch", position=state.position, **base)
             return False
@@ -132,19 +138,25 @@ class PrefixCache:
             self._evicted(self.tree.unpin(restored.node))
             restored.node = None
 
-    def clear(self) -> int:
-        removed = self.tree.clear()
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every unpinned checkpoint (tenant None: an admin's clear) or only `tenant`'s."""
+        removed = self.tree.clear(tenant)
         self._gauges()
-        self.telemetry.emit("cleared", "admin", entries=removed)
+        self.telemetry.emit("cleared", "admin" if tenant is None else "tenant", entries=removed, tenant=tenant)
         return removed
 
-    def stats(self) -> dict:
+    def stats(self, tenant: str | None = None) -> dict:
+        """Figures for the whole cache, or for `tenant`'s own salts (the byte budget is shared)."""
+        if tenant is None:
+            entries, nbytes, lookups, hits = self.tree.entries, self.tree.total_bytes, self.lookups, self.hits
+        else:
+            (entries, nbytes), (lookups, hits) = self.tree.usage(tenant), self._tenant_counts.get(tenant, (0, 0))
         return {
             "enabled": self.enabled,
-            "entries": self.tree.entries,
-            "bytes": self.tree.total_bytes,
+            "entries": entries,
+            "bytes": nbytes,
             "budget_bytes": self.tree.budget_bytes,
-            "lookups": self.lookups,
-            "hits": self.hits,
-            "hit_rate": (self.hits / self.lookups) if self.lookups else 0.0,
+            "lookups": lookups,
+            "hits": hits,
+            "hit_rate": (hits / lookups) if lookups else 0.0,
         }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..state import Snapshot
+from .namespace import tenant_of
 
 
 class _Node:
@@ -190,13 +191,29 @@ class PrefixTree:
                 return
             node = parent
 
-    def clear(self) -> int:
+    def _salts(self, tenant: str | None) -> list[str]:
+        return [s for s in self.roots if tenant is None or tenant_of(s) == tenant]
+
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every unpinned snapshot, or only those of `tenant`'s salts."""
         removed = 0
-        for node in list(self._all_nodes()):
-            if node.snapshot is not None and node.pins == 0:
-                self._drop(node)
-                removed += 1
+        for salt in self._salts(tenant):
+            for node in list(self.roots[salt].walk()):
+                if node.snapshot is not None and node.pins == 0:
+                    self._drop(node)
+                    removed += 1
+            if salt and not self.roots[salt].children:  # an emptied request salt keeps no root
+                del self.roots[salt]
         return removed
+
+    def usage(self, tenant: str | None = None) -> tuple[int, int]:
+        """(entries, bytes) held by all salts, or by `tenant`'s."""
+        entries = nbytes = 0
+        for salt in self._salts(tenant):
+            for node in self.roots[salt].walk():
+                if node.snapshot is not None:
+                    entries, nbytes = entries + 1, nbytes + node.snapshot.nbytes
+        return entries, nbytes
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, node: _Node) -> None:

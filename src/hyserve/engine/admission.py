@@ -33,11 +33,12 @@ class Admission:
         self.make_proposer = None
 
     # -- rendering: the policy's checkpoint boundaries in a chat prompt ----------------------------------
-    def render(self, messages: list[dict], prompt: list[int] | None):
+    def render(self, messages: list[dict], prompt: list[int] | None, salt: str = ""):
+        """The prompt (unless given) and the policy's boundaries in it; `salt`: the tenant's namespace."""
         rt = self.runtime
         wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
         items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
-        rendered = rt.render_many(items) if items else []
+        rendered = rt.render_many(items, salt) if items else []
         if prompt is None:
             prompt = rendered.pop(0)
             if isinstance(prompt, Exception):
@@ -48,7 +49,7 @@ class Admission:
     def boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
         """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
         try:
-            _, boundaries, skipped = self.render(req.messages, req.prompt)
+            _, boundaries, skipped = self.render(req.messages, req.prompt, req.cache_salt)
         except Exception as exc:
             boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
         return boundaries, skipped

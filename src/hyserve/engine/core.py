@@ -88,11 +88,11 @@ class Engine:
         self.admission.make_proposer = make
 
     # -- public API ------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict]) -> ChatPrompt:
+    def render_chat(self, messages: list[dict], salt: str = "") -> ChatPrompt:
         """Render the prompt and the policy's boundary candidates in one batched tokenization, on the
         caller's thread (the HTTP layer's pool), so the engine's thread never waits on a render.
-        Raises when the prompt itself cannot be rendered."""
-        prompt, boundaries, skipped = self.admission.render(messages, None)
+        `salt`: the tenant's namespace. Raises when the prompt itself cannot be rendered."""
+        prompt, boundaries, skipped = self.admission.render(messages, None, salt)
         return ChatPrompt(prompt, boundaries, skipped)
 
     def submit(self, req: GenerationRequest, emit: Emit) -> None:

@@ -8,6 +8,7 @@ A request also leaves when it is cancelled or times out (`reap`), and when any p
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -51,7 +52,8 @@ class Finishing:
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
         else:
             state = run.state
-            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, rt.render_chat,
+            render = functools.partial(rt.render_chat, salt=req.cache_salt)
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, text, render,
                                                           rt.has_recurrent_layers)
             if why == "rerender_mismatch" and self.cache.enabled:
                 self.metrics.rerender_mismatch.inc()

@@ -13,17 +13,23 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..cache.namespace import tenant_of
 from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
 from .errors import APIError, install_handlers
-from .guards import GuardMiddleware, bearer, tenant_salt
+from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .strict_json import StrictJSONRoute
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="hyserve", docs_url=None, redoc_url=None)
+    app.router.route_class = StrictJSONRoute
     install_handlers(app)
+    install_openapi(app)
     app.add_middleware(GuardMiddleware, service=service)
     app.state.service = service
     metrics = service.metrics
@@ -35,6 +41,13 @@ def create_app(service: Service) -> FastAPI:
                            "not_found_error", "model", "model_not_found")
 
     cfg = service.config
+
+    def salt_of(body: SamplingFields, request: Request) -> str:
+        """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
+        return tenant_salt(request.scope.get(API_KEY) if cfg.api_keys else None, body.cache_salt)
+
+    def too_long(exc: PromptTooLong, param: str) -> APIError:
+        return APIError(400, str(exc), param=param, code="context_length_exceeded")
 
     def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
                       request: Request, chat: ChatPrompt | None = None) -> GenerationRequest:
@@ -51,13 +64,14 @@ def create_app(service: Service) -> FastAPI:
             )
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
-        salt = tenant_salt(bearer(request.scope) if cfg.api_keys else None, body.cache_salt)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
-                                 messages=messages, chat=chat, cache_salt=salt, timeout=cfg.request_timeout)
+                                 messages=messages, chat=chat, cache_salt=salt_of(body, request),
+                                 timeout=cfg.request_timeout)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
         rid = req.request_id = fmt.id  # one id in headers, responses and cache events
+        service.cache.telemetry.bind(rid, tenant_of(req.cache_salt))  # its events are its tenant's
         try:
             items = service.engine.stream(req)
         except QueueFull as exc:
@@ -122,7 +136,9 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            chat = await run_in_threadpool(service.engine.render_chat, messages)
+            chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request))
+        except PromptTooLong as exc:
+            raise too_long(exc, "messages")
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         req = build_request(body, chat.prompt, messages, request, chat)
@@ -132,7 +148,10 @@ def create_app(service: Service) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = await run_in_threadpool(rt.encode, body.prompt)
+            try:
+                prompt = await run_in_threadpool(rt.encode, body.prompt, salt_of(body, request))
+            except PromptTooLong as exc:
+                raise too_long(exc, "prompt")
         else:
             vocab = len(rt.tokenizer)
             if any(t < 0 or t >= vocab for t in body.prompt):
@@ -162,27 +181,35 @@ def create_app(service: Service) -> FastAPI:
             return JSONResponse({"status": "degraded", "model": service.model_name, "idle": service.engine.idle,
                                  "reason": problem}, status_code=503)
         # idle: nothing queued, running or left for idle time (benchmarks wait for it between turns)
-        return {"status": "ok", "model": service.model_name, "idle": service.engine.idle}
+        # kernels: each of hyserve's kernels "on", or "off: why" (the load-time check against transformers)
+        return {"status": "ok", "model": service.model_name, "idle": service.engine.idle,
+                "kernels": rt.kernels.status}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # The cache routes act on the caller's own tenant; the admin key (or a server without keys) on all.
+    def under_lock(fn, *args):  # the engine changes the tree while it runs
+        def call():
+            with rt.lock:
+                return fn(*args)
+        return run_in_threadpool(call)
+
     @app.get("/v1/cache")
-    async def cache_stats():
-        return service.cache.stats()
+    async def cache_stats(request: Request):
+        tenant = cache_scope(request.scope, cfg)
+        return service.cache.stats() if tenant is None else await under_lock(service.cache.stats, tenant)
 
     @app.get("/v1/cache/events")
-    async def cache_events(limit: int = 100):
-        return {"events": list(service.cache.telemetry.recent)[-max(0, limit):]}
+    async def cache_events(request: Request, limit: int = 100):
+        return {"events": service.cache.telemetry.events(cache_scope(request.scope, cfg), limit)}
 
     @app.delete("/v1/cache")
-    async def cache_clear():
-        def clear():
-            with rt.lock:
-                return service.cache.clear()
-        removed = await run_in_threadpool(clear)
-        return {"cleared": removed, **service.cache.stats()}
+    async def cache_clear(request: Request):
+        tenant = cache_scope(request.scope, cfg)
+        removed = await under_lock(service.cache.clear, tenant)
+        return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
     return app
 

@@ -19,8 +19,23 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """A body over the limit, found while it streams in. An HTTPException, so that FastAPI passes it on
+    instead of reporting a body it could not parse."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body over {limit} bytes")
+
+
+def _text(s: str | None) -> str | None:
+    """Echoed input may hold what UTF-8 cannot encode (a lone surrogate): never let that fail a reply."""
+    return s.encode("utf-8", "replace").decode() if s is not None else None
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": _text(message), "type": type_, "param": _text(param), "code": code}}
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
@@ -51,7 +66,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        return error_response(exc.status_code, str(exc.detail), kind, code=getattr(exc, "code", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -9,30 +9,61 @@ import hashlib
 import hmac
 import json
 
-from ..service import Service
+from ..cache.namespace import make_salt
+from ..service import Service, ServiceConfig
+from .errors import BodyTooLarge
 
 OPEN_PATHS = ("/health", "/metrics")
+API_KEY = "hyserve.api_key"  # scope entry: the configured key (API or admin) the request presented
+
+
+def key_tenant(api_key: str | None) -> str:
+    """A tenant's name in the cache: its API key's hash, "" for keyless requests."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str:
     """Prefix-cache namespace: the API key's hash plus the request's own `cache_salt`."""
-    key = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
-    return f"{key}:{cache_salt or ''}" if (key or cache_salt) else ""
+    return make_salt(key_tenant(api_key), cache_salt)
 
 
-def bearer(scope) -> str | None:
+def bearer(scope) -> bytes | None:
+    """The token of `Authorization: Bearer <token>` as sent (bytes: a header need not be ASCII)."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            v = value.decode("latin-1")
-            return v[7:].strip() if v.lower().startswith("bearer ") else None
+            return value[7:].strip() if value[:7].lower() == b"bearer " else None
     return None
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None) -> None:
+def matching_key(token: bytes | None, cfg: ServiceConfig) -> str | None:
+    """The configured key (API or admin) equal to `token`, compared in constant time, or None."""
+    if token is None:
+        return None
+    found = None
+    for key in (*cfg.api_keys, *([cfg.admin_api_key] if cfg.admin_api_key else [])):
+        if hmac.compare_digest(token, key.encode()):
+            found = key
+    return found
+
+
+def cache_scope(scope, cfg: ServiceConfig) -> str | None:
+    """Whose cache an admin route acts on: None (all of it) for the admin key or a server without keys,
+    else the caller's own tenant."""
+    key = scope.get(API_KEY)
+    if cfg.admin_api_key and key == cfg.admin_api_key:
+        return None
+    if not cfg.api_keys and not cfg.admin_api_key:
+        return None
+    return key_tenant(key if cfg.api_keys else None)
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False) -> None:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -47,18 +78,20 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         cfg = self.service.config
         path = scope.get("path", "")
-        if self.service.draining and path not in OPEN_PATHS:
-            return await _send_error(send, 503, "server is shutting down", "server_error", "shutting_down")
-        if cfg.api_keys and path.startswith("/v1"):
-            key = bearer(scope)
-            if key is None or not any(hmac.compare_digest(key, k) for k in cfg.api_keys):
-                return await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
-                                         "<key>'", "invalid_request_error", "invalid_api_key")
+        if path in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self.service.draining:
+            return await _send_error(send, 503, "server is shutting down", "server_error", "shutting_down",
+                                     close=True)
+        scope[API_KEY] = key = matching_key(bearer(scope), cfg)
+        if cfg.api_keys and key is None:  # every route but the probes, /openapi.json too
+            return await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                                     "<key>'", "invalid_request_error", "invalid_api_key")
         limit = cfg.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
-                                         "request_too_large")
+                                         BodyTooLarge.code)
         seen = 0
 
         async def limited_receive():
@@ -66,16 +99,14 @@ class GuardMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge()
+                if seen > limit:  # an HTTPException, so the framework answers 413, not "cannot parse"
+                    raise BodyTooLarge(limit)
             return message
 
+        self.service.inflight += 1
         try:
             await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
-                              "request_too_large")
-
-
-class _TooLarge(Exception):
-    pass
+        except BodyTooLarge as exc:  # raised outside a route (none read bodies there today)
+            await _send_error(send, 413, exc.detail, "invalid_request_error", exc.code)
+        finally:
+            self.service.inflight -= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -19,8 +20,10 @@ def free_port() -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, plus: on SIGTERM/SIGINT mark the service draining (new requests 503) while uvicorn lets
-    running requests finish for up to `timeout_graceful_shutdown` seconds."""
+    """uvicorn, plus: on SIGTERM/SIGINT mark the service draining and keep listening while requests are
+    in flight, so a request arriving then gets a 503 with an OpenAI error body (uvicorn alone would stop
+    accepting connections at once). Once none is left, or after `timeout_graceful_shutdown` seconds,
+    uvicorn's own shutdown closes the sockets and cancels whatever still runs."""
 
     def __init__(self, config: uvicorn.Config, service: Service):
         super().__init__(config)
@@ -29,6 +32,16 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.service.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        budget = self.config.timeout_graceful_shutdown
+        deadline = None if budget is None else loop.time() + budget
+        while self.service.inflight and not self.force_exit and (deadline is None or loop.time() < deadline):
+            await asyncio.sleep(0.05)
+        if deadline is not None:  # what is left of the budget is uvicorn's
+            self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
+        await super().shutdown(sockets)
 
 
 def serve_forever(service: Service, host: str, port: int, graceful_seconds: float = 30.0) -> None:

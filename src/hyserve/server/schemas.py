@@ -7,6 +7,9 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (as in vLLM): 1/T would overflow the logits
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_TOP_K = 2**31 - 1
 
 
 class TextPart(BaseModel):
@@ -39,16 +42,21 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # like vLLM: unknown OpenAI fields are ignored, not fatal
     model: str
     max_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)  # 0 or -1: off
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
     cache_salt: str | None = Field(default=None, max_length=256)  # vLLM extension: prefix-cache namespace
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        return 0.0 if v < GREEDY_BELOW else v
 
     @field_validator("stop")
     @classmethod

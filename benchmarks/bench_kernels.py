@@ -20,10 +20,10 @@ chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), an
 against one into a kept buffer, and a snapshot's copy into heap clones against one into a block mapped
 for it alone (`state.packed_clones`, slower: the price of keeping snapshots out of the heap).
 
-    python benchmarks/kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
-    python benchmarks/kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
-    python benchmarks/kernels.py --micro         # only the pieces (~10 s)
-    python benchmarks/kernels.py --json benchmarks/results/kernels.json
+    python benchmarks/bench_kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
+    python benchmarks/bench_kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
+    python benchmarks/bench_kernels.py --micro         # only the pieces (~10 s)
+    python benchmarks/bench_kernels.py --json benchmarks/results/kernels.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 VARIANTS = [("reference", {"HYSERVE_FLUSH_DENORMAL": "0", "HYSERVE_KERNELS": "0"}),
             ("+ flush denormals", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "0"}),
@@ -179,6 +179,20 @@ def micro(rounds: int = 30) -> list[dict]:
     return model_thread.run(run)
 
 
+def summary_table(summary: dict[str, dict]) -> str:
+    """Medians per variant (the JSON's `summary`); (Nx) = speed against the first variant, the reference."""
+    ref = next(iter(summary.values()))
+    rows = []
+    for name, s in summary.items():
+        cells = [name]
+        for k, _ in METRICS:
+            cells.append(f"{s[k]:.3f}" if k == "cold_s" else f"{s[k] * 1e3:.1f}")
+            cells[-1] += f" ({ref[k] / s[k]:.2f}x)" if s is not ref else ""
+        cells.append(f"{s['cold_s'] / s['warm_s']:.1f}")
+        rows.append(cells)
+    return C.table(["variant"] + [h for _, h in METRICS] + ["cold / warm"], rows)
+
+
 def micro_table(rows: list[dict]) -> str:
     return C.table(["piece", "reference", "reference ms", "hyserve ms", "speedup", "max |diff|"],
                    [[r["piece"], r["reference"], f"{r['reference_ms']:.3f}", f"{r['hyserve_ms']:.3f}",
@@ -218,18 +232,8 @@ def main(argv=None) -> int:
             print(f"round {r + 1}/{rounds} {name}: " + ", ".join(
                 f"{k} {runs[name][-1][k] * (1 if k == 'cold_s' else 1e3):.3g}" for k, _ in METRICS), flush=True)
     summary = {name: {k: C.median(x[k] for x in rs) for k, _ in METRICS} for name, rs in runs.items()}
-    ref = summary[VARIANTS[0][0]]
-    rows = []
-    for name, s in summary.items():
-        cells = [name]
-        for k, _ in METRICS:
-            scale = 1 if k == "cold_s" else 1e3
-            cells.append(f"{s[k] * scale:.3f}" if k == "cold_s" else f"{s[k] * scale:.1f}")
-            cells[-1] += f" ({ref[k] / s[k]:.2f}x)" if s is not ref else ""
-        cells.append(f"{s['cold_s'] / s['warm_s']:.1f}")
-        rows.append(cells)
     print(f"qwen3_5 {size}, torch threads {args.threads}, medians over {rounds} round(s); (Nx) = speed vs reference")
-    print(C.table(["variant"] + [h for _, h in METRICS] + ["cold / warm"], rows))
+    print(summary_table(summary))
     greedy = {name: rs[0]["greedy"] for name, rs in runs.items()}
     same = len({tuple(g) for g in greedy.values()}) == 1
     print(f"greedy tokens from the warm state identical across variants: {same}")

@@ -14,9 +14,9 @@ forward pass then pays a sleep and a wake-up. This script times a warm-turn pref
 Both threads run transformers' own functions, with denormals left on (HYSERVE_KERNELS=0,
 HYSERVE_FLUSH_DENORMAL=0 are set here), since hyserve's kernels apply on the model thread only.
 
-    python benchmarks/threads.py            # bench qwen3_5, 7 repeats per row (~30 s)
-    python benchmarks/threads.py --quick    # tiny qwen3_5, a smoke test
-    python benchmarks/threads.py --json benchmarks/results/threads.json
+    python benchmarks/bench_threads.py            # bench qwen3_5, 7 repeats per row (~30 s)
+    python benchmarks/bench_threads.py --quick    # tiny qwen3_5, a smoke test
+    python benchmarks/bench_threads.py --json benchmarks/results/threads.json
 """
 
 from __future__ import annotations
@@ -31,15 +31,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
-# hyserve's kernels and its denormal flushing apply on the model thread only; both threads compared here
-# must run the same code, so this script measures transformers' own functions on both.
-os.environ["HYSERVE_KERNELS"] = "0"
-os.environ["HYSERVE_FLUSH_DENORMAL"] = "0"
+def where_table(rows: list[dict], new_tokens: int) -> str:
+    """One row per place the same pass ran (the JSON's `rows`)."""
+    return C.table(["where", f"prefill {new_tokens} tok (ms)", "decode 1 tok (ms)"],
+                   [[r["where"], f"{r['prefill_ms']:.1f}", f"{r['decode_ms']:.1f}"] for r in rows])
 
 
 def main(argv=None) -> int:
+    # hyserve's kernels and its denormal flushing apply on the model thread only; both threads compared here
+    # must run the same code, so this script measures transformers' own functions on both (set before hyserve
+    # is imported).
+    os.environ["HYSERVE_KERNELS"] = "0"
+    os.environ["HYSERVE_FLUSH_DENORMAL"] = "0"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 3 repeats")
     p.add_argument("--threads", type=int, default=2)
@@ -86,8 +91,7 @@ def main(argv=None) -> int:
     rows.append(("model thread again, after the second thread", model_thread.run(timings)))
     print(f"qwen3_5 {size}, {context}-token state, {new} new tokens, torch {torch.__version__} ({threads} threads), "
           f"median of {reps}")
-    print(C.table(["where", f"prefill {new} tok (ms)", "decode 1 tok (ms)"],
-                  [[name, f"{r['prefill_ms']:.1f}", f"{r['decode_ms']:.1f}"] for name, r in rows]))
+    print(where_table([{"where": n, **r} for n, r in rows], new))
     first, last = rows[0][1], rows[2][1]
     second = rows[1][1]
     print(f"second thread / model thread: prefill x{second['prefill_ms'] / first['prefill_ms']:.2f}, decode "

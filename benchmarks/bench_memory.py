@@ -1,6 +1,6 @@
 """Where a loaded server's memory goes: an in-process soak that counts it every few seconds.
 
-`load.py`'s soak reads the server process's RSS from outside. This one runs the same kind of load (S
+`bench_load.py`'s soak reads the server process's RSS from outside. This one runs the same kind of load (S
 sessions looping 4-turn chats of ~100-300-token user messages, 128-token greedy replies, a 512 MiB
 prefix cache) on an engine in this process, without HTTP, so it can also count what the RSS is made of:
 
@@ -13,9 +13,9 @@ prefix cache) on an engine in this process, without HTTP, so it can also count w
   they are blocks mapped for themselves (`state.packed_clones`);
 - `trims`: the engine's hand-backs of free heap pages to the OS so far (`allocator.Trimmer`).
 
-    python benchmarks/memory.py                      # bench qwen3_5, 16 sessions, 240 s, a sample every 20 s
-    python benchmarks/memory.py --quick              # tiny qwen3_5, 4 sessions, 10 s (a smoke test)
-    python benchmarks/memory.py --json benchmarks/results/memory.json
+    python benchmarks/bench_memory.py                      # bench qwen3_5, 16 sessions, 240 s, a sample every 20 s
+    python benchmarks/bench_memory.py --quick              # tiny qwen3_5, 4 sessions, 10 s (a smoke test)
+    python benchmarks/bench_memory.py --json benchmarks/results/memory.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from load import Conversation  # noqa: E402
+import bench_common as C  # noqa: E402
+from bench_load import Conversation  # noqa: E402
 
 
 class _MallInfo2(ctypes.Structure):
@@ -69,6 +69,16 @@ def tensor_bytes() -> int:
 
 def rss_bytes() -> int:
     return C.pid_rss_bytes(os.getpid()) or 0
+
+
+def census_table(rows: list[dict]) -> str:
+    """One row per sample (the JSON's `rows`), in MiB."""
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
+               "in use MiB", "free MiB", "mmapped MiB", "trims"]
+    return C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
+                              mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
+                              mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -137,12 +147,7 @@ def main(argv=None) -> int:
     rows.append(sample(time.perf_counter() - t0))  # the load is over: what stays
     engine.stop()
 
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
-               "in use MiB", "free MiB", "mmapped MiB", "trims"]
-    table = C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
-                               mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
-                               mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
+    table = census_table(rows)
     import hyserve
 
     print(f"hyserve from {Path(hyserve.__file__).parent}")
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/memory.py"] + sys.argv[1:]),
+        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_memory.py"] + sys.argv[1:]),
                                    "machine": C.machine_info(), "rows": rows, "failures": failures,
                                    "table": table}, indent=1))
     return 1 if failures else 0

@@ -1,16 +1,16 @@
 """What idle time does to the next warm turn, on this machine.
 
 A server waits between requests; a benchmark that waits for the server to go idle before each turn
-(`multiturn.py`, like a user reading the reply) times the turn after that wait. This script times the
-same warm turn (restore a ~4.2k-token state, prefill 79 new tokens, argmax: what `multiturn.py`'s bare
+(`bench_multiturn.py`, like a user reading the reply) times the turn after that wait. This script times the
+same warm turn (restore a ~4.2k-token state, prefill 79 new tokens, argmax: what `bench_multiturn.py`'s bare
 loop does) back to back, and after sleeping S seconds, on hyserve's model thread. Then it copies the
 weights, which transformers leaves as views of the mmapped safetensors file, into anonymous memory and
 times both again, since where the weights live is the first suspect for a slowdown after idle. Last,
 two plain PyTorch operations without the model, the same way: the machine alone.
 
-    python benchmarks/idle.py                  # bench qwen3_5, sleeps 0, 0.05, 0.5, 2 s, medians of 7
-    python benchmarks/idle.py --quick          # tiny qwen3_5, a smoke test
-    python benchmarks/idle.py --json benchmarks/results/idle.json
+    python benchmarks/bench_idle.py                  # bench qwen3_5, sleeps 0, 0.05, 0.5, 2 s, medians of 7
+    python benchmarks/bench_idle.py --quick          # tiny qwen3_5, a smoke test
+    python benchmarks/bench_idle.py --json benchmarks/results/idle.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 SLEEPS = (0.0, 0.05, 0.5, 2.0)
 
@@ -98,6 +98,14 @@ def run(rt, new: int, total: int, sleeps, reps: int) -> list[dict]:
     return rows + plain_ops(sleeps, reps)
 
 
+def idle_table(rows: list[dict]) -> str:
+    """Rows as in the JSON: `weights` and the median ms after each idle time, keyed by the seconds as text."""
+    sleeps = [k for k in rows[0] if k != "weights"]
+    headers = ["warm turn, weights / operation"] + [
+        ("back to back" if float(s) == 0 else f"after {float(s):g} s idle") + " (ms)" for s in sleeps]
+    return C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny qwen3_5, short prompt, 3 repeats")
@@ -114,16 +122,15 @@ def main(argv=None) -> int:
     reps = args.reps or (3 if args.quick else 7)
     sleeps = (0.0, 0.05) if args.quick else SLEEPS
     new, total = (16, 200) if args.quick else (79, 4258)
-    rows = model_thread.run(run, rt, new, total, sleeps, reps)
-    headers = ["warm turn, weights / operation"] + [("back to back" if s == 0 else f"after {s:g} s idle") + " (ms)" for s in sleeps]
-    table = C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
+    rows = [{str(k): v for k, v in r.items()} for r in model_thread.run(run, rt, new, total, sleeps, reps)]
+    table = idle_table(rows)
     print(f"warm turn: restore {total - new} tokens, prefill {new}, argmax; medians of {reps}")
     print(table)
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/idle.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), "rows": [{str(k): v for k, v in r.items()} for r in rows],
+        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_idle.py"] + sys.argv[1:]),
+                                   "machine": C.machine_info(), "rows": rows,
                                    "table": table}, indent=1))
     return 0
 

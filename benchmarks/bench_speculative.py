@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding: what the verify/rollback mechanism buys, and what it costs.
 
-    python benchmarks/speculative.py            # bench-size models, qwen3_5 + mamba2 + qwen3 (< 10 min, 2 cores)
-    python benchmarks/speculative.py --quick    # tiny qwen3_5 only, 1 thread (< 1 min): a smoke test, not numbers
+    python benchmarks/bench_speculative.py            # bench-size models, qwen3_5 + mamba2 + qwen3 (< 10 min, 2 cores)
+    python benchmarks/bench_speculative.py --quick    # tiny qwen3_5 only, 1 thread (< 1 min): a smoke test, not numbers
 
 Every model here is random-init (built by `hyserve.tiny`, never downloaded). A random model does not
 copy its prompt, so the workload speculation is meant for -- a code-editing reply that repeats long
@@ -57,7 +57,7 @@ def _complete(d: Path) -> bool:
 
 def ensure_model(arch: str, size: str, wait_s: float = 600.0) -> Path:
     """A random-init model folder, reused if present. Another benchmark may be building it: wait for it."""
-    # benchmarks/_common.py names folders "<size>-<arch>"; also accept "<arch>-<size>".
+    # benchmarks/bench_common.py names folders "<size>-<arch>"; also accept "<arch>-<size>".
     candidates = [MODELS_DIR / f"{size}-{arch}", MODELS_DIR / f"{arch}-{size}"]
     deadline = time.monotonic() + wait_s
     while True:
@@ -437,7 +437,7 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
 
 def verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
     """Time the pieces of a verify pass on the adapter directly, on the model thread the engine uses (a
-    second torch thread would run slower: see benchmarks/threads.py), with the engine idle."""
+    second torch thread would run slower: see benchmarks/bench_threads.py), with the engine idle."""
     from hyserve import model_thread
 
     return model_thread.run(_verify_cost, svc, prompt, ks, iters)
@@ -539,9 +539,38 @@ def loadavg():
 
 def machine_info() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common
+    import bench_common
 
-    return _common.machine_info()
+    return bench_common.machine_info()
+
+
+def oracle_table(results: dict) -> str:
+    """The oracle proposer's runs (the JSON's `oracle`): decode speed at controlled acceptance."""
+    rows = []
+    for r in results["oracle"]:
+        rows.append([r["arch"], r["k"], f"{100 * r['target_acceptance']:.0f}%",
+                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
+                     f"{r['verify_passes']} ({r['passes_with_rejection']})", fmt(r["tps_off"]), fmt(r["tps_on"]),
+                     fmt(r["speedup"], 2, "x"), fmt(r["mean_verify_ms"]), fmt(r["plain_step_ms"]),
+                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
+    return md_table(["arch", "k", "target acc", "accepted", "verify passes (rewound)", "off tok/s", "spec tok/s",
+                     "speedup", "ms/verify", "ms/plain step", "other cpu", "identical"], rows)
+
+
+def lookup_table(results: dict) -> str:
+    """The real PromptLookup proposer's runs (the JSON's `prompt_lookup`)."""
+    rows = []
+    for r in results["prompt_lookup"]:
+        b = r["breakdown"]
+        rows.append([r["arch"], r["workload"], r["prompt_tokens"], f"{100 * r['hit_rate']:.0f}%",
+                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
+                     f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
+                     f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
+                     fmt(r["tps_off"]), fmt(r["tps_on"]), fmt(r["speedup"], 3, "x"), fmt(r["slowdown"], 3),
+                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
+    return md_table(["arch", "workload", "prompt tok", "steps w/ proposal", "accepted", "acc/prop (prompt match)",
+                     "acc/prop (output match)", "off tok/s", "spec tok/s", "speedup", "slowdown (off/on)",
+                     "other cpu", "identical"], rows)
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -685,29 +714,10 @@ def main(argv=None) -> int:
     # -- tables --------------------------------------------------------------------------------------
     print(f"\n## Oracle proposer (copying workload), {size} models, {max_tokens} completion tokens, "
           f"median of {rounds} interleaved rounds\n")
-    rows = []
-    for r in results["oracle"]:
-        rows.append([r["arch"], r["k"], f"{100 * r['target_acceptance']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
-                     f"{r['verify_passes']} ({r['passes_with_rejection']})", fmt(r["tps_off"]), fmt(r["tps_on"]),
-                     fmt(r["speedup"], 2, "x"), fmt(r["mean_verify_ms"]), fmt(r["plain_step_ms"]),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    print(md_table(["arch", "k", "target acc", "accepted", "verify passes (rewound)", "off tok/s", "spec tok/s",
-                    "speedup", "ms/verify", "ms/plain step", "other cpu", "identical"], rows))
+    print(oracle_table(results))
 
     print(f"\n## Real PromptLookup (k={args.lookup_k}, n={args.ngram}), random-init weights\n")
-    rows = []
-    for r in results["prompt_lookup"]:
-        b = r["breakdown"]
-        rows.append([r["arch"], r["workload"], r["prompt_tokens"], f"{100 * r['hit_rate']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
-                     f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
-                     f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
-                     fmt(r["tps_off"]), fmt(r["tps_on"]), fmt(r["speedup"], 3, "x"), fmt(r["slowdown"], 3),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    print(md_table(["arch", "workload", "prompt tok", "steps w/ proposal", "accepted", "acc/prop (prompt match)",
-                    "acc/prop (output match)", "off tok/s", "spec tok/s", "speedup", "slowdown (off/on)",
-                    "other cpu", "identical"], rows))
+    print(lookup_table(results))
 
     print("\n## PromptLookup bookkeeping and hit rate for other n (replayed on the same outputs, no timing)\n")
     rows = []

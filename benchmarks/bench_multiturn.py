@@ -2,9 +2,9 @@
 
 One conversation (system prompt + N long user turns, short greedy replies) is sent turn by turn to two
 hyserve servers on loopback that load the same model folder: one with the prefix cache on, one with it
-off. Each server is a `hyserve serve` process of its own, as users run it (until the fourth session of
-2026-12-03 they ran in this process, where the timing client's thread had to win the interpreter lock from
-the server's model thread to read its first chunk). Time to first token is measured client-side in
+off. Each server is a `hyserve serve` process of its own, as users run it (in this process, the timing
+client's thread would have to win the interpreter lock from the server's model thread to read its first
+chunk). Time to first token is measured client-side in
 streaming mode (time from sending the request to the
 first content chunk), by default with a plain `httpx` client (`--client httpx`): the `openai` client's
 own work on a 4k-token request (building and validating the request, parsing each chunk into pydantic
@@ -18,10 +18,10 @@ history state the cache-ON server restored (built here, in this process, from th
 new suffix through the model, take the argmax. `on/bare` = server warm TTFT / bare loop; the target is
 <= 1.3. The servers are idle while it runs.
 
-    python benchmarks/multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
-    python benchmarks/multiturn.py --quick    # tiny model, 3 turns, < 1 minute
-    python benchmarks/multiturn.py --json benchmarks/results/multiturn.json
-    python benchmarks/multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
+    python benchmarks/bench_multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
+    python benchmarks/bench_multiturn.py --quick    # tiny model, 3 turns, < 1 minute
+    python benchmarks/bench_multiturn.py --json benchmarks/results/multiturn.json
+    python benchmarks/bench_multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
 
 `--split-server` adds a third server, cache on with `CheckpointPolicy(defer_tail=0)`: it splits the
 prefill at every boundary, including the history boundary a few tokens before the end of a warm
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 TARGET_RATIO = 1.3
 TTFT_SUM = "hyserve_time_to_first_token_seconds_sum"  # the engine's own TTFT, summed over requests
@@ -202,6 +202,20 @@ def _bare_loop(rt, prompt: list[int], cached: int, chunk: int, memo: dict) -> fl
     return time.perf_counter() - t0
 
 
+def turn_table(summary: list[dict]) -> str:
+    """Per-turn medians (the JSON's `turns`); with the columns of the inline server when it ran."""
+    headers = ["turn", "prompt tok", "cached tok", "cached/prior", "TTFT off (s)", "TTFT on (s)", "speedup",
+               "bare loop (s)", "on/bare", "bg CPU"]
+    rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
+             C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
+             C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
+    if any("ttft_split" in s for s in summary):
+        headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
+        for row, s in zip(rows, summary):
+            row[6:6] = [C.fmt_s(s["ttft_split"]), C.fmt_ratio(s["ttft_split"] / s["ttft_on"] if s["ttft_on"] else None)]
+    return C.table(headers, rows)
+
+
 def _busy(rows: list[dict]) -> float:
     """Mean share of the CPU other processes used during one replay of the conversation."""
     return C.mean(r[k]["others_busy"] for r in rows for k in ("on", "off")) or 0.0
@@ -345,17 +359,8 @@ def main(argv=None) -> int:
         s["on_over_bare"] = s["ttft_on"] / s["bare"] if s["bare"] else None
         summary.append(s)
 
-    headers = ["turn", "prompt tok", "cached tok", "cached/prior", "TTFT off (s)", "TTFT on (s)", "speedup",
-               "bare loop (s)", "on/bare", "bg CPU"]
-    rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
-             C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
-             C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
-    if args.split_server:
-        headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
-        for row, s in zip(rows, summary):
-            row[6:6] = [C.fmt_s(s["ttft_split"]), C.fmt_ratio(s["ttft_split"] / s["ttft_on"] if s["ttft_on"] else None)]
     print()
-    print(C.table(headers, rows))
+    print(turn_table(summary))
     print("bg CPU = share of the machine's CPU used by other processes during that turn's requests (0% = quiet)")
     warm = [s for s in summary if s["turn"] > 1 and s["cached_tokens"]]
     result = {"args": vars(args), "machine": info, "model": name, "turns": summary, "runs": all_runs,

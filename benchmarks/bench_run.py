@@ -21,14 +21,14 @@ Conversations are replayed token-identically for every system: the assistant tur
 the replies the first system in the list (hyserve-on by default) produced, as a chat client would send
 them back. The hyserve systems are driven through `Engine.generate()`, so TTFT is engine time from
 request creation to the first sampled token (it includes the policy's prompt renders, the cache
-lookup/restore, prefill and the boundary snapshots, but no HTTP; benchmarks/multiturn.py measures HTTP).
+lookup/restore, prefill and the boundary snapshots, but no HTTP; benchmarks/bench_multiturn.py measures HTTP).
 
 Per request: TTFT, prompt tokens, cached tokens, prefill tokens computed (prompt - cached), mean
 inter-token latency, snapshot/restore seconds, and the cache's bytes/entries afterwards.
 
-    python benchmarks/run.py                          # bench-size qwen3_5, mamba2, qwen3 (~15-20 min)
-    python benchmarks/run.py --models qwen3_5         # one family
-    python benchmarks/run.py --quick --out /tmp/x     # tiny models, < 2 minutes, CI smoke test
+    python benchmarks/bench_run.py                          # bench-size qwen3_5, mamba2, qwen3 (~15-20 min)
+    python benchmarks/bench_run.py --models qwen3_5         # one family
+    python benchmarks/bench_run.py --quick --out /tmp/x     # tiny models, < 2 minutes, CI smoke test
 
 Writes results.json, summary.md and PNG plots into --out (default benchmarks/results/run-<time>/).
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 ALL_MODELS = ("qwen3_5", "mamba2", "qwen3")
 ALL_SYSTEMS = ("hyserve-on", "hyserve-off", "hf-generate", "block-528", "block-64")
@@ -678,7 +678,7 @@ def main(argv=None) -> int:
                "segments": segments, "skipped": skipped, "workload_sizes": SIZES["quick" if args.quick else "full"],
                "results": results, "headline": headline(results)}
     (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
-    md = [f"Command: `python benchmarks/run.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
+    md = [f"Command: `python benchmarks/bench_run.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
           f"Machine: {info['cores']} cores ({info['cpu']}), torch {info['torch']} ({threads} threads), "
           f"transformers {info['transformers']}, load average {info['loadavg_start']} at start, "
           f"{info['loadavg_end']} at end; wall time {wall:.0f}s  ",

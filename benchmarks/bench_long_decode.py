@@ -6,9 +6,9 @@ for a batch of one) keeps the KV in a buffer with spare columns and writes each 
 script times one decode step both ways on two copies of the same restored state, alternating A and B
 step by step so both see the same machine, and checks the logits are identical.
 
-    python benchmarks/long_decode.py                      # bench qwen3_5, contexts 1k, 4k, 12k
-    python benchmarks/long_decode.py --contexts 2000,16000
-    python benchmarks/long_decode.py --quick              # tiny qwen3_5, a smoke test
+    python benchmarks/bench_long_decode.py                      # bench qwen3_5, contexts 1k, 4k, 12k
+    python benchmarks/bench_long_decode.py --contexts 2000,16000
+    python benchmarks/bench_long_decode.py --quick              # tiny qwen3_5, a smoke test
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
+
+
+def context_table(rows: list[dict]) -> str:
+    """One row per context length (the JSON's `rows`)."""
+    return C.table(["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
+                   [[r["context"], f"{r['concat_ms']:.2f}", f"{r['in_place_ms']:.2f}",
+                     f"{r['concat_ms'] / r['in_place_ms']:.2f}x", f"{r['max_logit_diff']:.1e}"] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -70,9 +77,7 @@ def main(argv=None) -> int:
     rows = [model_thread.run(measure, c) for c in contexts]
     print(f"qwen3_5 {size}, one request, median of {steps} alternating decode steps, torch {torch.__version__} "
           f"({threads} threads)")
-    print(C.table(["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
-                  [[r["context"], f"{r['concat_ms']:.2f}", f"{r['in_place_ms']:.2f}",
-                    f"{r['concat_ms'] / r['in_place_ms']:.2f}x", f"{r['max_logit_diff']:.1e}"] for r in rows]))
+    print(context_table(rows))
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Concurrent load and soak over real HTTP: N multi-turn chat sessions at once against one server.
 
 One hyserve server (bench-size qwen3_5 hybrid by default, prefix cache on) runs as a `hyserve serve`
-process of its own on 127.0.0.1 (`_common.ServerProcess`), as users run it: the clients in this process
+process of its own on 127.0.0.1 (`bench_common.ServerProcess`), as users run it: the clients in this process
 share no interpreter lock with the server's model thread. For every N in --sessions (default 1, 4, 16),
 N chat sessions start together; each sends T turns (default 4) of ~100-300-token synthetic user
 messages with max_tokens 128 (the output length of vLLM's `bench serve` random dataset), temperature 0,
@@ -30,10 +30,10 @@ the same server with a bounded cache (--cache-mib, default 512), sampling the se
 The decode-step probe (no HTTP) loads the model in this process: after the server process has exited,
 or alone with --probe-only. The load phases only load the tokenizer here.
 
-    python benchmarks/load.py                   # full: bench qwen3_5, N=1,4,16, 4 turns, soak 300 s
-    python benchmarks/load.py --quick           # tiny qwen3_5, N=1,4, 2 turns, soak 10 s (< 1 minute)
-    python benchmarks/load.py --sessions 1,16 --turns 3 --soak 0
-    python benchmarks/load.py --probe-only      # only the decode-step probe (batched vs unbatched decode)
+    python benchmarks/bench_load.py                   # full: bench qwen3_5, N=1,4,16, 4 turns, soak 300 s
+    python benchmarks/bench_load.py --quick           # tiny qwen3_5, N=1,4, 2 turns, soak 10 s (< 1 minute)
+    python benchmarks/bench_load.py --sessions 1,16 --turns 3 --soak 0
+    python benchmarks/bench_load.py --probe-only      # only the decode-step probe (batched vs unbatched decode)
 
 Results: benchmarks/results/load.json (full) or load-quick.json (--quick); --json overrides.
 
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import bench_common as C  # noqa: E402
 
 TARGET_DECODE_RATIO = 3.0  # decode tok/s at the largest N vs N=1 (issue target)
 
@@ -104,7 +104,7 @@ def parse_args(argv=None):
 
 def resolve_model(size: str) -> Path:
     """benchmarks/.models/qwen3_5-<size> if it exists, else the shared <size>-qwen3_5 folder that the
-    other benchmarks use (built once, atomically, by _common.ensure_model; never rebuilt if complete)."""
+    other benchmarks use (built once, atomically, by bench_common.ensure_model; never rebuilt if complete)."""
     named = C.MODELS_DIR / f"qwen3_5-{size}"
     if (named / "config.json").is_file():
         return named

@@ -72,6 +72,10 @@ def _complete(d: Path) -> bool:
 
 
 def machine_info() -> dict:
+    """Where, when and from what a result was measured: the machine (CPU model and cores from /proc/cpuinfo,
+    RAM), the library versions, the repository's commit (`dirty`: src/ or benchmarks/ differ from it), the
+    UTC date and the command line. Every script stores it as its results' `machine`; the report
+    (bench_report.py) prints it above each table."""
     import torch
     import transformers
 
@@ -97,7 +101,32 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
         "loadavg_start": _loadavg(),
+        **provenance(),
     }
+
+
+def provenance() -> dict:
+    """The commit the benchmark ran at, whether src/ or benchmarks/ had uncommitted changes, the UTC date and
+    the command line (None for what git cannot tell)."""
+    import datetime
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", "src", "benchmarks")
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(BENCH_DIR.parent)
+    except ValueError:
+        pass
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": " ".join(["python", str(script), *sys.argv[1:]])}
 
 
 def _loadavg() -> list[float] | None:
@@ -129,7 +158,7 @@ def _proc_stat() -> tuple[int, int] | None:
 
 def _own_cpu_seconds() -> float:
     """CPU seconds of this process and of its children: finished ones from getrusage, running
-    multiprocessing workers (e.g. run.py's hf-generate process) from /proc."""
+    multiprocessing workers (e.g. bench_run.py's hf-generate process) from /proc."""
     import multiprocessing
     import resource
 

@@ -1,0 +1,273 @@
+"""The tables of docs/benchmarks.md, generated from the result files in benchmarks/results/.
+
+Each benchmark writes a JSON file there (the command is in the doc, above each table). The doc holds one
+generated block per result file, between `<!-- bench_report: NAME -->` and `<!-- /bench_report -->`; this
+script renders every block from its file: where, when and how it was measured (commit, UTC date, command,
+CPU, cores, library versions, from the file's `machine`; for a file without them, the commit and date of
+the file in `git log`), then the script's own tables. A block whose file is missing says so.
+
+    python benchmarks/bench_report.py                # print every block
+    python benchmarks/bench_report.py --write        # rewrite the blocks in docs/benchmarks.md, copy the
+                                                     # plots of benchmarks/results/run/ to docs/img/
+    python benchmarks/bench_report.py --check        # exit 1 when docs/benchmarks.md differs from the results
+    python benchmarks/bench_report.py --results DIR --doc FILE   # other locations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as C  # noqa: E402
+
+ROOT = C.BENCH_DIR.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+BLOCK = re.compile(r"(<!-- bench_report: (\S+) -->\n)(.*?)(<!-- /bench_report -->)", re.S)
+RUN_PLOTS = ("warm_cost_vs_history.png", "cached_fraction_vs_prompt.png", "ttft_vs_turn_qwen3_5.png")
+
+
+# -- one renderer per benchmark: the result's JSON -> its tables -------------------------------------------
+def multiturn(r: dict) -> str:
+    import bench_multiturn
+
+    turns = r["turns"]
+    last = turns[-1]
+    out = [bench_multiturn.turn_table(turns), ""]
+    if last["server_ttft_on"]:
+        out.append(f"Last turn, the engine's own TTFT (no HTTP): off / on = {last['server_ttft_off']:.3f} / "
+                   f"{last['server_ttft_on']:.4f} s = {last['server_ttft_off'] / last['server_ttft_on']:.1f}x.")
+    if r.get("warm"):
+        w = r["warm"]
+        out.append(f"Warm turns: sum TTFT off / on = {w['speedup']:.2f}x; server / bare loop = "
+                   f"{w['on_over_bare']:.2f} aggregate, {w['on_over_bare_worst']:.2f} worst turn.")
+    same = sum(t["replies_equal"] for t in turns)
+    out.append(f"Replies identical with the cache on and off on {same} of {len(turns)} turns; medians of "
+               f"{len(r['runs_used'])} repeats.")
+    return "\n".join(out)
+
+
+def run(r: dict) -> str:
+    import bench_run
+
+    out = []
+    rows = [[model, name, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
+            for model, h in r["headline"].items() for name, v in h.get("longshort_last", {}).items()]
+    if rows:
+        out += ["A short turn after a long history (`longshort`, last request), engine TTFT:", "",
+                C.table(["model", "system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"], rows), ""]
+    systems = [s for s in bench_run.ALL_SYSTEMS if any(s in h["under_block_reuse"] for h in r["headline"].values())]
+    rows = []
+    for model, h in r["headline"].items():
+        reuse = h["under_block_reuse"]
+        if reuse:
+            first = next(iter(reuse.values()))
+            rows.append([f"{model} ({first['requests']} requests, {first['history_tokens']} history tok)"]
+                        + [C.fmt_ratio(reuse[s]["reuse"], 3) if s in reuse else "-" for s in systems])
+    if rows:
+        out += [f"Warm turns with prompts under {bench_run.BLOCK} tokens: share of the prior history reused:", "",
+                C.table(["model"] + systems, rows), ""]
+    speed = [s for s in systems if s != "hyserve-off"]
+    rows = []
+    for model, per_wl in r["results"].items():
+        for wl, per_sys in per_wl.items():
+            if "hyserve-off" not in per_sys:
+                continue
+            any_sys = next(iter(per_sys.values()))
+            on = per_sys.get("hyserve-on", {}).get("summary")
+            rows.append([model, wl, any_sys["summary"]["requests"], any_sys["rows"][-1]["prompt_tokens"]]
+                        + [C.fmt_ratio(per_sys[s]["summary"]["speedup_vs_off"]) + "x" if s in per_sys else "-"
+                           for s in speed]
+                        + [C.fmt_ratio(on["cached_fraction"], 3) if on else "-"])
+    if rows:
+        out += ["Every workload: sum of hyserve-off's TTFT / sum of the system's TTFT over all its requests:", "",
+                C.table(["model", "workload", "requests", "last prompt tok"] + speed + ["hyserve-on cached/prompt"],
+                        rows), ""]
+    if r.get("skipped"):
+        out.append(f"Skipped for the time budget: {r['skipped']}.")
+    return "\n".join(out).rstrip()
+
+
+def peers(r: dict) -> str:
+    import bench_peers
+
+    same = sum(t["replies_equal"] for t in r["turns"])
+    return "\n".join([bench_peers.turn_table(r["turns"]), "",
+                      f"llama-server: {r['llama_server']['version']}; medians of {len(r['runs'])} repeats; greedy "
+                      f"replies identical between the servers on {same} of {len(r['turns'])} turns."])
+
+
+def speculative(r: dict) -> str:
+    import bench_speculative as S
+
+    s = r["settings"]
+    out = [f"Oracle proposer ({s['max_tokens']} completion tokens, median of {s['rounds']} interleaved rounds):", "",
+           S.oracle_table(r), "", f"Real `PromptLookup` (k={s['lookup_k']}, n={s['ngram']}):", "", S.lookup_table(r), ""]
+    out.append("Spec-on output token-identical to spec off in every run." if not r["mismatches"]
+               else f"Spec-on output differed from spec off: {r['mismatches']}.")
+    return "\n".join(out)
+
+
+def load(r: dict) -> str:
+    import bench_load
+
+    out = [bench_load.load_table(r["phases"]), ""]
+    if r.get("ratio"):
+        x = r["ratio"]
+        out.append(f"Decode tok/s N={x['to']} / N={x['from']} = {x['decode']:.2f}x; output tok/s {x['output']:.2f}x"
+                   + (f"; decode-pass tok/s {x['pass']:.2f}x" if x.get("pass") else "") + ".")
+    c = r["reply_consistency"]
+    out.append(f"Replies identical to the first phase that ran the same session on {c['equal_turns']} of "
+               f"{c['compared_turns']} turns compared; {r['failures']} failures.")
+    if r.get("decode_probe"):
+        out += ["", "Decode-step probe (one token for N live states, no HTTP, no prefill):", "",
+                bench_load.probe_table(r["decode_probe"])]
+    if r.get("soak"):
+        out += ["", "Soak:", "", bench_load.soak_table(r["soak"])]
+    return "\n".join(out)
+
+
+def memory(r: dict) -> str:
+    import bench_memory
+
+    return "\n".join([bench_memory.census_table(r["rows"]), "",
+                      f"{len(r['failures'])} failures; the last row is after the load ended."])
+
+
+def kernels(r: dict) -> str:
+    import bench_kernels
+
+    return "\n".join([f"Medians over {r['rounds']} rounds; (Nx) = speed against `reference`:", "",
+                      bench_kernels.summary_table(r["summary"]), "",
+                      "Greedy tokens from the warm state " + ("identical" if r["greedy_identical"] else "DIFFERENT")
+                      + " in all variants. The kernels alone at the warm turn's shapes (median ms):", "",
+                      bench_kernels.micro_table(r["micro"])])
+
+
+def threads(r: dict) -> str:
+    import bench_threads
+
+    return "\n".join([f"{r['context']}-token state, {r['new_tokens']} new tokens, median of {r['repeats']}:", "",
+                      bench_threads.where_table(r["rows"], r["new_tokens"])])
+
+
+def long_decode(r: dict) -> str:
+    import bench_long_decode
+
+    return f"Median of {r['steps']} alternating decode steps:\n\n" + bench_long_decode.context_table(r["rows"])
+
+
+def idle(r: dict) -> str:
+    import bench_idle
+
+    return bench_idle.idle_table(r["rows"])
+
+
+# block name -> (file under the results folder, renderer)
+REPORTS = {
+    "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),
+    "multiturn-8turn": ("multiturn-8turn.json", multiturn),
+    "multiturn-split": ("multiturn-4k-short-split.json", multiturn),
+    "run": ("run/results.json", run),
+    "peers": ("peers.json", peers),
+    "peers-growing": ("peers-growing.json", peers),
+    "speculative": ("speculative.json", speculative),
+    "load": ("load.json", load),
+    "memory": ("memory.json", memory),
+    "kernels": ("kernels.json", kernels),
+    "threads": ("threads.json", threads),
+    "long_decode": ("long_decode.json", long_decode),
+    "idle": ("idle.json", idle),
+}
+
+
+# -- provenance and blocks ---------------------------------------------------------------------------------
+def _git_log(path: Path) -> tuple[str | None, str | None]:
+    """Commit and UTC date of the last commit that touched `path` (None, None if it was never committed)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%H %cd", "--date=format-local:%Y-%m-%dT%H:%M:%SZ",
+                              "--", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "TZ": "UTC"}).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return (out[0], out[1]) if len(out) == 2 else (None, None)
+
+
+def provenance(result: dict, path: Path) -> str:
+    """One line: command, commit, date, machine, versions."""
+    m = result.get("machine") or {}
+    commit, date = m.get("commit"), m.get("date")
+    if not commit or not date:  # a result from before the scripts recorded them: the file's own commit
+        commit, date = _git_log(path)
+    command = m.get("command") or result.get("command")
+    parts = [f"`{command}`" if command else "an unrecorded command",
+             f"at `{commit[:7]}`" + (" with uncommitted changes" if m.get("dirty") else "") if commit
+             else "at an unknown commit", f"on {date[:10]}" if date else "on an unknown date"]
+    machine = [m.get("cpu") or "CPU unknown", f"{m['cores']} cores" if m.get("cores") else None,
+               f"{m['mem_gib']} GiB RAM" if m.get("mem_gib") else None,
+               f"torch {m['torch']}" if m.get("torch") else None,
+               f"transformers {m['transformers']}" if m.get("transformers") else None,
+               f"{m['torch_threads']} torch threads" if m.get("torch_threads") else None]
+    return "Measured with " + " ".join(parts) + "; " + ", ".join(x for x in machine if x) + "."
+
+
+def render(name: str, results: Path) -> str:
+    rel, fn = REPORTS[name]
+    path = results / rel
+    if not path.is_file():
+        return (f"_No result yet: the command above writes `benchmarks/results/{rel}`; then "
+                f"`python benchmarks/bench_report.py --write` fills this in._")
+    result = json.loads(path.read_text())
+    text = provenance(result, path) + "\n\n" + fn(result)
+    if name == "run":
+        text += "".join(f"\n\n![{p[:-4].replace('_', ' ')}](img/{p})" for p in RUN_PLOTS if (path.parent / p).is_file())
+    return text
+
+
+def fill(doc: str, results: Path) -> str:
+    """`doc` with every generated block rendered afresh from `results`."""
+    unknown = [m.group(2) for m in BLOCK.finditer(doc) if m.group(2) not in REPORTS]
+    if unknown:
+        raise SystemExit(f"unknown report blocks in the doc: {unknown} (known: {list(REPORTS)})")
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), results) + "\n" + m.group(4), doc)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=C.RESULTS_DIR, help="folder of result files")
+    p.add_argument("--doc", type=Path, default=DOC, help="the Markdown file with the generated blocks")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the doc's blocks and copy the run's plots")
+    mode.add_argument("--check", action="store_true", help="exit 1 when the doc's blocks are not up to date")
+    args = p.parse_args(argv)
+    if not (args.write or args.check):
+        for name in REPORTS:
+            print(f"<!-- bench_report: {name} -->\n{render(name, args.results)}\n")
+        return 0
+    doc = args.doc.read_text()
+    new = fill(doc, args.results)
+    if args.check:
+        stale = [a.group(2) for a, b in zip(BLOCK.finditer(doc), BLOCK.finditer(new)) if a.group(3) != b.group(3)]
+        if stale:
+            print(f"{args.doc}: blocks not generated from {args.results}: {stale}; run python "
+                  f"benchmarks/bench_report.py --write", file=sys.stderr)
+            return 1
+        return 0
+    args.doc.write_text(new)
+    img = args.doc.parent / "img"
+    for plot in RUN_PLOTS:
+        if (args.results / "run" / plot).is_file():
+            img.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(args.results / "run" / plot, img / plot)
+    print(f"wrote {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""`hyserve env`: the versions hyserve runs on and, for a model, which of its kernels passed the load-time
+check. What to paste into a bug report."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+PACKAGES = ("hyserve", "torch", "transformers", "kernels", "tokenizers", "fastapi", "uvicorn", "openai")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def report(model_dir: str | None = None, dtype: str = "float32") -> str:
+    lines = [f"{k}: {v}" for k, v in versions().items()]
+    if model_dir is not None:
+        from .runtime import ModelRuntime
+
+        rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu")
+        lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
+        lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""CPU kernels hyserve puts in place of transformers' reference functions: the same math, less work.
+
+- `attention`: grouped-KV SDPA and a grouped product for short pieces over long caches, registered
+  through transformers' `AttentionInterface`.
+- `delta_rule`: the Gated DeltaNet decode step and chunked prefill.
+- `conv`: the depthwise causal conv1d of Gated DeltaNet and Mamba2 layers.
+- `linear`: skinny linear layers (a decode batch's few dozen rows).
+- `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
+
+`seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
+them) and `verify` is the load-time check each must pass against the installed transformers before it is
+switched on. `install` returns what was decided (`KernelReport`); the runtime exposes it on `/health` and
+as a metric. `HYSERVE_KERNELS=0` leaves transformers' functions alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+
+import torch
+
+from . import attention, conv, delta_rule, linear, seam, verify
+from .attention import gqa_sdpa_attention, grouped_attention
+from .capture import PieceCapture, capture
+from .conv import conv_prefill, conv_step
+from .delta_rule import chunk_size_for, chunked_delta_rule, recurrent_step, safe_exp
+from .linear import linear_forward
+from .seam import KernelReport, active, hook, reference_only, slots
+
+log = logging.getLogger("hyserve.kernels")
+
+FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
+ALL = ("attention", "linear", *(k.name for k in FUNCTIONS), "capture")
+
+__all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
+           "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
+           "linear_forward", "recurrent_step", "reference_only", "safe_exp"]
+
+
+def enabled() -> bool:
+    return os.environ.get("HYSERVE_KERNELS", "1") != "0"
+
+
+def install(model, adapter, vocab: int) -> KernelReport:
+    """Switch on, for `model`, each kernel that matches transformers' own function on this model's shapes,
+    then check the model end to end with and without them (and the captured-state path, for adapters that
+    capture). Call on the model thread after loading. Everything that fails stays (or is put back) off,
+    with one warning."""
+    report = KernelReport()
+    adapter.kernels = report
+    if not enabled():
+        for name in ALL:
+            report.set(name, False, "disabled (HYSERVE_KERNELS=0)")
+        return report
+    dtype = next(model.parameters()).dtype
+    _install_attention(model, report, dtype)
+    _install_linear(model, report)
+    for kernel in FUNCTIONS:
+        _install_function(model, kernel, report)
+    hooked = [k for k in ALL if report.on(k)]
+    if hooked and (why := verify.check_model(adapter, vocab, dtype)):
+        _uninstall(model)
+        for name in hooked:
+            report.set(name, False, f"the model with kernels differs from transformers: {why}")
+    if adapter.captures_with_kernels:
+        if not (report.on(delta_rule.CHUNKED.name) and report.on(conv.PREFILL.name)):
+            report.set("capture", False, "needs the chunked delta rule and conv prefill kernels")
+        else:
+            report.set("capture", True)
+            if why := verify.check_capture(adapter, vocab, dtype):
+                report.set("capture", False, f"a captured state differs from a split prefill's: {why}")
+    if report.refused:
+        log.warning("hyserve kernels switched off, transformers' own functions run instead (slower, same "
+                    "results): %s", "; ".join(f"{k}: {v[5:]}" for k, v in report.refused.items()))
+    return report
+
+
+def _install_attention(model, report: KernelReport, dtype) -> None:
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    why = _check_attention(dtype)
+    if why is None:
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+    report.set("attention", why is None, why or "")
+
+
+def _check_attention(dtype) -> str | None:
+    """Both of `gqa_sdpa_attention`'s paths against transformers' SDPA attention, on a grouped-query layout."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal = 4, True
+
+    g = torch.Generator().manual_seed(0)
+    for queries, keys in ((7, 40), (9, attention.SHORT_MIN_KEYS + 5)):
+        q = torch.randn(1, 8, queries, 32, generator=g).to(dtype)
+        k, v = (torch.randn(1, 2, keys, 32, generator=g).to(dtype) for _ in range(2))
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None]
+        got = gqa_sdpa_attention(Layer(), q, k, v, mask, scaling=0.2)
+        with reference_only():
+            want = sdpa_attention_forward(Layer(), q, k, v, mask, scaling=0.2)
+        if why := verify.mismatch(got[0], want[0], dtype):
+            return why
+    return None
+
+
+def _install_linear(model, report: KernelReport) -> None:
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not layers:
+        return
+    x = linear.probe(layers[0])
+    why = verify.mismatch(linear_forward(layers[0], x), torch.nn.functional.linear(x, layers[0].weight, layers[0].bias),
+                          x.dtype)
+    if why is None:
+        for module in layers:
+            module.forward = types.MethodType(linear_forward, module)
+    report.set("linear", why is None, why or "")
+
+
+def _install_function(model, kernel, report: KernelReport) -> None:
+    found = slots(model, kernel.name)
+    if found:
+        layer, func = found[0]
+        why = verify.check_function(kernel, seam.reference_of(func), layer)
+        if why is None:
+            for _, f in found:
+                hook(f, kernel)
+    elif sites := seam.global_sites(model, kernel):
+        layer, home = sites[0]
+        current = getattr(home, kernel.legacy)
+        why = verify.check_function(kernel, getattr(current, "reference", current), layer)
+        for h in {id(h): h for _, h in sites}.values():
+            if why is None:
+                seam.hook_global(h, kernel)
+            else:  # process-wide: off for every model of this family
+                seam.unhook_global(h, kernel.legacy)
+    else:
+        return  # the model has no such layer: nothing to hook
+    report.set(kernel.name, why is None, why or "")
+
+
+def _uninstall(model) -> None:
+    """Put transformers' own functions back everywhere in `model`."""
+    if getattr(model.config, "_attn_implementation", None) == attention.NAME:
+        model.set_attn_implementation("sdpa")
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__dict__.pop("forward", None)
+        for f in (module.__dict__.get("_kernel_funcs") or {}).values():
+            reference = getattr(f.__dict__.get("forward"), "reference", None)
+            if reference is not None:
+                f.forward = reference
+        for kernel in FUNCTIONS:  # process-wide: off for every model of this family
+            home = sys.modules.get(type(module).__module__)
+            if home is not None and kernel.is_layer(module):
+                seam.unhook_global(home, kernel.legacy)
