@@ -269,9 +269,9 @@ def _sessions(svc, n, turns, bad=None):
 def test_concurrent_sessions_with_bad_requests_mixed_in_equal_a_run_without_them(make_service):
     bad = [SamplingParams(temperature=float("nan")), SamplingParams(temperature=0.5, seed=2**64),
            SamplingParams(temperature=1e-39)]
-    clean, _ = _sessions(make_service("qwen3_5", max_running=8), 12, 3)
-    svc = make_service("qwen3_5", max_running=8)
-    mixed, finals = _sessions(svc, 12, 3, bad)
+    clean, _ = _sessions(make_service("qwen3_5", max_running=16), 16, 3)
+    svc = make_service("qwen3_5", max_running=16)
+    mixed, finals = _sessions(svc, 16, 3, bad)
     assert mixed == clean  # 0 innocent failures (an innocent failure raises in `generate`), equal outputs
     assert len(finals) >= 9  # the bad requests really ran among the sessions' turns
     for params, final in finals:  # NaN temperature and a seed the sampler refuses fail; 1e-39 is greedy
