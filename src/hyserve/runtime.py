@@ -6,6 +6,7 @@ Weights come only from the local directory (never a hub download). The family ad
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import kernels, model_thread
+from . import kernels, model_thread, next_turn
 from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
@@ -147,6 +148,15 @@ class ModelRuntime:
         good = [t for t in texts if isinstance(t, str)]
         encoded = iter(self.prompt_encoder.encode_many(good, salt, self.max_model_len) if good else [])
         return [next(encoded) if isinstance(t, str) else t for t in texts]  # fresh lists already
+
+    def render_next_turn(self, messages: list[dict], salt: str = "", template_kwargs: dict | None = None) -> list[int]:
+        """Ids of `messages` (ending with a reply) as the next turn's prompt will start (`next_turn`)."""
+        return next_turn.history_ids(messages, lambda items: self.render_many(items, salt, template_kwargs),
+                                     self.special_ids)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return next_turn.special_ids(self.tokenizer)
 
     def encode(self, text: str, salt: str = "") -> list[int]:
         """Ids of a raw prompt (completions): special-token strings in it are control tokens, as in vLLM; the
