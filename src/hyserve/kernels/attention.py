@@ -111,7 +111,10 @@ def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Ten
         numel *= n
     buffers = _SCRATCH.__dict__
     buf = buffers.get(name)
-    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+    # (a buffer made under inference mode, as serving makes them, cannot be written outside it: a later model's
+    # load-time check runs outside)
+    if (buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device
+            or (buf.is_inference() and not torch.is_inference_mode_enabled())):
         buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel].view(shape)
 
