@@ -95,5 +95,10 @@ class ChatTurn:
         return assistant_message(self.parse(text))
 
     def history_message(self, text: str) -> dict:
-        """The reply as the next request's `messages` will hold it once rendered (`template_message` form)."""
-        return template_message(self.assistant_message(text))
+        """The reply as the next request's `messages` will hold it once rendered (`template_message` form).
+        The engine calls it for the post-decode checkpoint, which must never fail a request: on any error,
+        the text as content."""
+        try:
+            return template_message(self.assistant_message(text))
+        except Exception:
+            return {"role": "assistant", "content": text}
