@@ -54,18 +54,36 @@ BAD = {
     "cache_salt": st.text(min_size=257, max_size=300),
     "user": any_text,
 }
+TOOL_CALL = st.fixed_dictionaries({"id": good_text, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": good_text, "arguments": good_text | st.just('{"a": 1}') | st.just("[" * 5000 + "]" * 5000)})})
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
     optional={"content": good_text | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"),
                                                                                  "text": good_text}), max_size=2),
-              "name": good_text})
+              "name": good_text, "tool_calls": st.lists(TOOL_CALL, max_size=2), "tool_call_id": good_text,
+              "reasoning_content": good_text})
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True)},
+    optional={"description": good_text, "parameters": st.dictionaries(good_text, scalars, max_size=3)})})
+TOOL_FIELDS = {  # chat only
+    "tools": st.lists(TOOL, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(good_text, scalars, max_size=2),
+}
+BAD_TOOL_FIELDS = {
+    "tools": junk | st.lists(TOOL.map(lambda t: {**t, "type": "code"}), min_size=1, max_size=1),
+    "tool_choice": junk | any_text | st.fixed_dictionaries({"type": st.just("function"), "function":
+                                                            st.fixed_dictionaries({"name": good_text})}),
+    "chat_template_kwargs": junk | st.just({"chat_template": "{{ 1/0 }}"}) | st.just({"tools": []}),
+}
 ENDPOINTS = {
     "/v1/chat/completions": (
         {"model": st.just(MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
         {"messages": st.just([]) | st.lists(MESSAGE.map(lambda m: {**m, "role": "wizard"}), min_size=1, max_size=2)
          | st.lists(MESSAGE.map(lambda m: {**m, "content": [{"type": "image_url", "text": "x"}]}), min_size=1,
-                    max_size=1)},
-        {"max_completion_tokens": st.integers(1, 8)}),
+                    max_size=1), **BAD_TOOL_FIELDS},
+        {"max_completion_tokens": st.integers(1, 8), **TOOL_FIELDS}),
     "/v1/completions": (
         {"model": st.just(MODEL), "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 255), min_size=1,
                                                                                          max_size=12)},

@@ -28,7 +28,7 @@ def template_arguments(arguments):
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a client's string nested past the parser's depth)
             return arguments
         return parsed if isinstance(parsed, dict) else arguments
     return arguments

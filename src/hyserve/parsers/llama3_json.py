@@ -51,7 +51,7 @@ class Llama3JsonParser(ToolParser):
         while True:
             try:
                 obj, at = decoder.raw_decode(text, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if not isinstance(obj, dict) or not valid_name(obj.get("name")):
                 return None
