@@ -71,3 +71,19 @@ def test_admin_api_key_from_the_flag_or_the_environment(tmp_path, monkeypatch):
 def test_special_tokens_in_content_flag(tmp_path):
     assert not _config(tmp_path).allow_special_tokens_in_content
     assert _config(tmp_path, "--allow-special-tokens-in-content").allow_special_tokens_in_content
+
+
+def test_make_tiny_model_with_a_real_template_and_unknown_parser_names(tmp_path):
+    from .conftest import QWEN35_TEMPLATE, real_template
+
+    r = run("make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3", "--chat-template",
+            str(real_template(QWEN35_TEMPLATE)))
+    assert r.returncode == 0, r.stderr
+    tok = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
+    added = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    assert added["<|im_end|>"] and added["<|vision_start|>"] and not added["<think>"] and not added["<tool_call>"]
+    template = (tmp_path / "m" / "chat_template.jinja")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert "<function=" in (template.read_text() if template.exists() else config["chat_template"])
+    r = run("serve", str(tmp_path / "m"), "--port", "0", "--tool-call-parser", "nope")
+    assert r.returncode == 2 and "unknown tool-call parser 'nope'" in r.stderr

@@ -103,7 +103,7 @@ def cmd_serve(args) -> int:
 def cmd_make_tiny_model(args) -> int:
     from .tiny import make_tiny_model
 
-    out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed)
+    out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed, chat_template=args.chat_template)
     print(f"wrote a random-init {args.arch} ({args.size}) model to {out}")
     return 0
 
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
     p.add_argument("--size", default="tiny", choices=["tiny", "bench"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a real model's chat template (.jinja) instead of ChatML; its control tokens are added")
     p.set_defaults(func=cmd_make_tiny_model)
     p = sub.add_parser("demo", help="build a tiny model, serve it, chat two turns through the openai client")
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
