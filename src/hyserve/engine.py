@@ -475,6 +475,8 @@ class Engine:
         else:
             logits = adapter.forward(state, prompt[start:end])
         self.metrics.prefill_tokens.inc(end - start)
+        log.debug("prefill %s: tokens %d-%d of %d (%d from the cache)", req.request_id, start, end, len(prompt),
+                  run.restored.cached_tokens)
         if run.boundaries and run.boundaries[0].length == state.position:
             self._record(run, run.boundaries.pop(0), state)
         if state.position == len(prompt):
