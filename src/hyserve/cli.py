@@ -9,8 +9,12 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cache.policy import CheckpointPolicy
+
+if TYPE_CHECKING:
+    from .service import ServiceConfig
 
 log = logging.getLogger("hyserve")
 
@@ -134,16 +138,11 @@ def cmd_serve(args) -> int:
 
 
 def _load(args):
-    """The service, or None after saying why it could not be built. Ctrl-C while loading exits quietly."""
+    """The service, or None after saying why it could not be built (a Ctrl-C meanwhile: see `main`)."""
     from .service import build_service
 
     try:
         return build_service(service_config_from_args(args))
-    except KeyboardInterrupt:
-        log.warning("interrupted while loading the model")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(130)  # the model thread may be inside torch: interpreter shutdown would wait or abort
     except Exception as exc:  # a user's folder or machine, not a bug: one line, the traceback on demand
         log.error("cannot load model: %s: %s", type(exc).__name__, exc)
         log.debug("traceback", exc_info=True)
@@ -235,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     from .logs import configure
 
     configure(args.log_level, args.log_format)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the server's own handling (building a model, a check, ...)
+        log.warning("interrupted")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(130)  # the model thread may be inside torch: interpreter shutdown would wait or abort
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_json_log_has_loading_access_engine_and_prefill_lines(model_dirs, served
     assert done["method"] == "POST" and done["path"] == "/v1/chat/completions" and done["status"] == 200
     assert done["prompt_tokens"] == reply.usage.prompt_tokens and done["cached_tokens"] == 0
     assert done["generated_tokens"] == reply.usage.completion_tokens and done["finish"] == reply.choices[0].finish_reason
-    assert done["ttft_s"] > 0 and done["duration_s"] >= done["ttft_s"] and done["level"] == "INFO"
+    assert 0 <= done["ttft_s"] <= done["duration_s"] and done["level"] == "INFO"
     assert ACCESS.match(done["message"]) and f"id={reply.id}" in done["message"]
     streamed = record(s.wait_for(lambda l: record(l)["logger"] == "hyserve.access" and record(l).get("id") not in
                                  (None, reply.id) and record(l)["path"] == "/v1/chat/completions", "the stream's line"))
@@ -140,10 +140,15 @@ def test_json_log_has_loading_access_engine_and_prefill_lines(model_dirs, served
     refused = record(s.wait_for(lambda l: record(l).get("path") == "/v1/completions", "the 404's line"))
     assert refused["status"] == 404 and refused.get("id") is None
 
-    engine = record(s.wait_for(lambda l: record(l)["logger"] == "hyserve.stats", "an engine line"))
-    assert engine["generation_tok_s"] > 0 and engine["running"] >= 0 and engine["waiting"] >= 0
-    assert 0 <= engine["cache_hit_rate"] <= 1 and engine["cache_budget_bytes"] > 0
-    assert "Avg generation throughput" in engine["message"]
+    def engine(l):
+        return record(l)["logger"] == "hyserve.stats"
+
+    decoding = record(s.wait_for(lambda l: engine(l) and record(l)["generation_tok_s"] > 0, "an engine line"))
+    assert decoding["running"] >= 0 and decoding["waiting"] >= 0 and decoding["cache_budget_bytes"] > 0
+    assert "Avg generation throughput" in decoding["message"]
+    # an interval in which a prefill finished has a hit rate (the others have none: null)
+    prefilled = record(s.wait_for(lambda l: engine(l) and record(l)["cache_hit_rate"] is not None, "a hit rate"))
+    assert 0 <= prefilled["cache_hit_rate"] <= 1 and prefilled["prompt_tok_s"] > 0
 
     chunks = [record(l)["message"] for l in s.lines if "prefill chatcmpl" in record(l)["message"]]
     assert len(chunks) >= 3 and all(record(l)["level"] == "DEBUG" for l in s.lines if "prefill chatcmpl" in l)
@@ -170,7 +175,7 @@ def test_text_access_line_and_a_second_ctrl_c_exits_at_once(model_dirs, served):
     assert kv["id"] == r.headers["x-request-id"] == r.json()["id"]
     assert int(kv["prompt_tokens"]) == r.json()["usage"]["prompt_tokens"]
     assert int(kv["generated_tokens"]) == r.json()["usage"]["completion_tokens"]
-    assert kv["finish"] in ("stop", "length") and float(kv["ttft_s"]) > 0
+    assert kv["finish"] in ("stop", "length") and 0 <= float(kv["ttft_s"]) <= float(kv["duration_s"])
 
     held = hold_request_in_flight(s.port)
     s.proc.send_signal(signal.SIGINT)
