@@ -246,6 +246,7 @@ def test_reply_that_does_not_retokenize_is_rebuilt_in_idle_time(make_service, ar
         if len(history) > 1:
             prior = len(on.runtime.render_chat(history, False))
             assert a.cached_tokens == prior  # everything before the new user message
+            assert prior == len(on.runtime.render_next_turn(history))  # (ChatML renders no turn differently)
             full_hits += 1
         history = messages + [{"role": "assistant", "content": a.text}]
         wait_idle(on)

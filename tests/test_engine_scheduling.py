@@ -60,10 +60,10 @@ def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(ma
     svc = make_service("qwen3_5")
     eng = svc.engine
     seen = []
-    flush = eng._flush
+    flush = eng.outbox.flush
 
     def spy():
-        seen.extend((type(item).__name__, taken is not None and not taken.is_set()) for *_, item, taken in eng._outbox)
+        seen.extend((type(item).__name__, taken is not None and not taken.is_set()) for *_, item, taken in eng.outbox.items)
         flush()
         seen.extend(("taken-after-flush", taken.is_set()) for taken in firsts if taken is not None)
 
@@ -84,11 +84,12 @@ def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(ma
                 firsts.append(entry[-1])
             super().append(entry)
 
-    eng._flush, eng._outbox = spy, Box()
+    eng.outbox.flush, eng.outbox.items = spy, Box()
     try:
         got = asyncio.run(consume())
     finally:
-        eng._flush, eng._outbox = flush, []
+        del eng.outbox.flush
+        eng.outbox.items = []
     assert isinstance(got[-1], Finished)
     waits = [waiting for name, waiting in seen if name in ("Delta", "Finished")]
     assert len(waits) == len(got) and waits[0] and not any(waits[1:])  # only the first item makes it wait
@@ -98,7 +99,7 @@ def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(ma
 def test_the_live_state_gauge_counts_running_states_and_drops_to_zero_when_idle(make_service, monkeypatch):
     """`hyserve_live_state_bytes`: what running requests hold (the RSS beyond the cache's budget that grows
     with load) is sampled between steps; it is non-zero while requests run and 0 once none does."""
-    import hyserve.engine as engine_module
+    import hyserve.engine.core as engine_module
 
     monkeypatch.setattr(engine_module, "LIVE_BYTES_EVERY", 0.0)  # sample after every step
     svc = make_service("qwen3_5")

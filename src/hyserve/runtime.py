@@ -6,6 +6,7 @@ Weights come only from the local directory (never a hub download). The family ad
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import kernels, model_thread
+from . import kernels, model_thread, next_turn
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
@@ -148,6 +149,14 @@ class ModelRuntime:
         good = [t for t in texts if isinstance(t, str)]
         encoded = iter(self.prompt_encoder.encode_many(good, salt, self.max_model_len) if good else [])
         return [next(encoded) if isinstance(t, str) else t for t in texts]  # fresh lists already
+
+    def render_next_turn(self, messages: list[dict], salt: str = "") -> list[int]:
+        """Ids of `messages` (ending with a reply) as the next turn's prompt will start (`next_turn`)."""
+        return next_turn.history_ids(messages, lambda items: self.render_many(items, salt), self.special_ids)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return next_turn.special_ids(self.tokenizer)
 
     def encode(self, text: str, salt: str = "") -> list[int]:
         """Ids of a raw prompt (completions): special-token strings in it are control tokens, as in vLLM; the

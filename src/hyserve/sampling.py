@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this sample as greedy (as vLLM's _SAMPLING_EPS): dividing float32 logits by a temperature
+# near 1e-38 overflows to inf, and the softmax of that is NaN.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,7 +20,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 class Sampler:

@@ -38,6 +38,7 @@ class ServiceConfig:
     max_running: int = 8
     max_waiting: int = 64
     request_timeout: float | None = None  # seconds
+    stall_timeout: float = 60.0  # seconds a step may run before the watchdog fails its requests (/health: degraded)
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     admin_api_key: str | None = None  # sees and clears every tenant's cache; others act on their own
     max_body_bytes: int = 8 << 20
@@ -75,5 +76,5 @@ def build_service(config: ServiceConfig) -> Service:
     cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
-                    max_waiting=config.max_waiting)
+                    max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)
     return Service(config, runtime, metrics, cache, engine)

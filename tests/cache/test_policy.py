@@ -30,7 +30,7 @@ def test_not_a_prefix_is_skipped():
     prompt = [1, 2, 3, 4]
     bounds, skipped = prefill_boundaries(
         CheckpointPolicy(), prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True)
-    assert bounds == [] and skipped == ["history:not_a_prefix"]
+    assert bounds == [] and skipped == ["history:not_a_prefix@1"]  # where the render departs
 
 
 def test_render_failure_is_skipped():
@@ -53,16 +53,20 @@ def test_block_grid_baseline():
 
 def test_post_decode_rerender_check():
     pol = CheckpointPolicy()
-    render = lambda msgs, g: [1, 2, 3, 4, 5]
+    seen = []
+    render = lambda msgs: seen.append(msgs) or [1, 2, 3, 4, 5]  # noqa: E731
     msgs = [{"role": "user", "content": "x"}]
-    assert pol.post_decode_ok([1, 2, 3], msgs, "r", render) == (True, "rerender_match", None)
-    # a mismatch on a recurrent model: drop the state, rebuild the re-rendered history instead
-    assert pol.post_decode_ok([1, 2, 7], msgs, "r", render) == (False, "rerender_mismatch", [1, 2, 3, 4, 5])
-    assert pol.post_decode_ok([1, 2, 7], msgs, "r", render, recurrent=False) == (
-        True, "rerender_mismatch", None)  # attention KV still truncates to the shared part
-    assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, "r", render)[2] is None
-    assert pol.post_decode_ok([1], None, "r", render) == (True, "completion", None)
-    assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, "r", render)[0] is False
+    reply = {"role": "assistant", "content": "r"}
+    assert pol.post_decode_ok([1, 2, 3], msgs, reply, render) == (True, "rerender_match", None)
+    assert seen[-1] == msgs + [reply]  # the history the next turn sends: this turn's messages and the reply
+    # a mismatch on a recurrent model: drop the state, rebuild the next turn's history instead
+    assert pol.post_decode_ok([1, 2, 7], msgs, reply, render) == (False, "rerender_mismatch@2", [1, 2, 3, 4, 5])
+    assert pol.post_decode_ok([1, 2, 7], msgs, reply, render, recurrent=False) == (
+        True, "rerender_mismatch@2", None)  # attention KV still truncates to the shared part
+    assert pol.post_decode_ok([1, 2, 3, 4, 5, 6], msgs, reply, render)[1] == "rerender_mismatch@5"  # longer
+    assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, reply, render)[2] is None
+    assert pol.post_decode_ok([1], None, reply, render) == (True, "completion", None)
+    assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, reply, render)[0] is False
 
 
 def test_short_tail_boundaries_near_the_restored_state_are_deferred():

@@ -3,10 +3,11 @@
 - history boundary: the prompt rendered for the messages *without* the generation prompt. The next
   turn's prompt starts with exactly these tokens, whatever the model replies, so it always hits.
 - system-prompt boundary: the rendering of the leading system message alone, shared by new chats.
-- post-decode: prompt + generated tokens, kept only if re-rendering the reply reproduces those ids.
-- re-rendered reply: when it does not (non-canonical merges, invalid UTF-8 bytes, templates that
-  drop thinking blocks), the engine rebuilds, in idle time, the state of the history as the next
-  turn will send it, from the deepest checkpoint, so turn N+1 still pays only for its new message.
+- post-decode: prompt + generated tokens, kept only if they are a prefix of the history as the next
+  turn will send it (the reply rendered as an earlier message, `next_turn`).
+- re-rendered reply: when they are not (templates that drop thinking blocks of earlier turns or trim
+  content, non-canonical merges, invalid UTF-8 bytes), the engine rebuilds, in idle time, the state of
+  that history from the deepest checkpoint, so turn N+1 still pays only for its new message.
 - block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
 
 A checkpoint inside the prefill costs a snapshot before the first token, and for models whose state
@@ -31,7 +32,13 @@ from typing import Callable, Sequence
 
 log = logging.getLogger("hyserve.cache")
 
-RenderFn = Callable[[list[dict], bool], list[int]]
+RenderNextFn = Callable[[list[dict]], list[int]]  # messages ending with the reply -> the next turn's history
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where `a` and `b` differ (the shorter one's length where one is a prefix)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
@@ -84,19 +91,24 @@ class CheckpointPolicy:
             if isinstance(ids, Exception):  # a template that cannot render this subset: skip, serve the request
                 skipped.append(f"{kind}:render_failed:{type(ids).__name__}")
                 continue
-            if not (0 < len(ids) < len(prompt)) or list(prompt[: len(ids)]) != list(ids):
-                skipped.append(f"{kind}:not_a_prefix")
+            if not 0 < len(ids) < len(prompt):
+                skipped.append(f"{kind}:not_a_prefix:length")
+                continue
+            if (diff := first_difference(ids, prompt)) < len(ids):
+                skipped.append(f"{kind}:not_a_prefix@{diff}")  # where the render departs from the prompt
                 continue
             found.setdefault(len(ids), Boundary(len(ids), kind))
         return sorted(found.values(), key=lambda b: b.length), skipped
 
     def post_decode_ok(
-        self, state_tokens: Sequence[int], messages: list[dict] | None, reply_text: str, render: RenderFn,
+        self, state_tokens: Sequence[int], messages: list[dict] | None, reply: dict, render_next: RenderNextFn,
         recurrent: bool = True,
     ) -> tuple[bool, str, list[int] | None]:
-        """Whether to keep the state after decode: it must be a prefix of what the next turn will send.
+        """Whether to keep the state after decode: it must be a prefix of what the next turn will send
+        (`render_next(messages + [reply])`, the reply as an earlier message).
 
-        Returns (keep, reason, the re-rendered history ids to rebuild in idle time or None).
+        Returns (keep, reason, the next turn's history ids to rebuild in idle time or None). A reason
+        "rerender_mismatch@N" gives the first token N where the state and that history differ.
         Attention-only states are kept even when the re-render differs: the shared part still truncates.
         """
         if not self.post_decode or self.block_size:
@@ -104,10 +116,11 @@ class CheckpointPolicy:
         if not messages:
             return True, "completion", None
         try:
-            ids = render(messages + [{"role": "assistant", "content": reply_text}], False)
+            ids = render_next(messages + [reply])
         except Exception as exc:
             return False, f"render_failed:{type(exc).__name__}", None
-        if list(ids[: len(state_tokens)]) != list(state_tokens):
+        diff = first_difference(state_tokens, ids)
+        if diff < len(state_tokens):
             rebuild = ids if recurrent and self.reply_rerender else None
-            return (not recurrent), "rerender_mismatch", rebuild
+            return (not recurrent), f"rerender_mismatch@{diff}", rebuild
         return True, "rerender_match", None

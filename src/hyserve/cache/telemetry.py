@@ -34,7 +34,9 @@ class CacheTelemetry:
     def emit(self, event: str, reason: str = "", tenant: str | None = None, **fields) -> dict:
         assert event in EVENTS, event
         record = {"ts": round(time.time(), 6), "event": event, "reason": reason, **fields}
-        self.metrics.cache_events.labels(event, reason.split(":")[0]).inc()
+        # the metric's label is the reason without its token position ("history:not_a_prefix@12"): that stays
+        # in the event
+        self.metrics.cache_events.labels(event, reason.split("@")[0]).inc()
         with self._lock:
             if tenant is None and "request_id" in fields:
                 tenant = self._tenants.get(fields["request_id"])

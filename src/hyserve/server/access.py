@@ -22,7 +22,9 @@ async def track(scope: dict, req: GenerationRequest, items: AsyncIterator[object
                 scope[OUTCOME] = (item, time.perf_counter() - req.arrival)
             yield item
     finally:
-        await items.aclose()  # leaving early still cancels the request (the engine's stream does that)
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()  # leaving early still cancels the request (the engine's stream does that)
 
 
 def generation_fields(scope: dict) -> dict:

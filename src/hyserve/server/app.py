@@ -177,6 +177,11 @@ def create_app(service: Service) -> FastAPI:
         # The service exists only once the model is loaded; while draining, load balancers should stop.
         if service.draining:
             return JSONResponse({"status": "draining", "model": service.model_name}, status_code=503)
+        # degraded: the engine's steps keep failing or one has hung; an orchestrator should restart it
+        problem = service.engine.problem()
+        if problem is not None:
+            return JSONResponse({"status": "degraded", "model": service.model_name, "idle": service.engine.idle,
+                                 "reason": problem}, status_code=503)
         # idle: nothing queued, running or left for idle time (benchmarks wait for it between turns)
         # kernels: each of hyserve's kernels "on", or "off: why" (the load-time check against transformers)
         return {"status": "ok", "model": service.model_name, "idle": service.engine.idle,

@@ -1,0 +1,9 @@
+"""The engine, split by phase: `core` (the Engine: public API, worker, the step in order), `admission`,
+`prefill`, `decode`, `finishing`, `background` (idle-time jobs), `outbox` (stream delivery), `api` (request
+and result types) and `run` (what is kept per running request)."""
+
+from ..scheduler import QueueFull
+from .api import ChatPrompt, Delta, Failed, Finished, GenerationRequest
+from .core import Engine
+
+__all__ = ["ChatPrompt", "Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]

@@ -1,0 +1,109 @@
+"""Admission: from the waiting queue to a running request with a plan and a live state.
+
+A step first drops waiting requests that were cancelled or timed out, admits the rest into free running
+slots, and plans each new one outside the runtime lock (its checkpoint boundaries, sampler, proposer);
+under the lock it then restores each one's live state from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..cache.manager import PrefixCache
+from ..cache.policy import Boundary, CheckpointPolicy
+from ..metrics import Metrics
+from ..runtime import ModelRuntime
+from ..sampling import Sampler
+from ..scheduler import Scheduler
+from ..sequence import OutputSequence
+from .api import Delta, Finished, GenerationRequest, expired
+from .run import Run
+
+
+class Admission:
+    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
+                 scheduler: Scheduler):
+        self.runtime = runtime
+        self.cache = cache
+        self.policy = policy
+        self.metrics = metrics
+        self.scheduler = scheduler
+        # Builds a proposer (extend(tokens), propose() -> ids) per request, or None: no speculation.
+        self.make_proposer = None
+
+    # -- rendering: the policy's checkpoint boundaries in a chat prompt ----------------------------------
+    def render(self, messages: list[dict], prompt: list[int] | None, salt: str = ""):
+        """The prompt (unless given) and the policy's boundaries in it; `salt`: the tenant's namespace."""
+        rt = self.runtime
+        wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
+        items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
+        rendered = rt.render_many(items, salt) if items else []
+        if prompt is None:
+            prompt = rendered.pop(0)
+            if isinstance(prompt, Exception):
+                raise prompt
+        boundaries, skipped = self.policy.boundaries_from(prompt, wanted, rendered)
+        return prompt, boundaries, skipped
+
+    def boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
+        """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
+        try:
+            _, boundaries, skipped = self.render(req.messages, req.prompt, req.cache_salt)
+        except Exception as exc:
+            boundaries, skipped = [], [f"policy_failed:{type(exc).__name__}"]
+        return boundaries, skipped
+
+    # -- the phase ---------------------------------------------------------------------------------------
+    def drop_abandoned(self) -> None:
+        """Waiting requests cancelled or timed out before they started: finished without running."""
+        now = time.perf_counter()
+        for run in self.scheduler.take_waiting(lambda r: r.req.cancelled.is_set() or expired(r.req, now)):
+            reason = "cancelled" if run.req.cancelled.is_set() else "timeout"
+            run.end(Finished(reason, "", [], len(run.req.prompt), 0, None))
+
+    def admit(self, guard: Callable) -> list[Run]:
+        """Move waiting requests into free running slots and plan each one (outside the runtime lock: renders
+        for checkpoint boundaries). Every running request without a plan gets one here, each in its own
+        `guard`, so one that cannot be planned (a seed the sampler refuses) fails alone and leaves the running
+        list. Returns the newly admitted requests."""
+        new = self.scheduler.admit()
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        for run in [r for r in self.scheduler.running if r.out is None]:
+            guard([run], self.plan, run)
+        return new
+
+    def plan(self, run: Run) -> None:
+        req, rt = run.req, self.runtime
+        if self.cache.enabled:
+            if req.chat is not None and req.chat.prompt == req.prompt:
+                run.boundaries, skipped = list(req.chat.boundaries), list(req.chat.skipped)
+            else:  # a `submit` caller that did not render them
+                run.boundaries, skipped = self.boundaries(req)
+            for reason in skipped:
+                self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
+            # pending background jobs this prompt extends: their checkpoints are recorded in its prefill
+            for job in self.scheduler.take_background(lambda j: j.extended_by(req.prompt, req.cache_salt)):
+                known = {b.length for b in run.boundaries}
+                run.boundaries += [b for b in job.stops if b.length not in known]
+                run.boundaries.sort(key=lambda b: b.length)
+        run.sampler = Sampler(req.sampling)
+        run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
+                                 self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
+        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
+        if self.make_proposer and req.sampling.greedy:
+            run.proposer = self.make_proposer(req.prompt)
+
+    def restore_all(self, guard: Callable) -> None:
+        """Under the runtime lock: a live state for every running request without one, each in its own
+        `guard`. One cancelled since it was admitted gets none (it finishes without running)."""
+        for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
+                    and not r.req.cancelled.is_set()]:
+            guard([run], self.restore, run)
+
+    def restore(self, run: Run) -> None:
+        """The run's live state, from its deepest cached checkpoint."""
+        req = run.req
+        run.restored = self.cache.restore(self.runtime.adapter, req.prompt, req.request_id, req.cache_salt)
+        run.checkpoint = run.restored.cached_tokens
+        self.metrics.running.inc()

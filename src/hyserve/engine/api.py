@@ -1,0 +1,64 @@
+"""What callers hand the engine and what it hands back: a request, its streamed pieces and its one final item."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..cache.policy import Boundary
+from ..sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
+    chat: "ChatPrompt | None" = None  # prompt and boundaries from Engine.render_chat, off the engine's thread
+    cache_salt: str = ""  # tenant namespace of the prefix cache
+    timeout: float | None = None  # seconds from arrival
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "timeout"
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float | None
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Emit = Callable[[object], None]
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat prompt and the checkpoint boundaries the policy found in it."""
+
+    prompt: list[int]
+    boundaries: list[Boundary]
+    skipped: list[str]  # reasons a boundary was not usable (telemetry)
+
+
+def expired(req: GenerationRequest, now: float) -> bool:
+    return req.timeout is not None and now - req.arrival > req.timeout

@@ -1,0 +1,101 @@
+"""Finishing: a request leaves the running list, with its final item, its post-decode checkpoint (when the
+policy says the next turn will start from it) and idle-time jobs for what it deferred. Its live state and
+its pin on the cache go at once, so the slot is free for the next step.
+
+A request also leaves when it is cancelled or times out (`reap`), and when any phase's work on it raises
+(`guard`): it fails alone with a `Failed` item, and the cache only ever holds verified snapshots.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from ..cache.manager import PrefixCache
+from ..cache.policy import CheckpointPolicy
+from ..metrics import Metrics
+from ..runtime import ModelRuntime
+from ..scheduler import Scheduler
+from .api import Failed, Finished, expired
+from .background import Background
+from .run import Run
+
+log = logging.getLogger("hyserve.engine")
+
+
+class Finishing:
+    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
+                 scheduler: Scheduler, background: Background):
+        self.runtime = runtime
+        self.cache = cache
+        self.policy = policy
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.background = background
+
+    def reap(self) -> None:
+        """Finish the running requests that were cancelled or timed out (their slots free for this step)."""
+        now = time.perf_counter()
+        for run in list(self.scheduler.running):
+            if run.req.cancelled.is_set():
+                self.guard([run], self.finish, run, "cancelled")
+            elif expired(run.req, now):
+                self.guard([run], self.finish, run, "timeout")
+
+    def finish(self, run: Run, reason: str) -> None:
+        req, rt = run.req, self.runtime
+        text = run.out.close(reason)
+        generated = run.out.generated
+        rebuild = None
+        if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
+            self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
+        else:
+            state = run.state
+            render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt)
+            reply = {"role": "assistant", "content": text}
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, reply, render_next,
+                                                          rt.has_recurrent_layers)
+            if why.startswith("rerender_mismatch") and self.cache.enabled:
+                self.metrics.rerender_mismatch.inc()
+            if ok:
+                run.snapshots += self.cache.record(rt.adapter, state, "post_decode",
+                                                   len(req.prompt) + len(generated) - 1, req.request_id,
+                                                   req.cache_salt)
+            elif self.cache.enabled:
+                self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
+                                          tokens=state.position)
+        if self.cache.enabled:
+            self.background.queue_for(run, rebuild)
+        cached = run.restored.cached_tokens if run.restored is not None else 0
+        self.metrics.snapshots_per_request.observe(run.snapshots)
+        self.release(run)
+        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
+
+    def guard(self, runs: list[Run], fn, *args):
+        """`fn(*args)`, or None after failing `runs` if it raised: each one leaves with a `Failed` item (unless
+        it already ended) and nothing else is touched. Never raises."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # never leave a client hanging; the cache only holds verified snapshots
+            log.exception("request(s) %s failed", [r.req.request_id for r in runs])
+            for run in runs:
+                self.fail(run, f"generation failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def fail(self, run: Run, message: str) -> None:
+        try:
+            self.release(run)
+        except Exception:  # the run has left the running list and dropped its state all the same
+            log.exception("request %s: releasing its state failed", run.req.request_id)
+        run.end(Failed(message))
+
+    def release(self, run: Run) -> None:
+        """Free the live state and unpin its checkpoint: the slot is free for the next step. Idempotent."""
+        self.scheduler.remove(run)
+        restored, run.restored = run.restored, None
+        if restored is not None:
+            self.metrics.running.dec()
+            self.cache.release(restored)
+        if not self.scheduler.running:
+            self.runtime.adapter.drop_batch()
