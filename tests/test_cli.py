@@ -87,3 +87,127 @@ def test_make_tiny_model_with_a_real_template_and_unknown_parser_names(tmp_path)
     assert "<function=" in (template.read_text() if template.exists() else config["chat_template"])
     r = run("serve", str(tmp_path / "m"), "--port", "0", "--tool-call-parser", "nope")
     assert r.returncode == 2 and "unknown tool-call parser 'nope'" in r.stderr
+
+
+# -- CLI polish: help and defaults on every flag, --version, bare `hyserve`, human sizes -----------------------
+
+def _subparsers():
+    import argparse
+
+    from hyserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+def test_every_flag_has_help_and_the_help_shows_defaults():
+    parser, commands = _subparsers()
+    assert set(commands) == {"serve", "make-tiny-model", "demo", "env"}
+    for name, p in commands.items():
+        for action in p._actions:
+            if action.dest != "help":
+                assert action.help, f"hyserve {name} {action.option_strings or action.dest} has no help"
+    text = commands["serve"].format_help()
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 8M)", "(default: 30.0)", "(default: info)",
+                  "25% of RAM"):
+        assert shown in text, shown
+
+
+def test_version_and_bare_hyserve_print_something_useful():
+    from hyserve import __version__
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"hyserve {__version__}"
+    r = run()
+    assert r.returncode == 0 and "usage: hyserve" in r.stdout and "make-tiny-model" in r.stdout and not r.stderr
+
+
+def test_help_never_prints_an_api_key_from_the_environment():
+    import os
+
+    r = run("serve", "--help", env={**os.environ, "HYSERVE_API_KEY": "sk-very-secret",
+                                    "HYSERVE_ADMIN_API_KEY": "sk-admin-secret"})
+    assert r.returncode == 0 and "HYSERVE_API_KEY" in r.stdout and "secret" not in r.stdout
+
+
+def test_sizes_take_units(tmp_path):
+    import argparse
+
+    import pytest
+
+    from hyserve.cli import parse_size
+
+    assert parse_size("8G") == 8 << 30 and parse_size("512m") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    assert parse_size("64KB") == 64 << 10 and parse_size("1000") == 1000
+    for bad in ("", "G", "8X", "-1G", "eight"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+    cfg = _config(tmp_path, "--cache-bytes", "8G", "--max-body-bytes", "1M")
+    assert cfg.cache_bytes == 8 << 30 and cfg.max_body_bytes == 1 << 20
+    assert _config(tmp_path).max_body_bytes == 8 << 20
+
+
+# -- make-tiny-model never writes over, or deletes, what it did not write ------------------------------------------
+
+def test_make_tiny_model_refuses_a_folder_that_holds_files(tmp_path):
+    out = tmp_path / "real-model"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"precious weights")
+    r = run("make-tiny-model", str(out))
+    assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real-model"]  # nothing left beside it
+
+
+def test_make_tiny_model_force_keeps_every_file_it_did_not_write(tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"shard 1")
+    (out / "model.safetensors.index.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    r = run("make-tiny-model", str(out), "--arch", "qwen3", "--force")
+    assert r.returncode == 0, r.stderr
+    assert (out / "model-00001-of-00002.safetensors").read_bytes() == b"shard 1"
+    assert (out / "model.safetensors.index.json").read_text() == "{}" and (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    assert (out / "model.safetensors").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # its temporary folder is gone
+    assert "training the tokenizer" in r.stderr and "wrote " in r.stderr  # progress on stderr
+
+
+# -- start-up checks before any weight is read -------------------------------------------------------------------
+
+def test_serve_checks_the_folder_and_the_port_before_loading(tmp_path, model_dirs):
+    import shutil
+    import socket
+
+    plain = tmp_path / "no-template"
+    shutil.copytree(model_dirs["qwen3"], plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run("serve", str(plain), "--port", str(port), "--device", "cpu")
+    assert r.returncode == 2
+    assert "no chat template: /v1/chat/completions will answer 400, only /v1/completions" in r.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr and "loading" not in r.stderr
+
+    (plain / "model.safetensors").unlink()
+    r = run("serve", str(plain), "--port", "0")
+    assert r.returncode == 2 and "has no weights" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_refuses_a_device_torch_cannot_use(model_dirs):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = run("serve", str(model_dirs["qwen3"]), "--port", "0", "--device", "cuda")
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr and "--device cpu" in r.stderr
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr

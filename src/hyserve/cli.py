@@ -1,53 +1,82 @@
-"""Command line: `hyserve serve`, `hyserve make-tiny-model`, `hyserve demo`, `hyserve env`."""
+"""hyserve: an OpenAI-compatible server for hybrid recurrent/attention models whose exact-state prefix
+cache makes chat turn N+1 cost only its new tokens. Commands: serve, make-tiny-model, demo, env."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cache.policy import CheckpointPolicy
 
+if TYPE_CHECKING:
+    from .service import ServiceConfig
+
+log = logging.getLogger("hyserve")
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `8G`, `512M`, `1.5GiB`, `64KB` or a plain number; K/M/G/T are powers of 1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 8G, 512M, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; taken before the model loads")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the folder's name)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
-    p.add_argument("--cache-bytes", type=int, default=None, help="prefix-cache byte budget (default: 25%% of RAM)")
-    p.add_argument("--no-history-checkpoint", action="store_true")
-    p.add_argument("--no-system-checkpoint", action="store_true")
-    p.add_argument("--no-post-decode-checkpoint", action="store_true")
+    p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM)")
+    p.add_argument("--no-history-checkpoint", action="store_true",
+                   help="do not checkpoint at the message-history boundary (what the next turn reuses)")
+    p.add_argument("--no-system-checkpoint", action="store_true",
+                   help="do not checkpoint at the end of the system prompt (what new chats share)")
+    p.add_argument("--no-post-decode-checkpoint", action="store_true",
+                   help="do not checkpoint after the reply (prompt + generated tokens)")
     p.add_argument("--no-defer-checkpoints", action="store_true",
                    help="always split the prefill at a checkpoint boundary, even a few tokens before the end "
-                        "(default: an idle engine records such a checkpoint after the reply, in idle time)")
+                        "(otherwise an idle engine records such a checkpoint after the reply, in idle time)")
     p.add_argument("--block-size", type=int, default=None,
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
     p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens per engine step: a long prompt delays other streams by about this much")
     p.add_argument("--speculative", choices=["off", "prompt-lookup"], default="off",
                    help="prompt-lookup speculative decoding (used for greedy requests)")
     p.add_argument("--spec-tokens", type=int, default=6, help="proposals per verify pass (k)")
     p.add_argument("--spec-ngram", type=int, default=3, help="suffix length that must recur in the context (n)")
     p.add_argument("--max-running", type=int, default=8, help="requests decoded together (batch size)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
-    p.add_argument("--api-key", default=os.environ.get("HYSERVE_API_KEY"),
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds before a request is ended with 408 (default: no limit)")
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (comma-separated for several tenants; "
-                        "env HYSERVE_API_KEY)")
-    p.add_argument("--admin-api-key", default=os.environ.get("HYSERVE_ADMIN_API_KEY"),
-                   help="a key that sees and clears every tenant's cache at /v1/cache (env HYSERVE_ADMIN_API_KEY); "
-                        "other keys act on their own tenant's entries")
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-messages", type=int, default=2048)
+                        "default: env HYSERVE_API_KEY, else no key)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="a key that sees and clears every tenant's cache at /v1/cache (default: env "
+                        "HYSERVE_ADMIN_API_KEY); other keys act on their own tenant's entries")
+    p.add_argument("--max-body-bytes", type=parse_size, default="8M", metavar="SIZE",
+                   help="largest request body, e.g. 8M; larger ones get 413")
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the context left)")
+    p.add_argument("--max-messages", type=int, default=2048, help="most messages in one chat request")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="tokenize special-token strings typed in message content (<|im_start|>, ...) as control "
-                        "tokens, as before; default: they stay text, so content cannot forge turns")
+                        "tokens, as before; otherwise they stay text, so content cannot forge turns")
     p.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="how tool calls are read from replies: hermes (JSON in <tool_call>), qwen3_xml "
                         "(<tool_call><function=...>), llama3_json, none, or auto (from the chat template)")
@@ -55,7 +84,11 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="how reasoning is split from replies: think (<think>...</think>), none, or auto "
                         "(from the chat template)")
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
+                   help="seconds running requests get to finish after the first Ctrl-C or SIGTERM; a second "
+                        "one exits at once")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine lines (throughput, running/waiting, cache hit rate) while "
+                        "there is work; 0: none")
 
 
 def service_config_from_args(args) -> "ServiceConfig":
@@ -69,6 +102,9 @@ def service_config_from_args(args) -> "ServiceConfig":
         block_size=args.block_size,
         defer_tail=0 if args.no_defer_checkpoints else CheckpointPolicy.defer_tail,
     )
+    # keys come from the environment here, not as argparse defaults, so `--help` never prints them
+    api_key = args.api_key if args.api_key is not None else os.environ.get("HYSERVE_API_KEY")
+    admin_api_key = args.admin_api_key if args.admin_api_key is not None else os.environ.get("HYSERVE_ADMIN_API_KEY")
     return ServiceConfig(
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, cache_enabled=not args.no_cache,
@@ -76,8 +112,8 @@ def service_config_from_args(args) -> "ServiceConfig":
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
         max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
-        api_keys=tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip()),
-        admin_api_key=(args.admin_api_key or "").strip() or None,
+        api_keys=tuple(k.strip() for k in (api_key or "").split(",") if k.strip()),
+        admin_api_key=(admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
@@ -85,25 +121,52 @@ def service_config_from_args(args) -> "ServiceConfig":
 
 
 def cmd_serve(args) -> int:
-    from .runtime import UnsupportedModelError
-    from .server.run import serve_forever
-    from .service import build_service
+    """Check everything that can be checked cheaply, take the port, then load the weights and serve."""
+    from .preflight import StartupError, bind, check_device, check_model_dir
 
     try:
-        service = build_service(service_config_from_args(args))
-    except (UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        print(f"hyserve: cannot load model: {exc}", file=sys.stderr)
+        for warning in check_model_dir(args.model_dir):
+            log.warning("%s", warning)
+        check_device(args.device)
+        sock = bind(args.host, args.port)
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
         return 2
-    print(f"hyserve: serving {service.model_name} ({service.runtime.model.config.model_type}) "
-          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve_forever(service, args.host, args.port, args.graceful_shutdown)
+    service = _load(args)
+    if service is None:
+        sock.close()
+        return 2
+    from .server.run import serve_forever
+    from .stats_log import StatsLogger
+
+    with StatsLogger(service, args.log_stats_interval):
+        serve_forever(service, sock, args.graceful_shutdown)
     return 0
 
 
-def cmd_make_tiny_model(args) -> int:
-    from .tiny import make_tiny_model
+def _load(args):
+    """The service, or None after saying why it could not be built (a Ctrl-C meanwhile: see `main`)."""
+    from .service import build_service
 
-    out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed, chat_template=args.chat_template)
+    try:
+        return build_service(service_config_from_args(args))
+    except Exception as exc:  # a user's folder or machine, not a bug: one line, the traceback on demand
+        log.error("cannot load model: %s: %s", type(exc).__name__, exc)
+        log.debug("traceback", exc_info=True)
+        if not log.isEnabledFor(logging.DEBUG):
+            log.error("run with --log-level debug for the traceback")
+        return None
+
+
+def cmd_make_tiny_model(args) -> int:
+    from .tiny import FolderNotEmpty, make_tiny_model
+
+    try:
+        out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed, force=args.force,
+                              chat_template=args.chat_template)
+    except FolderNotEmpty as exc:
+        log.error("%s", exc)
+        return 2
     print(f"wrote a random-init {args.arch} ({args.size}) model to {out}")
     return 0
 
@@ -121,34 +184,73 @@ def cmd_env(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in every flag's help, except where they say nothing (None, False) or the help gives one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .logs import FORMATS, LEVELS
     from .tiny import ARCHS
 
-    parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="serve a Hugging Face model directory over the OpenAI API")
-    p.add_argument("model_dir")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=LEVELS,
+                        help="debug adds a line per prefill chunk and per /health and /metrics request")
+    common.add_argument("--log-format", default="text", choices=FORMATS,
+                        help="json: one JSON object per line, for log shippers")
+    parser = argparse.ArgumentParser(prog="hyserve", description=__doc__, formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Help)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("serve", "serve a Hugging Face model folder over the OpenAI API", cmd_serve)
+    p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer)")
     _add_serve_options(p)
-    p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("make-tiny-model", help="write a small random-init model + tokenizer")
-    p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
-    p.add_argument("--size", default="tiny", choices=["tiny", "bench"])
-    p.add_argument("--seed", type=int, default=0)
+    p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
+                cmd_make_tiny_model)
+    p.add_argument("out_dir", help="folder to write; must be empty or new unless --force")
+    p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
+    p.add_argument("--size", default="tiny", choices=["tiny", "bench"],
+                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks")
+    p.add_argument("--seed", type=int, default=0, help="random-init seed")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a real model's chat template (.jinja) instead of ChatML; its control tokens are added")
-    p.set_defaults(func=cmd_make_tiny_model)
-    p = sub.add_parser("demo", help="build a tiny model, serve it, chat two turns through the openai client")
-    p.add_argument("--arch", default="qwen3_5", choices=ARCHS)
-    p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("env", help="print the versions hyserve runs on and, for a model, its kernels' load-time check")
-    p.add_argument("model_dir", nargs="?", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.set_defaults(func=cmd_env)
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty folder: replaces the files it writes, keeps every other file")
+    p = command("demo", "build a tiny model, serve it, chat two turns through the openai client", cmd_demo)
+    p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
+    p.add_argument("--cache-dir", default=None, help="where the tiny model is kept (default: ~/.cache/hyserve)")
+    p = command("env", "print the versions hyserve runs on and, for a model, its kernels' load-time check", cmd_env)
+    p.add_argument("model_dir", nargs="?", default=None, help="a model folder to load on the CPU and check")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    return args.func(args)
+    if args.command is None:  # bare `hyserve`: what it can do
+        parser.print_help()
+        return 0
+    from .logs import configure
+
+    configure(args.log_level, args.log_format)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the server's own handling (building a model, a check, ...)
+        log.warning("interrupted")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(130)  # the model thread may be inside torch: interpreter shutdown would wait or abort
 
 
 if __name__ == "__main__":

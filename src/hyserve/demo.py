@@ -22,7 +22,7 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
     model_dir = Path(cache_dir or _default_cache_dir()) / f"tiny-{arch}"
     if not (model_dir / "config.json").exists():
         print(f"building a tiny random-init {arch} model in {model_dir} ...")
-        make_tiny_model(model_dir, arch)
+        make_tiny_model(model_dir, arch, force=True)  # its own cache folder: a half-built one is redone
     service = build_service(ServiceConfig(model_dir=model_dir, served_model_name=f"tiny-{arch}",
                                           cache_bytes=256 << 20))
     print("NOTE: the weights are random, so the replies are gibberish; the point is the plumbing and the cache.")

@@ -7,10 +7,10 @@ Weights come only from the local directory (never a hub download). The family ad
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -18,10 +18,12 @@ from typing import Sequence
 import torch
 
 from . import kernels, model_thread, next_turn
+from .logs import human_bytes, human_count
+from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
-from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
+from .state import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -77,21 +79,25 @@ class ModelRuntime:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         model_dir = Path(model_dir)
-        config_path = model_dir / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-        model_type = json.loads(config_path.read_text()).get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        model_type = read_model_type(model_dir)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         device = resolve_device(device)
+        start = time.perf_counter()
+        weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
+        log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
+                 human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
         model.to(device).eval()
+        log.info("weights loaded in %.1f s: %s, %s parameters", time.perf_counter() - start,
+                 type(model).__name__, human_count(sum(p.numel() for p in model.parameters())))
         adapter = adapter_for(model)
+        t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
+        on = [name for name, status in adapter.kernels.status.items() if status == "on"]
+        log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),
+                 len(adapter.kernels.status), "" if len(on) == len(adapter.kernels.status) else
+                 " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)")
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
         try:
@@ -106,6 +112,9 @@ class ModelRuntime:
         max_len = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
         if not isinstance(max_len, int) or max_len > 10**7:
             max_len = 32768
+        log.info("tokenizer loaded: %d tokens, context %d tokens, chat template %s; ready in %.1f s", len(tokenizer),
+                 max_len, "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
+                 time.perf_counter() - start)
         return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock())
 
     # -- prompts ---------------------------------------------------------------------------

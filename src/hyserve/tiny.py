@@ -9,15 +9,20 @@ plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in th
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import tempfile
 from pathlib import Path
-
-import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING
 
 from . import model_thread
+from .logs import human_count
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger("hyserve.tiny")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Tags real Qwen tokenizers hold as added tokens that are *not* special (they stay in decoded text).
@@ -96,8 +101,11 @@ _BENCH = {
 ARCHS = tuple(_TINY)
 
 
-def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def train_tokenizer(vocab_size: int = 512) -> "PreTrainedTokenizerFast":
     """Byte-level BPE trained on a built-in text: every byte string is encodable, like real Qwen tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -120,6 +128,8 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
 
 def use_template(tokenizer: PreTrainedTokenizerFast, template: str) -> PreTrainedTokenizerFast:
     """Give `tokenizer` a real chat template and the control tokens it writes (see the module docstring)."""
+    from tokenizers import AddedToken
+
     specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)) - set(SPECIAL_TOKENS))
     if "bos_token" in template and LLAMA_BOS not in specials:
         specials.append(LLAMA_BOS)
@@ -132,25 +142,55 @@ def use_template(tokenizer: PreTrainedTokenizerFast, template: str) -> PreTraine
     return tokenizer
 
 
+class FolderNotEmpty(FileExistsError):
+    """`make_tiny_model` was pointed at a folder that already holds files (perhaps a real model's)."""
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tiny", seed: int = 0,
-                    chat_template: str | Path | None = None) -> Path:
+                    force: bool = False, chat_template: str | Path | None = None) -> Path:
     """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path.
-    `chat_template`: the path of a real template to use instead of ChatML."""
+    `chat_template`: the path of a real template to use instead of ChatML.
+
+    A folder that already holds files is refused (FolderNotEmpty) unless `force`; even then only the files
+    this writes are replaced, nothing else in the folder is touched. Everything is written to a temporary
+    folder beside it first (transformers' save_pretrained deletes weight shards it did not write in the
+    folder it saves to) and moved in file by file."""
     if arch not in _TINY:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in ("tiny", "bench"):
+        raise ValueError("size must be 'tiny' or 'bench'")
+    if size == "bench" and arch not in _BENCH:
+        raise ValueError(f"no bench size for {arch!r}; choose one of {', '.join(_BENCH)}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise FolderNotEmpty(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FolderNotEmpty(f"{out} is not empty: refusing to write a random-init model over what is there "
+                             "(pass --force to write into it anyway; files it does not write are kept)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
+        _write(Path(tmp), arch, size, seed, chat_template)
+        out.mkdir(exist_ok=True)
+        written = sorted(f.name for f in Path(tmp).iterdir())
+        for name in written:
+            os.replace(Path(tmp) / name, out / name)  # same file system: each file appears whole
+    log.info("wrote %s into %s", ", ".join(written), out)
+    return out
+
+
+def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
+    import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    log.info("training the tokenizer")
     tokenizer = train_tokenizer()
     if chat_template is not None:
         use_template(tokenizer, Path(chat_template).read_text())
     overrides = dict(_TINY[arch])
     if size == "bench":
-        if arch not in _BENCH:
-            raise ValueError(f"no bench size for {arch!r}; choose one of {', '.join(_BENCH)}")
         overrides.update(_BENCH[arch])
         tokenizer.model_max_length = overrides.get("max_position_embeddings", 32768)
-    elif size != "tiny":
-        raise ValueError("size must be 'tiny' or 'bench'")
     model_type = overrides.pop("model_type")
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -168,10 +208,10 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
     def build() -> None:  # random init runs torch ops: on the model thread, like all model work
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        log.info("random-init %s: %s parameters; saving", model_type, human_count(sum(p.numel() for p in model.parameters())))
         model.generation_config.eos_token_id = eos
         model.generation_config.pad_token_id = pad
         model.save_pretrained(out)
 
     model_thread.run(build)
     tokenizer.save_pretrained(out)
-    return out

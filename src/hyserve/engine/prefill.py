@@ -13,6 +13,7 @@ a background job.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from ..cache.manager import PrefixCache
@@ -21,6 +22,8 @@ from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
 from .run import Run
+
+log = logging.getLogger("hyserve.engine")
 
 # What one more prefill piece in a step costs beyond its tokens, in tokens: its forward pass's fixed cost
 # (~9 ms, a decode step) and a checkpoint snapshot (5-10 ms at 2-4k tokens) take together about as long
@@ -92,6 +95,8 @@ class Prefill:
         else:
             logits = adapter.forward(state, prompt[start:end])
         self.metrics.prefill_tokens.inc(end - start)
+        log.debug("prefill %s: tokens %d-%d of %d (%d from the cache)", req.request_id, start, end, len(prompt),
+                  run.restored.cached_tokens)
         if run.boundaries and run.boundaries[0].length == state.position:
             self.record(run, run.boundaries.pop(0), state)
         if state.position == len(prompt):

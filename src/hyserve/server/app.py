@@ -18,6 +18,7 @@ from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, Que
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
+from .access import AccessLogMiddleware, track
 from .errors import APIError, install_handlers
 from .formats import ChatFormat, CompletionFormat, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
@@ -32,6 +33,7 @@ def create_app(service: Service) -> FastAPI:
     install_handlers(app)
     install_openapi(app)
     app.add_middleware(GuardMiddleware, service=service)
+    app.add_middleware(AccessLogMiddleware)  # added last: outermost, it logs the guards' refusals too
     app.state.service = service
     metrics = service.metrics
     rt = service.runtime
@@ -74,7 +76,7 @@ def create_app(service: Service) -> FastAPI:
         rid = req.request_id = fmt.id  # one id in headers, responses and cache events
         service.cache.telemetry.bind(rid, tenant_of(req.cache_salt))  # its events are its tenant's
         try:
-            items = service.engine.stream(req)
+            items = track(request.scope, req, service.engine.stream(req))  # for the access line
         except QueueFull as exc:
             metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")

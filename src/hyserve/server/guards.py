@@ -57,7 +57,7 @@ def cache_scope(scope, cfg: ServiceConfig) -> str | None:
     return key_tenant(key if cfg.api_keys else None)
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False) -> None:
+async def send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False) -> None:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
@@ -81,16 +81,16 @@ class GuardMiddleware:
         if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.service.draining:
-            return await _send_error(send, 503, "server is shutting down", "server_error", "shutting_down",
+            return await send_error(send, 503, "server is shutting down", "server_error", "shutting_down",
                                      close=True)
         scope[API_KEY] = key = matching_key(bearer(scope), cfg)
         if cfg.api_keys and key is None:  # every route but the probes, /openapi.json too
-            return await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
+            return await send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
                                      "<key>'", "invalid_request_error", "invalid_api_key")
         limit = cfg.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await _send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
+                return await send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
                                          BodyTooLarge.code)
         seen = 0
 
@@ -107,6 +107,6 @@ class GuardMiddleware:
         try:
             await self.app(scope, limited_receive, send)
         except BodyTooLarge as exc:  # raised outside a route (none read bodies there today)
-            await _send_error(send, 413, exc.detail, "invalid_request_error", exc.code)
+            await send_error(send, 413, exc.detail, "invalid_request_error", exc.code)
         finally:
             self.service.inflight -= 1
