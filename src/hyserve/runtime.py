@@ -21,7 +21,7 @@ from . import kernels, model_thread, next_turn
 from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
-from .state import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
+from .families import SUPPORTED_MODEL_TYPES, FamilyAdapter, UnsupportedModelError, adapter_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
