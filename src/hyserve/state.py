@@ -5,15 +5,8 @@ families sits in one `FamilyAdapter` subclass each, in `hyserve.families` (re-ex
 every layer can be cut back to a shorter prefix (attention KV can; conv + SSM/delta-rule state cannot),
 and how the model's forward is called.
 
-Like mlx-lm's cache types, each kind of layer says plainly whether it can be trimmed:
-
-=====================  ===========  ==========================================
-cache layer            trimmable    saved / restored as
-=====================  ===========  ==========================================
-DynamicLayer (KV)      yes          copies of keys/values [b, heads, T, d]
-LinearAttentionLayer   no           copies of conv + recurrent state (fixed size)
-sliding-window KV      no           (old tokens already dropped)
-=====================  ===========  ==========================================
+Which kinds of cache layer can be cut back and which exist only at exact checkpoints is said in
+`hyserve.families.layers`.
 """
 
 from __future__ import annotations
@@ -82,14 +75,14 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
     """Deep copy in which every state tensor is a compact clone. A live state in a decode batch holds
     views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch.
 
-    `share_kv`: the copy references the attention KV tensors of plain `DynamicLayer`s instead of cloning
+    `share_kv`: the copy references the full-attention KV tensors (`_appends_kv`) instead of cloning
     them. That is safe because such a layer never writes into its tensors: `update` concatenates into
     new ones, `crop` and hyserve's truncation slice or clone (tests/test_state.py checks that a restored
     state's progress leaves its snapshot bit-identical). Conv and recurrent states are updated in
     place, so they are always cloned.
 
     `packed`: the clones of CPU tensors share one block of their own (`packed_clones`): for snapshots."""
-    shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) if type(layer) is DynamicLayer
+    shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) if _appends_kv(layer)
                for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)} if share_kv else set())
     tensors = {id(t): t for t in _cache_tensors(cache_or_layer)}  # each once
     cpu = [t for i, t in tensors.items() if packed and i not in shared and t.device.type == "cpu"]
@@ -98,6 +91,12 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
         if i not in memo:
             memo[i] = t if i in shared else t.clone()
     return copy.deepcopy(cache_or_layer, memo)
+
+
+def _appends_kv(layer) -> bool:
+    """Full-attention KV (alone, or beside a recurrent state in a hybrid layer), which `update` only ever
+    extends by concatenation: never a sliding window, which drops old tokens."""
+    return isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)
 
 
 def set_seen_tokens(cache, n: int) -> None:

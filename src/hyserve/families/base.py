@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..state import LiveState, Snapshot, cache_nbytes, clone_cache, set_seen_tokens, token_hash
+from . import layers as kinds
 
 
 class FamilyAdapter:
@@ -123,14 +124,14 @@ class FamilyAdapter:
     def attention_length(self, state: LiveState) -> int | None:
         """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
         for layer in state.cache.layers:
-            if type(layer) is DynamicLayer:
-                return layer.get_seq_length()
+            if kinds.holds_kv(layer):
+                return DynamicLayer.get_seq_length(layer)
         return None
 
     # -- truncation -------------------------------------------------------------------------
     def can_truncate(self, state: LiveState) -> bool:
-        """True only when every layer is plain attention KV, which can be cut to any shorter prefix exactly."""
-        return all(type(layer) is DynamicLayer for layer in state.cache.layers)
+        """True only when every layer can be cut to any shorter prefix exactly (attention KV, or nothing)."""
+        return all(kinds.kind(layer).trims for layer in state.cache.layers)
 
     def truncate(self, state: LiveState, num_tokens: int) -> None:
         if not self.can_truncate(state):
@@ -138,17 +139,17 @@ class FamilyAdapter:
         if num_tokens > state.position:
             raise ValueError("cannot truncate to a longer prefix")
         for layer in state.cache.layers:
-            if layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., :num_tokens, :].clone()
-                layer.values = layer.values[..., :num_tokens, :].clone()
+            if kinds.holds_kv(layer):
+                kinds.cut_kv(layer, num_tokens, copy=True)
         del state.tokens[num_tokens:]
         state.batch = None
 
 
     # -- rollback (speculative decoding) --------------------------------------------------
     def rollback_point(self, state: LiveState) -> "RollbackPoint":
-        """Cheap save before a verify pass: copies of every non-KV layer (fixed size), KV only by length."""
-        saved = {i: clone_cache(layer) for i, layer in enumerate(state.cache.layers) if type(layer) is not DynamicLayer}
+        """Cheap save before a verify pass: copies of every layer's recurrent state (fixed size), KV only by length."""
+        saved = {i: kinds.save_state(layer) for i, layer in enumerate(state.cache.layers)
+                 if not kinds.kind(layer).trims}
         return RollbackPoint(state.position, saved)
 
     def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
@@ -159,14 +160,13 @@ class FamilyAdapter:
         """
         recurrent = bool(point.saved)
         state.batch = None
-        for i, layer in point.saved.items():
-            state.cache.layers[i] = layer
+        for i, saved in point.saved.items():
+            kinds.put_state(state.cache.layers, i, saved)
         # Views, not copies: the next forward concatenates into a fresh tensor anyway.
         length = point.position if recurrent else point.position + len(keep)
         for layer in state.cache.layers:
-            if type(layer) is DynamicLayer and layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
+            if kinds.holds_kv(layer):
+                kinds.cut_kv(layer, length)
         del state.tokens[length:]
         return self.forward(state, keep) if recurrent and keep else None
 
