@@ -22,8 +22,16 @@ class FamilyAdapter:
     """How one model family's state is created, advanced, copied and cut back."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    # transformers' layer type -> what its cache layer holds (a `layers.Kind` name): "kv" (cut back to any
+    # prefix), "state" (exact only at checkpoints), "both" (one layer holding each), "none".
+    state_layers: ClassVar[dict[str, str]] = {}
     has_recurrent_layers: ClassVar[bool] = True
     captures_with_kernels: ClassVar[bool] = False  # `forward_capturing` needs hyserve's kernels
+    # The model numbers a piece's tokens from 0 unless told where it starts (transformers' Bamba): pass them.
+    explicit_positions: ClassVar[bool] = False
+    # The model's multi-token pass ignores a recurrent state it starts from (transformers' Jamba scan): from
+    # a non-empty state, run tokens one per pass, the decode path, which does read it.
+    one_token_after_start: ClassVar[bool] = False
 
     def __init__(self, model):
         from ..kernels import KernelReport
@@ -45,16 +53,24 @@ class FamilyAdapter:
         """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all ([n, vocab])."""
         if not token_ids:
             raise ValueError("forward needs at least one token")
+        state.batch = None  # its tensors move on from the batch's rows
+        if self.one_token_after_start and state.position and len(token_ids) > 1:
+            steps = [self._pass(state, [t], True) for t in token_ids]
+            return torch.cat(steps) if all_logits else steps[-1][-1]
+        logits = self._pass(state, token_ids, all_logits)
+        return logits if all_logits else logits[-1]
+
+    def _pass(self, state: LiveState, token_ids: Sequence[int], all_logits: bool) -> torch.Tensor:
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-        state.batch = None  # its tensors move on from the batch's rows
         set_seen_tokens(state.cache, state.position)
-        out = self.model(
-            input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_kw: state.cache}
-        )
+        extra = {}
+        if self.explicit_positions:
+            extra["position_ids"] = torch.arange(state.position, state.position + len(token_ids), device=device)[None]
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                         **{self._cache_kw: state.cache}, **extra)
         state.tokens.extend(int(t) for t in token_ids)
-        logits = out.logits[0].float()
-        return logits if all_logits else logits[-1]
+        return out.logits[0].float()
 
     def can_capture(self) -> bool:
         """Whether `forward_capturing` can return states from inside a piece (else split the prefill)."""

@@ -28,6 +28,7 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
     run only on the model thread, and only once the load-time check has seen them capture exactly."""
 
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+    state_layers = {"linear_attention": "state", "full_attention": "kv"}
     captures_with_kernels = True
 
     def can_capture(self) -> bool:

@@ -10,6 +10,7 @@ class Mamba2Adapter(FamilyAdapter):
     """Pure state-space model: every layer is conv + SSM state; nothing can be truncated."""
 
     model_types = ("mamba2",)
+    state_layers = {"linear_attention": "state"}
 
     def batch_inputs(self, mask, positions) -> dict:
         return {}  # no attention and no positions: fixed-size states stack as they are
