@@ -9,7 +9,9 @@ from .base import FamilyAdapter, RollbackPoint
 from .gated_deltanet import HybridLinearAttentionAdapter
 from .mamba2 import Mamba2Adapter
 
-ADAPTERS: tuple[type[FamilyAdapter], ...] = (HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter)
+ADAPTERS: tuple[type[FamilyAdapter], ...] = (
+    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter,
+)
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
 

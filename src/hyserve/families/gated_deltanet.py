@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3-Next: Gated DeltaNet (linear attention) layers interleaved with full attention.
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet (linear attention) layers interleaved with full attention.
 
 | cache layer      | kind                          | snapshot / restore            | batched            | rollback          |
 |------------------|-------------------------------|-------------------------------|--------------------|-------------------|
@@ -21,13 +21,13 @@ from .base import FamilyAdapter
 
 
 class HybridLinearAttentionAdapter(FamilyAdapter):
-    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3-Next.
+    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next.
 
     hyserve's own conv and delta-rule kernels can hand out the state at any token inside a prefill piece
     (`kernels.capture`), so a checkpoint boundary needs no pass of its own. That needs those kernels, which
     run only on the model thread, and only once the load-time check has seen them capture exactly."""
 
-    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
     state_layers = {"linear_attention": "state", "full_attention": "kv"}
     captures_with_kernels = True
 
