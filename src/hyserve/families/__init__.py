@@ -8,9 +8,10 @@ from .attention import AttentionAdapter
 from .base import FamilyAdapter, RollbackPoint
 from .gated_deltanet import HybridLinearAttentionAdapter
 from .mamba2 import Mamba2Adapter
+from .nemotron_h import NemotronHAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
-    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter,
+    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
