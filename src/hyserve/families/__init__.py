@@ -7,11 +7,12 @@ from __future__ import annotations
 from .attention import AttentionAdapter
 from .base import FamilyAdapter, RollbackPoint
 from .gated_deltanet import HybridLinearAttentionAdapter
+from .granite import GraniteMoeHybridAdapter
 from .mamba2 import Mamba2Adapter
 from .nemotron_h import NemotronHAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
-    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter,
+    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
