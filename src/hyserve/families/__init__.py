@@ -5,6 +5,7 @@ engine, cache and batching never name a family."""
 from __future__ import annotations
 
 from .attention import AttentionAdapter
+from .bamba import BambaAdapter
 from .base import FamilyAdapter, RollbackPoint
 from .gated_deltanet import HybridLinearAttentionAdapter
 from .granite import GraniteMoeHybridAdapter
@@ -13,6 +14,7 @@ from .nemotron_h import NemotronHAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
+    BambaAdapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
