@@ -7,6 +7,7 @@ from __future__ import annotations
 from .attention import AttentionAdapter
 from .bamba import BambaAdapter
 from .base import FamilyAdapter, RollbackPoint
+from .falcon_h1 import FalconH1Adapter
 from .gated_deltanet import HybridLinearAttentionAdapter
 from .granite import GraniteMoeHybridAdapter
 from .mamba2 import Mamba2Adapter
@@ -14,7 +15,7 @@ from .nemotron_h import NemotronHAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
-    BambaAdapter,
+    BambaAdapter, FalconH1Adapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
