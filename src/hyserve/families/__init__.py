@@ -10,13 +10,14 @@ from .base import FamilyAdapter, RollbackPoint
 from .falcon_h1 import FalconH1Adapter
 from .gated_deltanet import HybridLinearAttentionAdapter
 from .granite import GraniteMoeHybridAdapter
+from .jamba import JambaAdapter
 from .lfm2 import Lfm2Adapter
 from .mamba2 import Mamba2Adapter
 from .nemotron_h import NemotronHAdapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
-    BambaAdapter, FalconH1Adapter, Lfm2Adapter,
+    BambaAdapter, FalconH1Adapter, Lfm2Adapter, JambaAdapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
