@@ -14,10 +14,11 @@ from .jamba import JambaAdapter
 from .lfm2 import Lfm2Adapter
 from .mamba2 import Mamba2Adapter
 from .nemotron_h import NemotronHAdapter
+from .zamba2 import Zamba2Adapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
     HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
-    BambaAdapter, FalconH1Adapter, Lfm2Adapter, JambaAdapter,
+    BambaAdapter, FalconH1Adapter, Lfm2Adapter, JambaAdapter, Zamba2Adapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
