@@ -155,7 +155,7 @@ _BENCH = {
     "lfm2_moe": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536,
                      layer_types=["conv", "conv", "full_attention", "conv"] * 2, num_dense_layers=2,
                      num_experts=8, moe_intermediate_size=512),
-    "jamba": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536, num_experts=8),
+    "jamba": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1024, num_experts=4),
     "zamba2": dict(hidden_size=512, num_attention_heads=8, max_position_embeddings=32768, num_hidden_layers=8,
                    layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2, intermediate_size=1536, mamba_d_state=64,
                    n_mamba_heads=16, chunk_size=128),

@@ -38,5 +38,5 @@ def adapter_for(model) -> FamilyAdapter:
     return cls(model)
 
 
-__all__ = ["ADAPTERS", "REGISTRY", "SUPPORTED_MODEL_TYPES", "AttentionAdapter", "FamilyAdapter",
-           "HybridLinearAttentionAdapter", "Mamba2Adapter", "RollbackPoint", "UnsupportedModelError", "adapter_for"]
+__all__ = ["ADAPTERS", "REGISTRY", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "adapter_for", "FamilyAdapter",
+           "RollbackPoint", *(cls.__name__ for cls in ADAPTERS)]
