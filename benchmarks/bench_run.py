@@ -28,6 +28,8 @@ inter-token latency, snapshot/restore seconds, and the cache's bytes/entries aft
 
     python benchmarks/bench_run.py                          # bench-size qwen3_5, mamba2, qwen3 (~15-20 min)
     python benchmarks/bench_run.py --models qwen3_5         # one family
+    python benchmarks/bench_run.py --models hybrids --systems hyserve-on,hyserve-off,block-528 --workloads chat,short
+                                                            # the hybrid families of issue 21, bench-sized
     python benchmarks/bench_run.py --quick --out /tmp/x     # tiny models, < 2 minutes, CI smoke test
 
 Writes results.json, summary.md and PNG plots into --out (default benchmarks/results/run-<time>/).
@@ -45,8 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
+from hyserve.tiny import ARCHS  # noqa: E402
 
 ALL_MODELS = ("qwen3_5", "mamba2", "qwen3")
+HYBRID_MODELS = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "jamba", "bamba",
+                 "zamba2")
 ALL_SYSTEMS = ("hyserve-on", "hyserve-off", "hf-generate", "block-528", "block-64")
 ALL_WORKLOADS = ("chat", "sysprompt", "agent", "short", "longshort")
 BLOCK = 528  # vLLM's block size for Qwen3.5's hybrid cache: the headline compares prompts under it
@@ -549,7 +554,9 @@ def plot(results: dict, out: Path) -> list[Path]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models and small workloads (< 2 minutes, CI smoke)")
-    p.add_argument("--models", default=",".join(ALL_MODELS), help=f"comma list from {', '.join(ALL_MODELS)}")
+    p.add_argument("--models", default=",".join(ALL_MODELS),
+                   help=f"comma list of hyserve.tiny archs (default {', '.join(ALL_MODELS)}; 'hybrids': the families "
+                        f"of issue 21: {', '.join(HYBRID_MODELS)})")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
                    help=f"comma list from {', '.join(ALL_SYSTEMS)}; the first one's replies form the history")
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help=f"comma list from {', '.join(ALL_WORKLOADS)}")
@@ -577,8 +584,9 @@ def parse_args(argv=None):
         args.wait_quiet = 0.0 if args.quick else 30.0
     if args.retries is None:
         args.retries = 0 if args.quick else 2
+    args.models = [x for m in args.models for x in (HYBRID_MODELS if m == "hybrids" else (m,))]
     for m in args.models:
-        if m not in ALL_MODELS:
+        if m not in ARCHS:
             p.error(f"unknown model {m!r}")
     for w in args.workloads:
         if w not in ALL_WORKLOADS:

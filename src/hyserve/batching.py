@@ -4,6 +4,8 @@ pass.
 Recurrent layers (conv + SSM / delta-rule state) have a fixed size, so gathering them is a
 concatenation along the batch dimension. Attention KV differs in length per request: it is
 left-padded to the longest, masked out with an attention mask, and every row gets its own position.
+A hybrid layer (both in one layer: Falcon-H1, Zamba2) gets both; a layer with no state (an MoE or MLP
+layer of Nemotron-H) nothing. What a layer holds is its kind (`families.layers`).
 
 The batched cache outlives the step (`DecodeBatch`). After a pass each request's state becomes a set
 of views of its own row, so nothing is copied back; when the next step decodes requests whose rows
@@ -30,7 +32,9 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer
+
+from .families.layers import kind
 
 from .state import LiveState
 
@@ -38,13 +42,12 @@ from .state import LiveState
 SPARE = 64  # spare KV columns per gather: that many steps run before the batch KV is reallocated
 
 
-class _GrowingLayer(DynamicLayer):
+class _GrowingKV:
     """Batch attention KV over a buffer with spare columns: `update` writes the new tokens in place and
     returns views; when the buffer is full it reallocates with room for a quarter more (at least SPARE)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        super().__init__()
-        self.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+    def _grow_over(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        DynamicLayer.lazy_initialization(self, keys[:, :, :0], values[:, :, :0])
         self._k, self._v = keys, values
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
@@ -58,6 +61,22 @@ class _GrowingLayer(DynamicLayer):
         self._v[:, :, n : n + k] = value_states
         self.keys, self.values = self._k[:, :, : n + k], self._v[:, :, : n + k]
         return self.keys, self.values
+
+
+class _GrowingLayer(_GrowingKV, DynamicLayer):
+    """A full-attention layer of the batch."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        DynamicLayer.__init__(self)
+        self._grow_over(keys, values, length)
+
+
+class _GrowingHybridLayer(_GrowingKV, LinearAttentionAndFullAttentionLayer):
+    """A hybrid layer of the batch (Falcon-H1, Zamba2): growing KV beside stacked conv and recurrent states."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, number_of_states: int):
+        LinearAttentionAndFullAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self._grow_over(keys, values, length)
 
 
 class DecodeBatch:
@@ -99,9 +118,13 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
     batch = DynamicCache(config=config)
     for li, layer in enumerate(batch.layers):
         rows = [s.cache.layers[li] for s in states]
-        if type(layer) is DynamicLayer:
+        k = kind(rows[0])
+        if k.kv:
             keys, values = _left_padded(rows, "keys", longest), _left_padded(rows, "values", longest)
-            batch.layers[li] = _GrowingLayer(keys, values, longest)
+            layer = (_GrowingHybridLayer(keys, values, longest, rows[0].number_of_states) if k.state
+                     else _GrowingLayer(keys, values, longest))
+            batch.layers[li] = layer
+        if not k.state:
             continue
         for idx in range(layer.number_of_states):
             if rows[0].conv_states[idx] is not None:
@@ -160,7 +183,7 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     free = [r for r, o in enumerate(owners) if o is None]
     if len(joining) - len(back) > len(free) or len(owners) - len(states) > len(states) // 4:
         return None
-    attention = any(isinstance(layer, _GrowingLayer) for layer in batch.cache.layers)
+    attention = any(isinstance(layer, _GrowingKV) for layer in batch.cache.layers)
     width = batch.width
     if attention and any(states[i].position > width for i in joining):
         return None  # its KV is longer than the batch's: gather afresh, wider
@@ -179,10 +202,11 @@ def _copy_into_row(batch: DecodeBatch, row: int, state: LiveState) -> None:
     width = batch.width
     pad = width - state.position
     for layer, own in zip(batch.cache.layers, state.cache.layers):
-        if isinstance(layer, _GrowingLayer):
+        if isinstance(layer, _GrowingKV):
             for buf, t in ((layer._k, own.keys), (layer._v, own.values)):
                 buf[row, :, :pad].zero_()
                 buf[row, :, pad:width] = t[0]
+        if not kind(layer).state:
             continue
         for idx in range(layer.number_of_states):
             if layer.conv_states[idx] is not None:
@@ -197,9 +221,10 @@ def scatter(batch: DecodeBatch, states: Sequence[LiveState], rows: Sequence[int]
     for li, layer in enumerate(batch.cache.layers):
         for i, state in zip(rows, states):
             own = state.cache.layers[li]
-            if isinstance(layer, _GrowingLayer):
+            if isinstance(layer, _GrowingKV):
                 own.keys = layer.keys[i : i + 1, :, batch.pads[i] :, :]
                 own.values = layer.values[i : i + 1, :, batch.pads[i] :, :]
+            if not kind(layer).state:
                 continue
             for idx in range(layer.number_of_states):
                 if layer.conv_states[idx] is not None:

@@ -23,7 +23,7 @@ from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
-from .state import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
+from .families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

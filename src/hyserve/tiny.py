@@ -62,6 +62,9 @@ _GATED_DELTANET = dict(
     layer_types=["linear_attention"] * 3 + ["full_attention"],
     max_position_embeddings=4096,
 )
+_ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+_MAMBA2_IBM = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=32)
+_MAMBA2_NEMOTRON = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=32, head_dim=16)
 _TINY = {
     "qwen3_5": dict(model_type="qwen3_5_text", **_GATED_DELTANET),
     "qwen3_next": dict(
@@ -80,9 +83,54 @@ _TINY = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=4096,
     ),
+    # The hybrid families of issue 21, each from its transformers config class.
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe_text", **_GATED_DELTANET,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    ),
+    "nemotron_h": dict(
+        model_type="nemotron_h", **_ATTENTION, **_MAMBA2_NEMOTRON,
+        layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "mlp"],
+        intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "bamba": dict(
+        model_type="bamba", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=4, attn_layer_indices=[2],
+        intermediate_size=128,
+    ),
+    "falcon_h1": dict(
+        model_type="falcon_h1", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=2, intermediate_size=128,
+        mamba_d_ssm=128,
+    ),
+    "lfm2": dict(
+        model_type="lfm2", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
+        layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
+    ),
+    "lfm2_moe": dict(
+        model_type="lfm2_moe", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
+        layer_types=["conv", "conv", "full_attention", "conv"], num_dense_layers=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    ),
+    "jamba": dict(
+        model_type="jamba", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
+        attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
+    ),
+    "zamba2": dict(
+        model_type="zamba2", hidden_size=64, num_attention_heads=4, max_position_embeddings=4096,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4, intermediate_size=128,
+        mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=32,
+    ),
 }
 
 # A bench-sized variant (~tens of millions of parameters) for benchmarks/, never for unit tests.
+_BENCH_ATTENTION = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768)
+_BENCH_MAMBA2_IBM = dict(mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=128)
 _BENCH = {
     "qwen3_5": dict(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -96,6 +144,34 @@ _BENCH = {
         hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
     ),
+    "qwen3_5_moe": dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, max_position_embeddings=32768,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    ),
+    "nemotron_h": dict(
+        **_BENCH_ATTENTION, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "moe"] * 2,
+        mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, chunk_size=128, head_dim=64, intermediate_size=1536,
+        n_routed_experts=8, moe_intermediate_size=512, moe_shared_expert_intermediate_size=512,
+    ),
+    "granitemoehybrid": dict(
+        **_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, layer_types=(["mamba"] * 3 + ["attention"]) * 2,
+        num_local_experts=8, intermediate_size=512, shared_intermediate_size=1024,
+    ),
+    "bamba": dict(**_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, attn_layer_indices=[3, 7],
+                  intermediate_size=1536),
+    "falcon_h1": dict(**_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, head_dim=64, intermediate_size=1536,
+                      mamba_d_ssm=1024),
+    "lfm2": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536,
+                 layer_types=["conv", "conv", "full_attention", "conv"] * 2),
+    "lfm2_moe": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536,
+                     layer_types=["conv", "conv", "full_attention", "conv"] * 2, num_dense_layers=2,
+                     num_experts=8, moe_intermediate_size=512),
+    "jamba": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1024, num_experts=4),
+    "zamba2": dict(hidden_size=512, num_attention_heads=8, max_position_embeddings=32768, num_hidden_layers=8,
+                   layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2, intermediate_size=1536, mamba_d_state=64,
+                   n_mamba_heads=16, chunk_size=128),
 }
 
 ARCHS = tuple(_TINY)

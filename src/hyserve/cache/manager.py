@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..families import FamilyAdapter
 from ..metrics import Metrics
-from ..state import FamilyAdapter, LiveState, token_hash
+from ..state import LiveState, token_hash
 from .namespace import tenant_of
 from .prefix_tree import PrefixTree, _Node
 from .telemetry import CacheTelemetry

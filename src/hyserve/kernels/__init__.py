@@ -123,6 +123,11 @@ def _install_linear(model, report: KernelReport) -> None:
 
 def _install_function(model, kernel, report: KernelReport) -> None:
     found = slots(model, kernel.name)
+    if found and not (found := [(layer, f) for layer, f in found if kernel.is_layer(layer)]):
+        # The slot is there, in layers of a kind the kernel was not written for (LFM2's short convolutions):
+        # left as transformers has it.
+        report.set(kernel.name, False, "no layer of the kind it was written for")
+        return
     if found:
         layer, func = found[0]
         why = verify.check_function(kernel, seam.reference_of(func), layer)

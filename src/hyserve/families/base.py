@@ -1,0 +1,193 @@
+"""The family adapter: how one model family's state is created, advanced, copied and cut back.
+
+The engine, cache and batching only ever talk to a `FamilyAdapter`; each family's file says which of its
+layers can be cut back and which exist only at exact checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import inspect
+from typing import ClassVar, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..state import LiveState, Snapshot, cache_nbytes, clone_cache, set_seen_tokens, token_hash
+from . import layers as kinds
+
+
+class FamilyAdapter:
+    """How one model family's state is created, advanced, copied and cut back."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # transformers' layer type -> what its cache layer holds (a `layers.Kind` name): "kv" (cut back to any
+    # prefix), "state" (exact only at checkpoints), "both" (one layer holding each), "none".
+    state_layers: ClassVar[dict[str, str]] = {}
+    has_recurrent_layers: ClassVar[bool] = True
+    captures_with_kernels: ClassVar[bool] = False  # `forward_capturing` needs hyserve's kernels
+    # The model numbers a piece's tokens from 0 unless told where it starts (transformers' Bamba): pass them.
+    explicit_positions: ClassVar[bool] = False
+    # The model's multi-token pass ignores a recurrent state it starts from (transformers' Jamba scan): from
+    # a non-empty state, run tokens one per pass, the decode path, which does read it.
+    one_token_after_start: ClassVar[bool] = False
+
+    def __init__(self, model):
+        from ..kernels import KernelReport
+
+        self.model = model
+        self.kernels = KernelReport()  # which of hyserve's kernels passed the load-time check (`kernels.install`)
+        self._batch = None  # the last decode batch (batching.DecodeBatch), reused while its rows decode on
+        self.gathers = 0  # decode batches built afresh (a metric)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.24 names it `cache`; keep older names working.
+        self._cache_kw = next(k for k in ("cache", "past_key_values", "cache_params") if k in params)
+
+    # -- live state -------------------------------------------------------------------------
+    def new_state(self) -> LiveState:
+        return LiveState(cache=DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def forward(self, state: LiveState, token_ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all ([n, vocab])."""
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        state.batch = None  # its tensors move on from the batch's rows
+        if self.one_token_after_start and state.position and len(token_ids) > 1:
+            steps = [self._pass(state, [t], True) for t in token_ids]
+            return torch.cat(steps) if all_logits else steps[-1][-1]
+        logits = self._pass(state, token_ids, all_logits)
+        return logits if all_logits else logits[-1]
+
+    def _pass(self, state: LiveState, token_ids: Sequence[int], all_logits: bool) -> torch.Tensor:
+        device = self.model.device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        set_seen_tokens(state.cache, state.position)
+        extra = {}
+        if self.explicit_positions:
+            extra["position_ids"] = torch.arange(state.position, state.position + len(token_ids), device=device)[None]
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                         **{self._cache_kw: state.cache}, **extra)
+        state.tokens.extend(int(t) for t in token_ids)
+        return out.logits[0].float()
+
+    def can_capture(self) -> bool:
+        """Whether `forward_capturing` can return states from inside a piece (else split the prefill)."""
+        return False
+
+    def forward_capturing(self, state: LiveState, token_ids: Sequence[int], offsets: Sequence[int]
+                          ) -> tuple[torch.Tensor, list[LiveState] | None]:
+        """`forward`, also returning the state after each of `offsets` tokens of the piece (ascending, strictly
+        inside it), or None when those states could not be had (then no checkpoint may be taken there).
+        Their attention KV are views of `state`'s (never written in place: see `clone_cache`); take a
+        snapshot before `state` runs on."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
+        A single request takes this path too: its KV then grows in place, where `forward` would copy the
+        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
+        from ..batching import gather, place, scatter
+
+        batch = self._batch
+        rows = place(batch, states) if batch is not None else None
+        if rows is None:
+            self._batch = batch = gather(states, self.model.config, self.model.device)
+            self.gathers += 1
+            rows = list(range(len(states)))
+        mask, positions = batch.inputs(self.model.device)
+        set_seen_tokens(batch.cache, batch.width)
+        ids = torch.zeros((len(batch.owners), 1), dtype=torch.long, device=self.model.device)  # idle rows: token 0
+        ids[rows, 0] = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.model.device)
+        try:
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache},
+                             **self.batch_inputs(mask, positions))
+        except BaseException:
+            self._batch = None  # half-updated: never reuse it
+            for s in states:
+                s.batch = None
+            raise
+        scatter(batch, states, rows, tokens)
+        return out.logits[rows, -1].float()
+
+    @property
+    def batch_cache(self):
+        """The last decode batch's cache (kept between steps), or None."""
+        return self._batch.cache if self._batch is not None else None
+
+    def drop_batch(self) -> None:
+        """Free the last decode batch's buffers (the engine calls this when nothing is running)."""
+        self._batch = None
+
+    def batch_inputs(self, mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Padding mask and per-row positions for a batch whose attention KV lengths differ."""
+        return {"attention_mask": mask, "position_ids": positions}
+
+    # -- snapshot / restore -----------------------------------------------------------------
+    def snapshot(self, state: LiveState) -> Snapshot:
+        """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
+        cache = clone_cache(state.cache, packed=True)
+        return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
+
+    def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
+        """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests.
+        Its attention KV is shared, not copied (see `clone_cache`): the first forward concatenates it
+        into new tensors anyway, so a copy here would copy it twice."""
+        return LiveState(cache=clone_cache(snapshot.cache, share_kv=True), tokens=list(tokens))
+
+    def attention_length(self, state: LiveState) -> int | None:
+        """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
+        for layer in state.cache.layers:
+            if kinds.holds_kv(layer):
+                return DynamicLayer.get_seq_length(layer)
+        return None
+
+    # -- truncation -------------------------------------------------------------------------
+    def can_truncate(self, state: LiveState) -> bool:
+        """True only when every layer can be cut to any shorter prefix exactly (attention KV, or nothing)."""
+        return all(kinds.kind(layer).trims for layer in state.cache.layers)
+
+    def truncate(self, state: LiveState, num_tokens: int) -> None:
+        if not self.can_truncate(state):
+            raise ValueError("this state has recurrent or sliding-window layers and cannot be truncated")
+        if num_tokens > state.position:
+            raise ValueError("cannot truncate to a longer prefix")
+        for layer in state.cache.layers:
+            if kinds.holds_kv(layer):
+                kinds.cut_kv(layer, num_tokens, copy=True)
+        del state.tokens[num_tokens:]
+        state.batch = None
+
+
+    # -- rollback (speculative decoding) --------------------------------------------------
+    def rollback_point(self, state: LiveState) -> "RollbackPoint":
+        """Cheap save before a verify pass: copies of every layer's recurrent state (fixed size), KV only by length."""
+        saved = {i: kinds.save_state(layer) for i, layer in enumerate(state.cache.layers)
+                 if not kinds.kind(layer).trims}
+        return RollbackPoint(state.position, saved)
+
+    def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
+        """Make `state` equal to point + `keep` tokens (which it absorbed, along with rejected ones).
+
+        Attention-only: cut the KV, no compute, returns None. Otherwise restore the saved recurrent
+        layers, cut the KV back to the point and re-run `keep`, returning its last logits.
+        """
+        recurrent = bool(point.saved)
+        state.batch = None
+        for i, saved in point.saved.items():
+            kinds.put_state(state.cache.layers, i, saved)
+        # Views, not copies: the next forward concatenates into a fresh tensor anyway.
+        length = point.position if recurrent else point.position + len(keep)
+        for layer in state.cache.layers:
+            if kinds.holds_kv(layer):
+                kinds.cut_kv(layer, length)
+        del state.tokens[length:]
+        return self.forward(state, keep) if recurrent and keep else None
+
+
+@dataclass
+class RollbackPoint:
+    position: int
+    saved: dict[int, object]

@@ -1,0 +1,69 @@
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet (linear attention) layers interleaved with full attention.
+
+| cache layer      | kind                          | snapshot / restore            | batched            | rollback          |
+|------------------|-------------------------------|-------------------------------|--------------------|-------------------|
+| full_attention   | KV: cut back to any prefix    | copy / shared until appended  | left-padded KV     | cut to the point  |
+| linear_attention | conv + delta-rule state: only | copy (fixed size)             | stacked rows       | saved copy, re-run|
+|                  | at exact checkpoints          |                               |                    | the kept tokens   |
+
+Checkpoints inside a prefill piece come from hyserve's own kernels (`forward_capturing`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from ..state import LiveState
+from .base import FamilyAdapter
+
+
+class HybridLinearAttentionAdapter(FamilyAdapter):
+    """Gated DeltaNet (linear attention) layers interleaved with full attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next.
+
+    hyserve's own conv and delta-rule kernels can hand out the state at any token inside a prefill piece
+    (`kernels.capture`), so a checkpoint boundary needs no pass of its own. That needs those kernels, which
+    run only on the model thread, and only once the load-time check has seen them capture exactly."""
+
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+    state_layers = {"linear_attention": "state", "full_attention": "kv"}
+    captures_with_kernels = True
+
+    def can_capture(self) -> bool:
+        from .. import model_thread
+
+        return self.kernels.on("capture") and model_thread.on_model_thread()
+
+    @torch.inference_mode()
+    def forward_capturing(self, state, token_ids, offsets):
+        from .. import kernels
+
+        start = state.position
+        with kernels.capture(len(token_ids), offsets) as cap:
+            logits = self.forward(state, token_ids)
+        linear = [layer for layer in state.cache.layers if type(layer) is not DynamicLayer]
+        complete = (not cap.unexpected and len(cap.conv) == len(cap.recurrent) == len(linear)
+                    and all(getattr(layer, "number_of_states", 1) == 1 for layer in linear))
+        if not complete:
+            return logits, None
+        return logits, [self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
+                        for i, o in enumerate(cap.offsets)]
+
+    @staticmethod
+    def _state_at(state: LiveState, length: int, conv: list, recurrent: list) -> LiveState:
+        """`state`'s cache as it was after `length` tokens: attention KV cut there (views), the captured conv
+        and recurrent states in the linear layers (in layer order)."""
+        memo: dict[int, object] = {}
+        captured = iter(zip(conv, recurrent))
+        for layer in state.cache.layers:
+            if type(layer) is DynamicLayer:
+                memo[id(layer.keys)] = layer.keys[..., :length, :]
+                memo[id(layer.values)] = layer.values[..., :length, :]
+            else:
+                c, r = next(captured)
+                memo[id(layer.conv_states[0])], memo[id(layer.recurrent_states[0])] = c, r.to(layer.recurrent_states[0].dtype)
+        return LiveState(cache=copy.deepcopy(state.cache, memo), tokens=state.tokens[:length])
+
+
