@@ -176,7 +176,14 @@ def agent(result: dict) -> str:
     return bench_agent.table(result)
 
 
+def real(result: dict) -> str:
+    import bench_real
+
+    return bench_real.table(result)
+
+
 REPORTS = {
+    "real": ("real.json", real),
     "agent": ("agent.json", agent),
     "agent-back-to-back": ("agent-back-to-back.json", agent),
     "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),
