@@ -14,6 +14,7 @@ from ..cache.manager import PrefixCache
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
+from .. import logits
 from ..sampling import Sampler
 from ..scheduler import Scheduler
 from ..sequence import OutputSequence
@@ -90,10 +91,13 @@ class Admission:
                 run.boundaries += [b for b in job.stops if b.length not in known]
                 run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
-        run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
-                                 self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
-        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
-        if self.make_proposer and req.sampling.greedy:
+        run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
+        ending = rt.eos_token_ids | frozenset(req.sampling.stop_token_ids)
+        run.out = OutputSequence(rt.tokenizer, ending, req.stop, req.max_tokens, req.arrival,
+                                 self.metrics, lambda text, ids, lps: run.emit(Delta(text, list(ids), lps)))
+        # Speculation is exact only for greedy decoding (no rejection sampling) on the raw logits (its verify
+        # pass applies no processors and computes no logprobs): off otherwise.
+        if self.make_proposer and req.sampling.greedy and not run.pipeline and req.sampling.logprobs is None:
             run.proposer = self.make_proposer(req.prompt)
 
     def restore_all(self, guard: Callable) -> None:

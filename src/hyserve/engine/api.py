@@ -35,6 +35,7 @@ class GenerationRequest:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list | None = None  # one (token, logprob, [(id, logprob)...]) per token id, when requested
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int
     ttft: float | None
+    logprobs: list | None = None  # as Delta.logprobs, for every generated token
 
 
 @dataclass

@@ -65,11 +65,40 @@ def create_app(service: Service) -> FastAPI:
                 f"{len(prompt) + (wanted or 0)} tokens ({len(prompt)} in the messages, {wanted or 0} in the completion).",
                 param="messages" if messages is not None else "prompt", code="context_length_exceeded",
             )
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
+        sampling = sampling_params(body, max_tokens)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
                                  messages=messages, chat=chat, cache_salt=salt_of(body, request),
                                  timeout=cfg.request_timeout)
+
+    def vocab_size() -> int:
+        """Token ids a request may name: the tokenizer's, within the model's logits row."""
+        rows = getattr(rt.model.config.get_text_config(), "vocab_size", None) or len(rt.tokenizer)
+        return min(len(rt.tokenizer), rows)
+
+    def token_ids(ids, param: str) -> list[int]:
+        vocab = vocab_size()
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        return [int(t) for t in ids]
+
+    def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+        """The request's sampling and logits-processor fields, checked against this model."""
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+                           param="min_tokens")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        bias = body.logit_bias or {}
+        ids = token_ids([int(k) for k in bias], "logit_bias")
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+            logit_bias=tuple(zip(ids, [float(v) for v in bias.values()])),
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+            stop_token_ids=tuple(token_ids(body.stop_token_ids or [], "stop_token_ids")),
+            logprobs=body.logprobs_wanted())
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
@@ -158,7 +187,8 @@ def create_app(service: Service) -> FastAPI:
         turn.note_prompt(rt.tokenizer, chat.prompt)
         req = build_request(body, chat.prompt, messages, request, chat)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
-        return await run("chat", body, req, request, ChatFormat(service.model_name, body.return_token_ids, turn))
+        return await run("chat", body, req, request,
+                         ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -175,9 +205,12 @@ def create_app(service: Service) -> FastAPI:
             prompt = list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
+        if body.echo and body.logprobs is not None:  # would need the prompt's own logprobs (not computed)
+            raise APIError(400, "echo together with logprobs is not supported", param="echo")
         req = build_request(body, prompt, None, request)
+        echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
         return await run("completions", body, req, request,
-                         CompletionFormat(service.model_name, body.return_token_ids))
+                         CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
 
     @app.get("/v1/models")
     async def models():
