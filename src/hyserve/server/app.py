@@ -25,6 +25,7 @@ from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
 from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
+from .tokens import install_tokens
 
 
 def create_app(service: Service) -> FastAPI:
@@ -211,6 +212,8 @@ def create_app(service: Service) -> FastAPI:
         echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
         return await run("completions", body, req, request,
                          CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
+
+    install_tokens(app, service, check_model)
 
     @app.get("/v1/models")
     async def models():

@@ -172,3 +172,23 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a raw `prompt`, or chat `messages` rendered as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # chat only
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
