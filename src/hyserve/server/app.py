@@ -20,7 +20,8 @@ from ..sampling import SamplingParams
 from ..service import Service
 from .access import AccessLogMiddleware, track
 from .errors import APIError, install_handlers
-from .formats import ChatFormat, CompletionFormat, usage
+from .choices import merged, siblings
+from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
 from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -101,34 +102,54 @@ def create_app(service: Service) -> FastAPI:
             stop_token_ids=tuple(token_ids(body.stop_token_ids or [], "stop_token_ids")),
             logprobs=body.logprobs_wanted())
 
-    async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
-        """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
-        rid = req.request_id = fmt.id  # one id in headers, responses and cache events
-        service.cache.telemetry.bind(rid, tenant_of(req.cache_salt))  # its events are its tenant's
+    async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, make_fmt):
+        """make_fmt() builds one choice's JSON (fmt(kind, payload), kind 'start', 'delta', 'final' or 'full');
+        `body.n` choices share req's prefill."""
+        reqs = siblings(req, body.n)
+        fmts = [make_fmt() for _ in reqs]
+        rid = req.request_id = fmts[0].id  # one id in headers, responses and cache events
+        for i, (r, fmt) in enumerate(zip(reqs, fmts)):
+            fmt.id, fmt.created, fmt.index = rid, fmts[0].created, i
+            if i:
+                r.request_id = f"{rid}-{i}"
+            service.cache.telemetry.bind(r.request_id, tenant_of(r.cache_salt))  # its events are its tenant's
+        streams = []
         try:
-            items = track(request.scope, req, service.engine.stream(req))  # for the access line
+            for i, r in enumerate(reqs):
+                stream = service.engine.stream(r)
+                streams.append(track(request.scope, r, stream) if i == 0 else stream)  # for the access line
         except QueueFull as exc:
+            for r in reqs:
+                r.cancelled.set()
             metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+        items = merged(streams)
+
+        def cancel_all():
+            for r in reqs:
+                r.cancelled.set()
+
         if body.stream:
             async def events():
-                status = "ok"
+                status, finals = "ok", [None] * len(reqs)
                 try:
-                    for chunk in fmt("start", None):
-                        yield {"data": json.dumps(chunk)}
-                    async for item in items:
+                    for fmt in fmts:
+                        for chunk in fmt("start", None):
+                            yield {"data": json.dumps(chunk)}
+                    async for i, item in items:
                         if isinstance(item, Delta):
-                            for chunk in fmt("delta", item):
+                            for chunk in fmts[i]("delta", item):
                                 yield {"data": json.dumps(chunk)}
                         elif isinstance(item, Finished) and item.reason == "timeout":
                             status = "timeout"
                             yield {"data": json.dumps({"error": {"message": "request timed out", "type": "timeout",
                                                                  "param": None, "code": "request_timeout"}})}
                         elif isinstance(item, Finished):
-                            for chunk in fmt("final", item):
+                            finals[i] = item
+                            for chunk in fmts[i]("final", item):
                                 yield {"data": json.dumps(chunk)}
-                            if body.include_usage:
-                                yield {"data": json.dumps(fmt("usage", usage(item)))}
+                            if body.include_usage and all(finals):
+                                yield {"data": json.dumps(fmts[0]("usage", usage(*finals)))}
                         elif isinstance(item, Failed):
                             status = "error"
                             yield {"data": json.dumps({"error": {"message": item.message, "type": "server_error",
@@ -138,32 +159,38 @@ def create_app(service: Service) -> FastAPI:
                     status = "cancelled"
                     raise
                 finally:
+                    cancel_all()
+                    await items.aclose()
                     metrics.requests.labels(endpoint, status).inc()
             return EventSourceResponse(events(), ping=15, headers={"X-Request-Id": rid})
 
         async def watch_disconnect():
             while not req.cancelled.is_set():
                 if await request.is_disconnected():
-                    req.cancelled.set()
+                    cancel_all()
                     return
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch_disconnect())
+        results: list = [None] * len(reqs)
         try:
-            result = None
-            async for item in items:
+            async for i, item in items:
                 if isinstance(item, (Finished, Failed)):
-                    result = item
+                    results[i] = item
         finally:
             watcher.cancel()
-        if isinstance(result, Failed) or result is None:
+            cancel_all()
+            await items.aclose()
+        failed = next((r for r in results if isinstance(r, Failed) or r is None), False)
+        if failed is not False:
             metrics.requests.labels(endpoint, "error").inc()
-            raise APIError(500, result.message if result else "generation failed", "server_error")
-        if result.reason == "timeout":
+            raise APIError(500, failed.message if failed else "generation failed", "server_error")
+        if any(r.reason == "timeout" for r in results):
             metrics.requests.labels(endpoint, "timeout").inc()
             raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
-        metrics.requests.labels(endpoint, "cancelled" if result.reason == "cancelled" else "ok").inc()
-        return JSONResponse(fmt("full", result), headers={"X-Request-Id": rid})
+        cancelled = any(r.reason == "cancelled" for r in results)
+        metrics.requests.labels(endpoint, "cancelled" if cancelled else "ok").inc()
+        return JSONResponse(full_response(fmts, results), headers={"X-Request-Id": rid})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -189,7 +216,7 @@ def create_app(service: Service) -> FastAPI:
         req = build_request(body, chat.prompt, messages, request, chat)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         return await run("chat", body, req, request,
-                         ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
+                         lambda: ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -211,7 +238,7 @@ def create_app(service: Service) -> FastAPI:
         req = build_request(body, prompt, None, request)
         echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
         return await run("completions", body, req, request,
-                         CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
+                         lambda: CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
 
     install_tokens(app, service, check_model)
 

@@ -21,6 +21,7 @@ class _Format:
     def __init__(self, model: str, token_ids: bool = False, tokenizer=None):
         self.model, self.token_ids = model, token_ids
         self.tokenizer = tokenizer  # for logprobs: each token's text
+        self.index = 0  # the choice's index (n > 1)
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
 
     def _envelope(self, choices: list, obj: str | None = None) -> dict:
@@ -71,7 +72,7 @@ class ChatFormat(_Format):
 
     def _chunk(self, delta: dict, finish: str | None = None, ids: list[int] | None = None,
                logprobs: dict | None = None) -> dict:
-        return self._envelope([self._ids({"index": 0, "delta": delta, "logprobs": logprobs,
+        return self._envelope([self._ids({"index": self.index, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": finish}, ids)])
 
     def _logprobs(self, entries: list | None) -> dict | None:
@@ -108,7 +109,7 @@ class ChatFormat(_Format):
         message = assistant_message(reply)
         if reply.reasoning is not None:
             message["reasoning"] = reply.reasoning  # the name vLLM uses now, next to `reasoning_content`
-        return self._ids({"index": 0, "message": message, "logprobs": self._logprobs(fin.logprobs),
+        return self._ids({"index": self.index, "message": message, "logprobs": self._logprobs(fin.logprobs),
                           "finish_reason": _finish(fin, bool(reply.tool_calls))}, fin.token_ids)
 
 
@@ -135,7 +136,7 @@ class CompletionFormat(_Format):
         self.offset = len(echo or "")  # text_offset of the next token
 
     def _choice(self, text: str, ids: list[int] | None, finish: str | None, logprobs: dict | None = None) -> dict:
-        return self._ids({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}, ids)
+        return self._ids({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}, ids)
 
     def _logprobs(self, entries: list | None) -> dict | None:
         """The legacy shape: parallel lists; each top_logprobs dict holds the k most likely and the sampled."""
@@ -177,10 +178,20 @@ def _finish(fin: Finished, tool_calls: bool = False) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(fin: Finished) -> dict:
+def usage(*fins: Finished) -> dict:
+    """One prompt (shared by the n choices) and every choice's completion tokens."""
+    fin, completion = fins[0], sum(len(f.token_ids) for f in fins)
     return {
         "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": len(fin.token_ids),
-        "total_tokens": fin.prompt_tokens + len(fin.token_ids),
+        "completion_tokens": completion,
+        "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
     }
+
+
+def full_response(fmts: list[_Format], fins: list[Finished]) -> dict:
+    """The whole (non-streamed) response: one choice per format and its Finished item."""
+    out = fmts[0]("full", fins[0])
+    out["choices"] += [fmt.full(fin) for fmt, fin in zip(fmts[1:], fins[1:])]
+    out["usage"] = usage(*fins)
+    return out

@@ -11,6 +11,7 @@ GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (as in vLLM): 1/T 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 class TextPart(BaseModel):
@@ -90,7 +91,7 @@ class SamplingFields(BaseModel):
     stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices, sharing one prefill
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
