@@ -69,3 +69,12 @@ def test_greedy_n_equals_n1_and_limits(qwen35_server):
     with pytest.raises(BadRequestError) as err:
         c.completions.create(n=17, **kw)
     assert err.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3"])
+def test_forked_choices_equal_separate_requests_on_other_families(servers, arch):
+    """The copied state is exact for pure-recurrent and attention-only models too."""
+    c = client(servers(arch))
+    kw = dict(model=f"tiny-{arch}", prompt=PROMPT, max_tokens=6, temperature=1.0)
+    both = c.completions.create(n=2, seed=21, **kw).choices
+    assert [ch.text for ch in both] == [c.completions.create(seed=21 + i, **kw).choices[0].text for i in range(2)]
