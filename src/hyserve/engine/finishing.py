@@ -71,7 +71,7 @@ class Finishing:
         cached = run.restored.cached_tokens if run.restored is not None else 0
         self.metrics.snapshots_per_request.observe(run.snapshots)
         self.release(run)
-        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
+        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
 
     def guard(self, runs: list[Run], fn, *args):
         """`fn(*args)`, or None after failing `runs` if it raised: each one leaves with a `Failed` item (unless
