@@ -90,6 +90,7 @@ class Admission:
                 run.boundaries += [b for b in job.stops if b.length not in known]
                 run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
+        run.constraint = req.grammar.start() if req.grammar is not None else None
         run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
                                  self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
         # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.

@@ -26,6 +26,7 @@ class GenerationRequest:
     # tool calls parsed, `hyserve.chat.ChatTurn.history_message`); None: the text as the message's content
     reply_message: Callable[[str], dict] | None = None
     timeout: float | None = None  # seconds from arrival
+    grammar: object | None = None  # hyserve.grammar.Compiled: structured output, masks every sampled token
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cache.namespace import tenant_of
 from ..chat import ChatRequestError, ChatTurn, template_message
 from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..grammar import GrammarError, Grammars
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
@@ -25,6 +26,7 @@ from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
 from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
+from .structured import constraint_of
 
 
 def create_app(service: Service) -> FastAPI:
@@ -44,6 +46,19 @@ def create_app(service: Service) -> FastAPI:
                            "not_found_error", "model", "model_not_found")
 
     cfg = service.config
+    vocab = rt.model.config.get_text_config().vocab_size  # the logits' width (ids past the tokenizer's masked)
+    grammars = Grammars(rt.tokenizer, vocab, rt.eos_token_ids)
+
+    async def grammar_of(body: SamplingFields):
+        """The request's checked constraint (None without one), compiled off the event loop; a 400 naming
+        the field when it is invalid."""
+        spec = constraint_of(body)
+        if spec is None:
+            return None
+        try:
+            return await run_in_threadpool(grammars.compile, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=exc.param)
 
     def salt_of(body: SamplingFields, request: Request) -> str:
         """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
@@ -53,7 +68,7 @@ def create_app(service: Service) -> FastAPI:
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
 
     def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
-                      request: Request, chat: ChatPrompt | None = None) -> GenerationRequest:
+                      request: Request, chat: ChatPrompt | None = None, grammar=None) -> GenerationRequest:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
         if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
@@ -69,7 +84,7 @@ def create_app(service: Service) -> FastAPI:
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
                                  messages=messages, chat=chat, cache_salt=salt_of(body, request),
-                                 timeout=cfg.request_timeout)
+                                 timeout=cfg.request_timeout, grammar=grammar)
 
     async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
         """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
@@ -138,6 +153,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        grammar = await grammar_of(body)
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         try:
@@ -156,13 +172,14 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         turn.note_prompt(rt.tokenizer, chat.prompt)
-        req = build_request(body, chat.prompt, messages, request, chat)
+        req = build_request(body, chat.prompt, messages, request, chat, grammar)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         return await run("chat", body, req, request, ChatFormat(service.model_name, body.return_token_ids, turn))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        grammar = await grammar_of(body)
         if isinstance(body.prompt, str):
             try:
                 prompt = await run_in_threadpool(rt.encode, body.prompt, salt_of(body, request))
@@ -175,7 +192,7 @@ def create_app(service: Service) -> FastAPI:
             prompt = list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
-        req = build_request(body, prompt, None, request)
+        req = build_request(body, prompt, None, request, grammar=grammar)
         return await run("completions", body, req, request,
                          CompletionFormat(service.model_name, body.return_token_ids))
 
