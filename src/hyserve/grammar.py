@@ -111,6 +111,7 @@ class Compiled:
     lltok: object
     text: str
     vocab_size: int
+    after: tuple[int, ...] = ()  # tokens (a reasoning block's end tag) the grammar starts after; () from the first
 
     def start(self) -> "Constraint":
         return Constraint(self)
@@ -126,10 +127,14 @@ class Constraint:
         self._llt = llt
         self.matcher = llg.LLMatcher(compiled.lltok, compiled.text, log_level=0)
         self.bitmask = llt.allocate_token_bitmask(1, compiled.vocab_size)
+        self.waiting = list(compiled.after)  # while set, the reply is still reasoning: nothing constrained
+        self.recent: list[int] = []
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor | None:
         """A copy of a logits row with every token the grammar forbids at -inf (end of sequence only where
         the grammar accepts), or None at a dead end (no token allowed)."""
+        if self.waiting:
+            return logits
         if self.matcher.is_error():
             return None
         self._llt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
@@ -141,6 +146,11 @@ class Constraint:
 
     def accept(self, token: int) -> bool:
         """Advance by one accepted token; False if the grammar refuses it (the matcher is then in error)."""
+        if self.waiting:
+            self.recent = (self.recent + [int(token)])[-len(self.waiting):]
+            if self.recent == self.waiting:
+                self.waiting = []
+            return True
         return bool(self.matcher.consume_token(int(token)))
 
     def allows(self, logits: torch.Tensor, token: int) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -172,6 +173,9 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         turn.note_prompt(rt.tokenizer, chat.prompt)
+        if grammar is not None and turn.reasoning_opened:  # the reply reasons first: constrain its answer only
+            end_tag = service.parsers.reasoning.end_tag
+            grammar = replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
         req = build_request(body, chat.prompt, messages, request, chat, grammar)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         return await run("chat", body, req, request, ChatFormat(service.model_name, body.return_token_ids, turn))
