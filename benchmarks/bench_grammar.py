@@ -10,21 +10,23 @@ dependency of hyserve: `pip install --no-deps xgrammar apache-tvm-ffi` to run th
 
     python benchmarks/bench_grammar.py            # ~15 s
 
-Run once on 2 shared, busy cores (rough; both engines in the same run, one after the other):
+Run once on 2 shared, busy cores (rough; both engines in the same run, one after the other; llguidance's
+mask filled and applied with hyserve's own `grammar` functions, as the server does):
 
              vocab          engine  setup ms  compile ms  1st mask ms  mask mean us  mask max us
-          tiny 512        xgrammar       1.1         0.9         0.39           7.7         18.0
-          tiny 512    xgrammar 2nd       0.8         0.7         0.03           7.2          9.1
-          tiny 512      llguidance       2.8         0.7      1725.72          48.7        377.8
-          tiny 512  llguidance 2nd       2.7         0.6         0.18          26.5         78.9
-         bpe 41607        xgrammar      96.1         8.2         0.26         110.1        191.5
-         bpe 41607    xgrammar 2nd      86.8         8.4         0.27         123.7        237.8
-         bpe 41607      llguidance     254.2         1.0         0.46          54.2        234.1
-         bpe 41607  llguidance 2nd     235.3         1.1         0.44          44.7        141.9
+          tiny 512        xgrammar       1.0         0.9         0.38          40.5       3349.3
+          tiny 512    xgrammar 2nd       0.9         0.7         0.03           7.2          9.2
+          tiny 512      llguidance       6.8         0.7         1.40          20.1         66.3
+          tiny 512  llguidance 2nd       2.3         0.5         0.08          31.0       1222.3
+         bpe 41607        xgrammar     105.6        15.7         0.22         182.5       4187.3
+         bpe 41607    xgrammar 2nd     170.3        12.6         0.22         107.0        171.3
+         bpe 41607      llguidance     261.3         1.0         0.39         101.6       1848.5
+         bpe 41607  llguidance 2nd     261.6         0.9         0.34          68.5        149.5
 
-At a real vocabulary's size llguidance compiles ~8x and masks ~2x faster; its 1.7 s first mask is once per
-process. Setup (the tokenizer, once per server) is slower. It also installs nothing else, where xgrammar
-pulls apache-tvm-ffi and triton.
+At a real vocabulary's size llguidance compiles a schema >10x faster (~1 ms against ~13-16 ms) and masks a
+token no slower (~70-100 us against ~110-180 us); its tokenizer setup (once per server) is slower. It also
+installs nothing else, where xgrammar pulls apache-tvm-ffi and triton. (llguidance.torch's own mask kernel
+is TorchScript, compiled on first use: ~2 s, hence hyserve's plain-torch one.)
     python benchmarks/bench_grammar.py --small    # the tiny tokenizer only
 """
 
@@ -104,7 +106,7 @@ def bench_xgrammar(tok, vocab: int, tokens: list[int]) -> dict:
 def bench_llguidance(tok, vocab: int, tokens: list[int]) -> dict:
     import llguidance
     import llguidance.hf
-    import llguidance.torch as llt
+    from hyserve.grammar import apply_bitmask, fill_bitmask, new_bitmask  # as the server does
 
     t0 = time.perf_counter()
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
@@ -115,13 +117,13 @@ def bench_llguidance(tok, vocab: int, tokens: list[int]) -> dict:
     matcher = llguidance.LLMatcher(lltok, grammar)
     compile_s = time.perf_counter() - t0
     assert not matcher.is_error(), matcher.get_error()
-    bitmask = llt.allocate_token_bitmask(1, vocab)
-    logits = torch.zeros(1, vocab)
+    bitmask = new_bitmask(vocab)
+    logits = torch.zeros(vocab)
     times = []
     for t in tokens:
         t0 = time.perf_counter()
-        llt.fill_next_token_bitmask(matcher, bitmask, 0)
-        llt.apply_token_bitmask_inplace(logits, bitmask)
+        fill_bitmask(matcher, bitmask)
+        apply_bitmask(logits, bitmask)
         times.append(time.perf_counter() - t0)
         assert matcher.consume_token(t), f"llguidance refused token {t}: {matcher.get_error()}"
     return {"setup": setup, "compile": compile_s, "masks": times}
@@ -146,11 +148,12 @@ def main() -> None:
         vocab = len(tok)
         tokens = tok(DOCUMENT, add_special_tokens=False)["input_ids"]
         for engine, fn in (("xgrammar", bench_xgrammar), ("llguidance", bench_llguidance)):
-          for run in ("", " 2nd"):  # the 2nd run: what a later request pays (process-wide warm-up done)
-            r = fn(tok, vocab, tokens)
-            rest = r["masks"][1:]
-            print(f"{name + ' ' + str(vocab):>14} {engine + run:>15} {r['setup'] * 1e3:9.1f} {r['compile'] * 1e3:11.1f} "
-                  f"{r['masks'][0] * 1e3:12.2f} {statistics.mean(rest) * 1e6:13.1f} {max(rest) * 1e6:12.1f}")
+            for run in ("", " 2nd"):  # the 2nd run: what a later request pays (process-wide warm-up done)
+                r = fn(tok, vocab, tokens)
+                rest = r["masks"][1:]
+                print(f"{name + ' ' + str(vocab):>14} {engine + run:>15} {r['setup'] * 1e3:9.1f} "
+                      f"{r['compile'] * 1e3:11.1f} {r['masks'][0] * 1e3:12.2f} "
+                      f"{statistics.mean(rest) * 1e6:13.1f} {max(rest) * 1e6:12.1f}")
     print(f"({len(tokens)} tokens per document on the last vocab; numbers under CPU contention are rough)")
 
 

@@ -61,7 +61,8 @@ def test_json_object_opens_an_object_where_plain_decoding_does_not(qwen35_server
     ({"guided_choice": ["yes", "no way", 'say "hi"']}, lambda t: t in ("yes", "no way", 'say "hi"')),
     ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
     ({"guided_regex": r"[a-z]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{3}-[0-9]{2}", t)),
-    ({"structured_outputs": {"regex": r"(red|blue) [0-9]{1,3}\."}}, lambda t: re.fullmatch(r"(red|blue) [0-9]{1,3}\.", t)),
+    ({"structured_outputs": {"regex": r"(red|blue) [0-9]{1,3}\."}},
+     lambda t: re.fullmatch(r"(red|blue) [0-9]{1,3}\.", t)),
     ({"guided_grammar": 'start: "a" ("b" | "c")~3'}, lambda t: re.fullmatch(r"a[bc]{3}", t)),
     ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, lambda t: re.fullmatch(r"x[0-9]{2}", t)),
 ])
@@ -103,3 +104,17 @@ def test_real_qwen35_template_constrains_the_answer_not_the_reasoning(template_s
     r = client(srv).chat.completions.create(model="tpl", messages=MSGS, temperature=0, max_tokens=6,
                                             extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content in (None, "")
+
+
+def test_constrained_and_plain_requests_batched_together_equal_each_alone(qwen35_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = client(qwen35_server)
+    kinds = [{"response_format": JSON_SCHEMA}, {"extra_body": {"guided_regex": "[a-z]{30}"}}, {}, {}]
+    alone = [chat(c, max_tokens=40, **kw).choices[0].message.content for kw in kinds]
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        together = list(pool.map(lambda kw: chat(c, max_tokens=40, **kw).choices[0].message.content, kinds * 2))
+    assert together == alone * 2
+    reg = qwen35_server.service.metrics.registry
+    rows, passes = (reg.get_sample_value(f"hyserve_decode_batch_size_{s}") for s in ("sum", "count"))
+    assert rows > passes  # some passes held several requests
