@@ -91,12 +91,13 @@ class Admission:
                 run.boundaries += [b for b in job.stops if b.length not in known]
                 run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
+        run.constraint = req.grammar.start() if req.grammar is not None else None
         run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
         ending = rt.eos_token_ids | frozenset(req.sampling.stop_token_ids)
         run.out = OutputSequence(rt.tokenizer, ending, req.stop, req.max_tokens, req.arrival,
                                  self.metrics, lambda text, ids, lps: run.emit(Delta(text, list(ids), lps)))
         # Speculation is exact only for greedy decoding (no rejection sampling) on the raw logits (its verify
-        # pass applies no processors and computes no logprobs): off otherwise.
+        # pass applies no processors and computes no logprobs, though it masks with the grammar): off otherwise.
         if self.make_proposer and req.sampling.greedy and not run.pipeline and req.sampling.logprobs is None:
             run.proposer = self.make_proposer(req.prompt)
 

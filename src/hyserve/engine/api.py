@@ -29,6 +29,7 @@ class GenerationRequest:
     # n > 1: a sibling request with the same prompt, submitted first; this one decodes from a copy of its
     # state once it has prefilled (when it is still running then; else it restores and prefills as usual)
     prefill_from: "GenerationRequest | None" = None
+    grammar: object | None = None  # hyserve.grammar.Compiled: structured output, masks every sampled token
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)

@@ -50,9 +50,18 @@ class Decode:
         """Sample and emit the request's next token; with proposals, verify them in a pass of its own.
         Returns the token when it goes into the batched pass, None when the request finished or speculated."""
         row = run.pipeline(run.logits, run.out.generated) if run.pipeline else run.logits
+        if run.constraint is not None:  # structured output, after bias and penalties: only what the grammar allows
+            row = run.constraint.mask(row)
+            if row is None:
+                log.warning("request %s: its grammar allows no next token, ending it", run.req.request_id)
+                run.logits = None  # its state holds every generated token, not all but the last: not recorded
+                self.finish(run, "stop")
+                return None
         token = run.sampler(row)
         if not 0 <= token < run.logits.shape[-1]:
             raise ValueError(f"sampled token {token} is outside the vocabulary")
+        if run.constraint is not None and not run.constraint.accept(token):
+            raise ValueError(f"sampled token {token} is refused by the request's grammar")
         top = run.req.sampling.logprobs
         reason = run.out.push(token, None if top is None else token_logprobs(row, token, top))
         if reason is not None:
@@ -107,6 +116,19 @@ class Decode:
         while state.position < len(tokens):
             run.logits = adapter.forward(state, tokens[state.position : state.position + self.prefill_chunk])
 
+    @staticmethod
+    def verified(run: Run, all_logits, proposals: list[int]) -> int:
+        """How many proposals greedy decoding keeps. Under a grammar, row i is masked by the matcher at
+        position i, which each verified proposal advances: it only ever holds accepted tokens, so the
+        tokens cut after a finish are the only ones it could need back, and then the request has ended."""
+        if run.constraint is None:
+            return accepted_prefix(all_logits, proposals)
+        j = 0
+        while j < len(proposals) and run.constraint.allows(all_logits[j], proposals[j]):
+            run.constraint.accept(proposals[j])
+            j += 1
+        return j
+
     def speculate(self, run: Run, token: int, proposals: list[int]):
         """Verify `proposals` after `token` in one pass; push the accepted ones through the output like
         any decoded token; leave the state at exactly prompt + generated[:-1]. Returns (logits, finish)."""
@@ -114,7 +136,7 @@ class Decode:
         t0 = time.perf_counter()
         point = adapter.rollback_point(state)
         all_logits = adapter.forward(state, [token] + proposals, all_logits=True)
-        accepted = accepted_prefix(all_logits, proposals)
+        accepted = self.verified(run, all_logits, proposals)
         keep, reason = accepted + 1, None  # tokens of [token] + proposals the state should hold
         for i, d in enumerate(proposals[:accepted]):
             reason = out.push(d)

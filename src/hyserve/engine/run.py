@@ -32,6 +32,7 @@ class Run:
     sampler: Sampler | None = None
     pipeline: Pipeline | None = None  # logits processors applied before the sampler
     proposer: object | None = None
+    constraint: object | None = None  # hyserve.grammar.Constraint of a structured-output request
     logits: object | None = None  # next-token logits once prefill is done
     snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)
     spec_misses: int = 0  # verify passes in a row that accepted nothing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cache.namespace import tenant_of
 from ..chat import ChatRequestError, ChatTurn, template_message
 from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..grammar import GrammarError, Grammars
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
 from ..service import Service
@@ -27,6 +29,7 @@ from .openapi_doc import install_openapi
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
 from .tokens import install_tokens
+from .structured import constraint_of
 
 
 def create_app(service: Service) -> FastAPI:
@@ -46,6 +49,19 @@ def create_app(service: Service) -> FastAPI:
                            "not_found_error", "model", "model_not_found")
 
     cfg = service.config
+    vocab = rt.model.config.get_text_config().vocab_size  # the logits' width (ids past the tokenizer's masked)
+    grammars = Grammars(rt.tokenizer, vocab, rt.eos_token_ids)
+
+    async def grammar_of(body: SamplingFields):
+        """The request's checked constraint (None without one), compiled off the event loop; a 400 naming
+        the field when it is invalid."""
+        spec = constraint_of(body)
+        if spec is None:
+            return None
+        try:
+            return await run_in_threadpool(grammars.compile, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=exc.param)
 
     def salt_of(body: SamplingFields, request: Request) -> str:
         """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
@@ -55,7 +71,7 @@ def create_app(service: Service) -> FastAPI:
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
 
     def build_request(body: SamplingFields, prompt: list[int], messages: list[dict] | None,
-                      request: Request, chat: ChatPrompt | None = None) -> GenerationRequest:
+                      request: Request, chat: ChatPrompt | None = None, grammar=None) -> GenerationRequest:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
         if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
@@ -71,7 +87,7 @@ def create_app(service: Service) -> FastAPI:
         sampling = sampling_params(body, max_tokens)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
                                  messages=messages, chat=chat, cache_salt=salt_of(body, request),
-                                 timeout=cfg.request_timeout)
+                                 timeout=cfg.request_timeout, grammar=grammar)
 
     def vocab_size() -> int:
         """Token ids a request may name: the tokenizer's, within the model's logits row."""
@@ -195,6 +211,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        grammar = await grammar_of(body)
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         try:
@@ -213,7 +230,10 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         turn.note_prompt(rt.tokenizer, chat.prompt)
-        req = build_request(body, chat.prompt, messages, request, chat)
+        if grammar is not None and turn.reasoning_opened:  # the reply reasons first: constrain its answer only
+            end_tag = service.parsers.reasoning.end_tag
+            grammar = replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
+        req = build_request(body, chat.prompt, messages, request, chat, grammar)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         return await run("chat", body, req, request,
                          lambda: ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
@@ -221,6 +241,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        grammar = await grammar_of(body)
         if isinstance(body.prompt, str):
             try:
                 prompt = await run_in_threadpool(rt.encode, body.prompt, salt_of(body, request))
@@ -237,6 +258,7 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
         req = build_request(body, prompt, None, request)
         echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
+        req = build_request(body, prompt, None, request, grammar=grammar)
         return await run("completions", body, req, request,
                          lambda: CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
 

@@ -6,6 +6,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .structured import StructuredFields
+
 MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (as in vLLM): 1/T would overflow the logits
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -78,8 +80,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by chat and text completions."""
+class SamplingFields(StructuredFields):
+    """Fields shared by chat and text completions (the structured-output ones in `structured`)."""
 
     model_config = ConfigDict(extra="allow")  # like vLLM: unknown OpenAI fields are ignored, not fatal
     model: str

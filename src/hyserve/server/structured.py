@@ -1,0 +1,98 @@
+"""Structured-output fields of a request (OpenAI's `response_format`, vLLM's `structured_outputs` and
+`guided_*`) read into one `grammar.Spec`: at most one constraint per request, a clear 400 otherwise."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..grammar import Spec
+from .errors import APIError
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its `guided_*` fields grouped): set exactly one."""
+
+    model_config = ConfigDict(extra="allow")
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StructuredFields(BaseModel):
+    """Mixed into the chat and completions request bodies."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+
+
+ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def _schema(value, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise APIError(400, f"{param} is not valid JSON: {exc}", param=param)
+    if not isinstance(value, (dict, bool)):
+        raise APIError(400, f"{param} must be a JSON schema (an object)", param=param)
+    return json.dumps(value)
+
+
+def constraint_of(body: StructuredFields) -> Spec | None:
+    """The request's one constraint, or None. Two at once (say response_format and guided_regex) is a 400."""
+    found: list[Spec] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(Spec("json", ANY_OBJECT, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format.json_schema")
+        found.append(Spec("json", _schema(rf.json_schema.schema_, "response_format.json_schema.schema"),
+                          "response_format.json_schema.schema"))
+    so = body.structured_outputs
+    fields = [("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
+              ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar)]
+    if so is not None:
+        fields += [("structured_outputs.json", so.json_), ("structured_outputs.regex", so.regex),
+                   ("structured_outputs.choice", so.choice), ("structured_outputs.grammar", so.grammar)]
+        if so.json_object:
+            found.append(Spec("json", ANY_OBJECT, "structured_outputs.json_object"))
+    for param, value in fields:
+        if value is None:
+            continue
+        kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+        if kind == "json":
+            found.append(Spec("json", _schema(value, param), param))
+        elif kind == "choice":
+            found.append(Spec("choice", json.dumps(value), param))
+        else:
+            found.append(Spec(kind, value, param))
+    if len(found) > 1:
+        raise APIError(400, f"set one structured-output constraint, not {len(found)}: "
+                            + ", ".join(s.param for s in found), param=found[1].param)
+    return found[0] if found else None
