@@ -26,6 +26,9 @@ class GenerationRequest:
     # tool calls parsed, `hyserve.chat.ChatTurn.history_message`); None: the text as the message's content
     reply_message: Callable[[str], dict] | None = None
     timeout: float | None = None  # seconds from arrival
+    # record the state after *every* generated token (prompt + output, the last token fed too) in place of the
+    # usual post-decode checkpoint: /v1/responses continues a stored response from exactly there
+    keep_final: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)

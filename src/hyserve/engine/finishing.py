@@ -50,6 +50,12 @@ class Finishing:
         rebuild = None
         if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
+        elif req.keep_final:
+            if self.cache.enabled and self.policy.post_decode:  # the state holds prompt + generated[:-1]: feed the last token, then record
+                rt.adapter.forward(run.state, [generated[-1]])
+                run.snapshots += self.cache.record(rt.adapter, run.state, "post_decode",
+                                                   len(req.prompt) + len(generated), req.request_id,
+                                                   req.cache_salt)
         else:
             state = run.state
             render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,7 +23,9 @@ from .access import AccessLogMiddleware, track
 from .errors import APIError, install_handlers
 from .formats import ChatFormat, CompletionFormat, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .messages import install_messages
 from .openapi_doc import install_openapi
+from .responses import install_responses
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
 
@@ -85,25 +88,24 @@ def create_app(service: Service) -> FastAPI:
                 status = "ok"
                 try:
                     for chunk in fmt("start", None):
-                        yield {"data": json.dumps(chunk)}
+                        yield fmt.event(chunk)
                     async for item in items:
                         if isinstance(item, Delta):
                             for chunk in fmt("delta", item):
-                                yield {"data": json.dumps(chunk)}
+                                yield fmt.event(chunk)
                         elif isinstance(item, Finished) and item.reason == "timeout":
                             status = "timeout"
-                            yield {"data": json.dumps({"error": {"message": "request timed out", "type": "timeout",
-                                                                 "param": None, "code": "request_timeout"}})}
+                            yield fmt.error_event("request timed out", "timeout", "request_timeout")
                         elif isinstance(item, Finished):
                             for chunk in fmt("final", item):
-                                yield {"data": json.dumps(chunk)}
+                                yield fmt.event(chunk)
                             if body.include_usage:
-                                yield {"data": json.dumps(fmt("usage", usage(item)))}
+                                yield fmt.event(fmt("usage", usage(item)))
                         elif isinstance(item, Failed):
                             status = "error"
-                            yield {"data": json.dumps({"error": {"message": item.message, "type": "server_error",
-                                                                 "param": None, "code": None}})}
-                    yield {"data": "[DONE]"}
+                            yield fmt.error_event(item.message, "server_error", None)
+                    if fmt.done is not None:
+                        yield {"data": fmt.done}
                 except asyncio.CancelledError:
                     status = "cancelled"
                     raise
@@ -134,6 +136,10 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
         metrics.requests.labels(endpoint, "cancelled" if result.reason == "cancelled" else "ok").inc()
         return JSONResponse(fmt("full", result), headers={"X-Request-Id": rid})
+
+    # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
+    app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,
+                                    build_request=build_request, run=run)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -227,4 +233,6 @@ def create_app(service: Service) -> FastAPI:
         removed = await under_lock(service.cache.clear, tenant)
         return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
+    install_responses(app, service)
+    install_messages(app, service)
     return app

@@ -1,0 +1,5 @@
+"""`POST /v1/messages` (Anthropic's Messages API)."""
+
+
+def install_messages(app, service) -> None:
+    pass
