@@ -42,7 +42,8 @@ def two_turns(srv, **first):
 
 def test_previous_response_id_restores_the_whole_previous_turn(template_servers, force):
     on, off = template_servers(*QWEN35), template_servers(*QWEN35, cache_enabled=False)
-    for extra in ({}, {"max_output_tokens": 32, "extra_body": {"seed": force(on.service.runtime, HI)}}):  # cut by length; ended by eos
+    forced = {"max_output_tokens": 32, "extra_body": {"seed": force(on.service.runtime, HI)}}
+    for extra in ({}, forced):  # the first reply cut by length, then one that ends its turn itself
         r1, r2 = two_turns(on, **extra)
         assert r1.status == ("incomplete" if not extra else "completed") and r1.object == "response"
         assert r2.previous_response_id == r1.id and r2.instructions == "Be terse."

@@ -4,7 +4,6 @@ does everything that touches the model."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from types import SimpleNamespace
 

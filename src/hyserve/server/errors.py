@@ -75,8 +75,8 @@ def install_handlers(app: FastAPI) -> None:
             msg = f"missing required parameter: {param}"
         elif param:
             msg = f"invalid value for {param}: {msg}"
-        return error_response(400, msg, param=param, code="invalid_value" if first.get("type") != "missing" else "missing",
-                              path=path)
+        code = "invalid_value" if first.get("type") != "missing" else "missing"
+        return error_response(400, msg, param=param, code=code, path=path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..chat import ChatRequestError, ChatTurn, template_message
 from ..chat.continuation import ContinuationError, continuation_ids
-from ..chat.reply import CallEvent, ParsedReply, TextEvent
+from ..chat.reply import CallEvent, ParsedReply
 from ..engine import Finished
 from ..prompt_bound import PromptTooLong
 from ..service import Service
@@ -82,7 +82,8 @@ class ResponsesFormat(_Format):
     def __call__(self, kind: str, payload):
         if kind == "start":
             snapshot = self.response("in_progress", [])
-            return [self._ev("response.created", response=snapshot), self._ev("response.in_progress", response=snapshot)]
+            return [self._ev("response.created", response=snapshot),
+                    self._ev("response.in_progress", response=snapshot)]
         if kind == "delta":
             return [e for ev in self.reader.feed(payload.text) for e in self._stream(ev)]
         if kind == "final":
@@ -168,7 +169,8 @@ class ResponsesFormat(_Format):
             "previous_response_id": b.previous_response_id,
             "reasoning": b.reasoning.model_dump() if b.reasoning else None, "store": b.store,
             "temperature": b.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump") else (b.tool_choice or "auto"),
+            "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
+            else (b.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []], "top_p": b.top_p,
             "truncation": "disabled", "usage": response_usage(fin) if fin else None,
         }
