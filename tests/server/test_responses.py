@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from hyserve.server.response_store import ResponseStore
+from hyserve.tiny import ARCHS
 
 from ..conftest import QWEN35_TEMPLATE
 from ..parsers.helpers import TOOLS
@@ -135,3 +136,24 @@ def test_store_keeps_to_its_byte_budget():
     assert store.get("t", "r9") is not None and store.get("t", "r0") is None
     assert store.get("other", "r9") is None
     assert not store.put("t", "big", list(range(1000)), {}, None)  # alone over the budget: refused, not stored
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_continuation_is_exact_on_every_family(servers, make_service, arch):
+    """Each family's tiny model with its default template: the continued turn reads all of the previous
+    one from the cache and answers as a server without a cache does."""
+    from hyserve.server.run import BackgroundServer
+
+    on = servers(arch)
+    with BackgroundServer(make_service(arch, cache_enabled=False)) as off:
+        turns = []
+        for srv in (on, off):
+            model = srv.service.model_name
+            kw = {"model": model, "temperature": 0, "max_output_tokens": 5}
+            r1 = client(srv).responses.create(input="Count to three", **kw)
+            r2 = client(srv).responses.create(input="Again", previous_response_id=r1.id, **kw)
+            turns.append((r1, r2))
+    (r1, r2), (o1, o2) = turns
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
+    assert (o1.output_text, o2.output_text) == (r1.output_text, r2.output_text)
+    assert o2.usage.input_tokens == r2.usage.input_tokens
