@@ -170,7 +170,22 @@ def idle(r: dict) -> str:
 
 
 # block name -> (file under the results folder, renderer)
+def agent(result: dict) -> str:
+    import bench_agent
+
+    return bench_agent.table(result)
+
+
+def real(result: dict) -> str:
+    import bench_real
+
+    return bench_real.table(result)
+
+
 REPORTS = {
+    "real": ("real.json", real),
+    "agent": ("agent.json", agent),
+    "agent-back-to-back": ("agent-back-to-back.json", agent),
     "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),
     "multiturn-8turn": ("multiturn-8turn.json", multiturn),
     "multiturn-split": ("multiturn-4k-short-split.json", multiturn),

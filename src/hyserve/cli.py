@@ -199,7 +199,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .logs import FORMATS, LEVELS
-    from .tiny import ARCHS
+    from .tiny import ARCHS, SIZES
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="info", choices=LEVELS,
@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_make_tiny_model)
     p.add_argument("out_dir", help="folder to write; must be empty or new unless --force")
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
-    p.add_argument("--size", default="tiny", choices=["tiny", "bench"],
-                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks")
+    p.add_argument("--size", default="tiny", choices=SIZES,
+                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks; real-0.8b: qwen3_5 at the real dimensions of a 0.75B model (~3 GB)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a real model's chat template (.jinja) instead of ChatML; its control tokens are added")

@@ -17,6 +17,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
+    # Logits processors (`hyserve.logits`), applied to a request's logits row before sampling:
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + generated tokens
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens are generated
+    stop_token_ids: tuple[int, ...] = ()  # generating one of these ends the request ("stop")
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob and the k most likely
 
     @property
     def greedy(self) -> bool:

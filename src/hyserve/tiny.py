@@ -174,6 +174,22 @@ _BENCH = {
                    n_mamba_heads=16, chunk_size=128),
 }
 
+# Real dimensions, for measuring speed at the sizes people serve (benchmarks only; ~3 GB in float32):
+# a Qwen3.5 of 0.75B parameters (tied embeddings, 24 layers, 18 Gated DeltaNet + 6 full attention, the real vocabulary size;
+# the tokenizer stays the small trained one, so ids above its size are never produced by it).
+_REAL = {
+    "real-0.8b": {
+        "qwen3_5": dict(
+            hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=16, linear_num_value_heads=16,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True,
+        ),
+    },
+}
+SIZES = ("tiny", "bench", *_REAL)
+
 ARCHS = tuple(_TINY)
 
 
@@ -233,10 +249,12 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
     folder it saves to) and moved in file by file."""
     if arch not in _TINY:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if size not in ("tiny", "bench"):
-        raise ValueError("size must be 'tiny' or 'bench'")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}")
     if size == "bench" and arch not in _BENCH:
         raise ValueError(f"no bench size for {arch!r}; choose one of {', '.join(_BENCH)}")
+    if size in _REAL and arch not in _REAL[size]:
+        raise ValueError(f"no {size} size for {arch!r}; choose one of {', '.join(_REAL[size])}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FolderNotEmpty(f"{out} exists and is not a folder")
@@ -264,19 +282,21 @@ def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path
     if chat_template is not None:
         use_template(tokenizer, Path(chat_template).read_text())
     overrides = dict(_TINY[arch])
-    if size == "bench":
-        overrides.update(_BENCH[arch])
+    if size != "tiny":
+        overrides.update(_BENCH[arch] if size == "bench" else _REAL[size][arch])
         tokenizer.model_max_length = overrides.get("max_position_embeddings", 32768)
     model_type = overrides.pop("model_type")
+    vocab_size = overrides.pop("vocab_size", len(tokenizer))
+    tied = overrides.pop("tie_word_embeddings", False)
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         eos_token_id=eos,
         pad_token_id=pad,
         bos_token_id=pad,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         **overrides,
     )
     hf_logging.disable_progress_bar()

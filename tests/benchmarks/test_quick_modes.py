@@ -39,8 +39,14 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_long_decode.py", "--json", "long_decode.json"),
     ("benchmarks/bench_kernels.py", "--json", "kernels.json"),
     ("benchmarks/bench_idle.py", "--json", "idle.json"),
-    ("benchmarks/bench_memory.py", "--json", "memory.json")])
+    ("benchmarks/bench_memory.py", "--json", "memory.json"),
+    ("benchmarks/bench_agent.py", "--json", "agent.json"),
+    ("benchmarks/bench_real.py", "--json", "real.json")])
 def test_quick_mode_exits_cleanly(script, flag, name, results):
+    if script.endswith("bench_agent.py"):
+        from ..conftest import QWEN35_TEMPLATE, real_template
+
+        real_template(QWEN35_TEMPLATE)  # skips without ../shared
     out = results / name
     run([script, "--quick", flag, str(out)])
     result = json.loads(out.read_text())

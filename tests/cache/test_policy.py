@@ -62,7 +62,7 @@ def test_post_decode_rerender_check():
     # a mismatch on a recurrent model: drop the state, rebuild the next turn's history instead
     assert pol.post_decode_ok([1, 2, 7], msgs, reply, render) == (False, "rerender_mismatch@2", [1, 2, 3, 4, 5])
     assert pol.post_decode_ok([1, 2, 7], msgs, reply, render, recurrent=False) == (
-        True, "rerender_mismatch@2", None)  # attention KV still truncates to the shared part
+        True, "rerender_mismatch@2", [1, 2, 3, 4, 5])  # attention KV still truncates to the shared part
     assert pol.post_decode_ok([1, 2, 3, 4, 5, 6], msgs, reply, render)[1] == "rerender_mismatch@5"  # longer
     assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, reply, render)[2] is None
     assert pol.post_decode_ok([1], None, reply, render) == (True, "completion", None)

@@ -45,7 +45,7 @@ CASES = [
     ("top_p zero", "/v1/chat/completions", {"model": MODEL, "messages": OK_MSGS, "top_p": 0}, None, 400, "top_p", None),
     ("too many stops", "/v1/chat/completions", {"model": MODEL, "messages": OK_MSGS, "stop": list("abcde")},
      None, 400, "stop", None),
-    ("n > 1", "/v1/chat/completions", {"model": MODEL, "messages": OK_MSGS, "n": 2}, None, 400, "n", None),
+    ("n > 16", "/v1/chat/completions", {"model": MODEL, "messages": OK_MSGS, "n": 17}, None, 400, "n", None),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": OK_MSGS}, None, 404, "model",
      "model_not_found"),
     ("completion unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, None, 404, "model",

@@ -109,7 +109,8 @@ class CheckpointPolicy:
 
         Returns (keep, reason, the next turn's history ids to rebuild in idle time or None). A reason
         "rerender_mismatch@N" gives the first token N where the state and that history differ.
-        Attention-only states are kept even when the re-render differs: the shared part still truncates.
+        Attention-only states are kept even when the re-render differs (the shared part still truncates),
+        and the next turn's history is rebuilt all the same (the KV past the difference is of no use).
         """
         if not self.post_decode or self.block_size:
             return False, "disabled", None
@@ -121,6 +122,7 @@ class CheckpointPolicy:
             return False, f"render_failed:{type(exc).__name__}", None
         diff = first_difference(state_tokens, ids)
         if diff < len(state_tokens):
-            rebuild = ids if recurrent and self.reply_rerender else None
+            # attention KV past the difference is of tokens no next turn sends: rebuilt like a recurrent state
+            rebuild = ids if self.reply_rerender else None
             return (not recurrent), f"rerender_mismatch@{diff}", rebuild
         return True, "rerender_match", None

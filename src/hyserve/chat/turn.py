@@ -86,9 +86,10 @@ class ChatTurn:
 
     def parse(self, text: str) -> ParsedReply:
         """The whole reply read (the last one kept, so every caller sees the same call ids)."""
-        if self._parsed is None or self._parsed[0] != text:
-            self._parsed = (text, read_reply(text, self.reader()))
-        return self._parsed[1]
+        parsed = self._parsed  # one read: n > 1 choices parse on the engine's and the HTTP threads
+        if parsed is None or parsed[0] != text:
+            parsed = self._parsed = (text, read_reply(text, self.reader()))
+        return parsed[1]
 
     def assistant_message(self, text: str) -> dict:
         """The reply as the client sends it back next turn (OpenAI form: arguments as JSON strings)."""

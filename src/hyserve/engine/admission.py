@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..cache.manager import PrefixCache
+from ..cache.manager import PrefixCache, Restored
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
+from .. import logits
 from ..sampling import Sampler
 from ..scheduler import Scheduler
 from ..sequence import OutputSequence
@@ -90,18 +91,48 @@ class Admission:
                 run.boundaries += [b for b in job.stops if b.length not in known]
                 run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
-        run.out = OutputSequence(rt.tokenizer, rt.eos_token_ids, req.stop, req.max_tokens, req.arrival,
-                                 self.metrics, lambda text, ids: run.emit(Delta(text, list(ids))))
-        # Speculation is exact only for greedy decoding (no rejection sampling): off otherwise.
-        if self.make_proposer and req.sampling.greedy:
+        run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
+        ending = rt.eos_token_ids | frozenset(req.sampling.stop_token_ids)
+        run.out = OutputSequence(rt.tokenizer, ending, req.stop, req.max_tokens, req.arrival,
+                                 self.metrics, lambda text, ids, lps: run.emit(Delta(text, list(ids), lps)))
+        # Speculation is exact only for greedy decoding (no rejection sampling) on the raw logits (its verify
+        # pass applies no processors and computes no logprobs): off otherwise.
+        if self.make_proposer and req.sampling.greedy and not run.pipeline and req.sampling.logprobs is None:
             run.proposer = self.make_proposer(req.prompt)
 
     def restore_all(self, guard: Callable) -> None:
         """Under the runtime lock: a live state for every running request without one, each in its own
-        `guard`. One cancelled since it was admitted gets none (it finishes without running)."""
+        `guard`. One cancelled since it was admitted gets none (it finishes without running), nor one
+        waiting to copy a sibling's prefilled state (`fork_all`)."""
         for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
                     and not r.req.cancelled.is_set()]:
-            guard([run], self.restore, run)
+            leader = self.leader(run)
+            if leader is None or leader.decoding:
+                guard([run], self.restore, run)
+
+    def leader(self, run: Run) -> Run | None:
+        """The running sibling whose prefilled state `run` is to copy (n > 1), if there is one."""
+        want = run.req.prefill_from
+        if want is None:
+            return None
+        return next((r for r in self.scheduler.running if r.req is want and not r.ended), None)
+
+    def fork_all(self, guard: Callable) -> None:
+        """Under the lock, between prefill and decode: each request waiting on a sibling that has just
+        prefilled (no token sampled yet) starts from a copy of its state and logits: n choices, one prefill."""
+        for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
+                    and not r.req.cancelled.is_set()]:
+            leader = self.leader(run)
+            if leader is not None and leader.decoding and not leader.out.generated:
+                guard([run], self.fork, run, leader)
+
+    def fork(self, run: Run, leader: Run) -> None:
+        adapter, state = self.runtime.adapter, leader.state
+        copy = adapter.restore(adapter.snapshot(state), list(state.tokens))
+        run.restored = Restored(copy, leader.restored.cached_tokens, None)
+        run.checkpoint, run.boundaries, run.deferred = leader.checkpoint, [], []  # the leader records them
+        run.logits = leader.logits
+        self.metrics.running.inc()
 
     def restore(self, run: Run) -> None:
         """The run's live state, from its deepest cached checkpoint."""

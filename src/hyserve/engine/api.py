@@ -26,6 +26,9 @@ class GenerationRequest:
     # tool calls parsed, `hyserve.chat.ChatTurn.history_message`); None: the text as the message's content
     reply_message: Callable[[str], dict] | None = None
     timeout: float | None = None  # seconds from arrival
+    # n > 1: a sibling request with the same prompt, submitted first; this one decodes from a copy of its
+    # state once it has prefilled (when it is still running then; else it restores and prefills as usual)
+    prefill_from: "GenerationRequest | None" = None
     # record the state after *every* generated token (prompt + output, the last token fed too) in place of the
     # usual post-decode checkpoint: /v1/responses continues a stored response from exactly there
     keep_final: bool = False
@@ -38,6 +41,7 @@ class GenerationRequest:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list | None = None  # one (token, logprob, [(id, logprob)...]) per token id, when requested
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int
     ttft: float | None
+    logprobs: list | None = None  # as Delta.logprobs, for every generated token
 
 
 @dataclass

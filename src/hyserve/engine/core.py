@@ -223,7 +223,8 @@ class Engine:
         sched, guard = self.scheduler, self.finishing.guard
         self.admission.restore_all(guard)
         self.finishing.reap()
-        self.prefill.run([r for r in sched.running if not r.decoding], guard)
+        self.prefill.run([r for r in sched.running if not r.decoding and r.restored is not None], guard)
+        self.admission.fork_all(guard)
         decoding = [r for r in sched.running if r.decoding]
         if decoding:
             self.decode.run(decoding, guard)

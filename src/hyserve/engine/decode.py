@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from ..cache.manager import PrefixCache
+from ..logits import token_logprobs
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..speculative import accepted_prefix
@@ -48,10 +49,12 @@ class Decode:
     def next_token(self, run: Run) -> int | None:
         """Sample and emit the request's next token; with proposals, verify them in a pass of its own.
         Returns the token when it goes into the batched pass, None when the request finished or speculated."""
-        token = run.sampler(run.logits)
+        row = run.pipeline(run.logits, run.out.generated) if run.pipeline else run.logits
+        token = run.sampler(row)
         if not 0 <= token < run.logits.shape[-1]:
             raise ValueError(f"sampled token {token} is outside the vocabulary")
-        reason = run.out.push(token)
+        top = run.req.sampling.logprobs
+        reason = run.out.push(token, None if top is None else token_logprobs(row, token, top))
         if reason is not None:
             self.finish(run, reason)
             return None

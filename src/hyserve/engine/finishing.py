@@ -74,7 +74,7 @@ class Finishing:
         cached = run.restored.cached_tokens if run.restored is not None else 0
         self.metrics.snapshots_per_request.observe(run.snapshots)
         self.release(run)
-        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft))
+        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
 
     def record_final(self, run: Run) -> None:
         """Feed the last generated token (the state holds prompt + generated[:-1]) and record the state of

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..cache.manager import Restored
 from ..cache.policy import Boundary
+from ..logits import Pipeline
 from ..sampling import Sampler
 from ..sequence import OutputSequence
 from .api import Emit, GenerationRequest
@@ -29,6 +30,7 @@ class Run:
     restored: Restored | None = None
     out: OutputSequence | None = None
     sampler: Sampler | None = None
+    pipeline: Pipeline | None = None  # logits processors applied before the sampler
     proposer: object | None = None
     logits: object | None = None  # next-token logits once prefill is done
     snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)

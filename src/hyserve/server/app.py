@@ -20,13 +20,15 @@ from ..sampling import SamplingParams
 from ..service import Service
 from .access import AccessLogMiddleware, track
 from .errors import APIError, install_handlers
-from .formats import ChatFormat, CompletionFormat, usage
+from .choices import merged, siblings
+from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
 from .messages import install_messages
 from .openapi_doc import install_openapi
 from .responses import install_responses
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
+from .tokens import install_tokens
 
 
 def create_app(service: Service) -> FastAPI:
@@ -67,74 +69,129 @@ def create_app(service: Service) -> FastAPI:
                 f"{len(prompt) + (wanted or 0)} tokens ({len(prompt)} in the messages, {wanted or 0} in the completion).",
                 param="messages" if messages is not None else "prompt", code="context_length_exceeded",
             )
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         max_tokens = wanted or min(room, cfg.max_tokens_cap or room)
+        sampling = sampling_params(body, max_tokens)
         return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=body.stop,
                                  messages=messages, chat=chat, cache_salt=salt_of(body, request),
                                  timeout=cfg.request_timeout)
 
-    async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, fmt):
-        """fmt(kind, payload) builds the endpoint's JSON; kind is 'delta', 'final' or 'full'."""
-        rid = req.request_id = fmt.id  # one id in headers, responses and cache events
-        service.cache.telemetry.bind(rid, tenant_of(req.cache_salt))  # its events are its tenant's
+    def vocab_size() -> int:
+        """Token ids a request may name: the tokenizer's, within the model's logits row."""
+        rows = getattr(rt.model.config.get_text_config(), "vocab_size", None) or len(rt.tokenizer)
+        return min(len(rt.tokenizer), rows)
+
+    def token_ids(ids, param: str) -> list[int]:
+        vocab = vocab_size()
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        return [int(t) for t in ids]
+
+    def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+        """The request's sampling and logits-processor fields, checked against this model."""
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+                           param="min_tokens")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        bias = body.logit_bias or {}
+        ids = token_ids([int(k) for k in bias], "logit_bias")
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+            logit_bias=tuple(zip(ids, [float(v) for v in bias.values()])),
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+            stop_token_ids=tuple(token_ids(body.stop_token_ids or [], "stop_token_ids")),
+            logprobs=body.logprobs_wanted())
+
+    async def run(endpoint: str, body: SamplingFields, req: GenerationRequest, request: Request, make_fmt):
+        """make_fmt() builds one choice's JSON (fmt(kind, payload), kind 'start', 'delta', 'final' or 'full');
+        `body.n` choices share req's prefill."""
+        reqs = siblings(req, body.n)
+        fmts = [make_fmt() for _ in reqs]
+        rid = req.request_id = fmts[0].id  # one id in headers, responses and cache events
+        for i, (r, fmt) in enumerate(zip(reqs, fmts)):
+            fmt.id, fmt.created, fmt.index = rid, fmts[0].created, i
+            if i:
+                r.request_id = f"{rid}-{i}"
+            service.cache.telemetry.bind(r.request_id, tenant_of(r.cache_salt))  # its events are its tenant's
+        streams = []
         try:
-            items = track(request.scope, req, service.engine.stream(req))  # for the access line
+            for i, r in enumerate(reqs):
+                stream = service.engine.stream(r)
+                streams.append(track(request.scope, r, stream) if i == 0 else stream)  # for the access line
         except QueueFull as exc:
+            for r in reqs:
+                r.cancelled.set()
             metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+        items = merged(streams)
+
+        def cancel_all():
+            for r in reqs:
+                r.cancelled.set()
+
         if body.stream:
             async def events():
-                status = "ok"
+                status, finals = "ok", [None] * len(reqs)
                 try:
-                    for chunk in fmt("start", None):
-                        yield fmt.event(chunk)
-                    async for item in items:
+                    for fmt in fmts:
+                        for chunk in fmt("start", None):
+                            yield fmt.event(chunk)
+                    async for i, item in items:
                         if isinstance(item, Delta):
-                            for chunk in fmt("delta", item):
-                                yield fmt.event(chunk)
+                            for chunk in fmts[i]("delta", item):
+                                yield fmts[i].event(chunk)
                         elif isinstance(item, Finished) and item.reason == "timeout":
                             status = "timeout"
-                            yield fmt.error_event("request timed out", "timeout", "request_timeout")
+                            yield fmts[0].error_event("request timed out", "timeout", "request_timeout")
                         elif isinstance(item, Finished):
-                            for chunk in fmt("final", item):
-                                yield fmt.event(chunk)
-                            if body.include_usage:
-                                yield fmt.event(fmt("usage", usage(item)))
+                            finals[i] = item
+                            for chunk in fmts[i]("final", item):
+                                yield fmts[i].event(chunk)
+                            if body.include_usage and all(finals):
+                                yield fmts[0].event(fmts[0]("usage", usage(*finals)))
                         elif isinstance(item, Failed):
                             status = "error"
-                            yield fmt.error_event(item.message, "server_error", None)
-                    if fmt.done is not None:
-                        yield {"data": fmt.done}
+                            yield fmts[0].error_event(item.message, "server_error", None)
+                    if fmts[0].done is not None:
+                        yield {"data": fmts[0].done}
                 except asyncio.CancelledError:
                     status = "cancelled"
                     raise
                 finally:
+                    cancel_all()
+                    await items.aclose()
                     metrics.requests.labels(endpoint, status).inc()
             return EventSourceResponse(events(), ping=15, headers={"X-Request-Id": rid})
 
         async def watch_disconnect():
             while not req.cancelled.is_set():
                 if await request.is_disconnected():
-                    req.cancelled.set()
+                    cancel_all()
                     return
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch_disconnect())
+        results: list = [None] * len(reqs)
         try:
-            result = None
-            async for item in items:
+            async for i, item in items:
                 if isinstance(item, (Finished, Failed)):
-                    result = item
+                    results[i] = item
         finally:
             watcher.cancel()
-        if isinstance(result, Failed) or result is None:
+            cancel_all()
+            await items.aclose()
+        failed = next((r for r in results if isinstance(r, Failed) or r is None), False)
+        if failed is not False:
             metrics.requests.labels(endpoint, "error").inc()
-            raise APIError(500, result.message if result else "generation failed", "server_error")
-        if result.reason == "timeout":
+            raise APIError(500, failed.message if failed else "generation failed", "server_error")
+        if any(r.reason == "timeout" for r in results):
             metrics.requests.labels(endpoint, "timeout").inc()
             raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
-        metrics.requests.labels(endpoint, "cancelled" if result.reason == "cancelled" else "ok").inc()
-        return JSONResponse(fmt("full", result), headers={"X-Request-Id": rid})
+        cancelled = any(r.reason == "cancelled" for r in results)
+        metrics.requests.labels(endpoint, "cancelled" if cancelled else "ok").inc()
+        return JSONResponse(full_response(fmts, results), headers={"X-Request-Id": rid})
 
     # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
     app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,
@@ -163,7 +220,8 @@ def create_app(service: Service) -> FastAPI:
         turn.note_prompt(rt.tokenizer, chat.prompt)
         req = build_request(body, chat.prompt, messages, request, chat)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
-        return await run("chat", body, req, request, ChatFormat(service.model_name, body.return_token_ids, turn))
+        return await run("chat", body, req, request,
+                         lambda: ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -180,9 +238,14 @@ def create_app(service: Service) -> FastAPI:
             prompt = list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt encodes to zero tokens", param="prompt")
+        if body.echo and body.logprobs is not None:  # would need the prompt's own logprobs (not computed)
+            raise APIError(400, "echo together with logprobs is not supported", param="echo")
         req = build_request(body, prompt, None, request)
+        echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
         return await run("completions", body, req, request,
-                         CompletionFormat(service.model_name, body.return_token_ids))
+                         lambda: CompletionFormat(service.model_name, body.return_token_ids, rt.tokenizer, echo))
+
+    install_tokens(app, service, check_model)
 
     @app.get("/v1/models")
     async def models():

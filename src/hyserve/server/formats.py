@@ -27,8 +27,10 @@ class _Format:
     def error_event(self, message: str, type_: str, code: str | None) -> dict:
         return {"data": json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})}
 
-    def __init__(self, model: str, token_ids: bool = False):
+    def __init__(self, model: str, token_ids: bool = False, tokenizer=None):
         self.model, self.token_ids = model, token_ids
+        self.tokenizer = tokenizer  # for logprobs: each token's text
+        self.index = 0  # the choice's index (n > 1)
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
 
     def _envelope(self, choices: list, obj: str | None = None) -> dict:
@@ -56,6 +58,9 @@ class _Format:
     def start(self) -> list[dict]:
         return []
 
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
     def delta(self, d: Delta) -> list[dict]:
         raise NotImplementedError
 
@@ -69,26 +74,40 @@ class _Format:
 class ChatFormat(_Format):
     object_name, full_object, prefix = "chat.completion.chunk", "chat.completion", "chatcmpl"
 
-    def __init__(self, model: str, token_ids: bool, turn: ChatTurn):
-        super().__init__(model, token_ids)
+    def __init__(self, model: str, token_ids: bool, turn: ChatTurn, tokenizer=None):
+        super().__init__(model, token_ids, tokenizer)
         self.turn = turn
         self.reader = turn.reader()
 
-    def _chunk(self, delta: dict, finish: str | None = None, ids: list[int] | None = None) -> dict:
-        return self._envelope([self._ids({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish},
-                                         ids)])
+    def _chunk(self, delta: dict, finish: str | None = None, ids: list[int] | None = None,
+               logprobs: dict | None = None) -> dict:
+        return self._envelope([self._ids({"index": self.index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish}, ids)])
+
+    def _logprobs(self, entries: list | None) -> dict | None:
+        """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}."""
+        if entries is None:
+            return None
+        return {"content": [{**self._one(t, lp), "top_logprobs": [self._one(i, v) for i, v in top]}
+                            for t, lp, top in entries], "refusal": None}
+
+    def _one(self, token: int, logprob: float) -> dict:
+        text = self._text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     def start(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def _chunks(self, events, ids: list[int] | None) -> list[dict]:
+    def _chunks(self, events, ids: list[int] | None, logprobs: list | None = None) -> list[dict]:
         deltas = [d for ev in events for d in _deltas(ev)]
-        if not deltas and self.token_ids and ids:
-            deltas = [{}]  # the ids of text held back still go out with their step
-        return [self._chunk(d, ids=ids if i == 0 else []) for i, d in enumerate(deltas)]
+        if not deltas and ((self.token_ids and ids) or logprobs):
+            deltas = [{}]  # the ids and logprobs of text held back still go out with their step
+        lps = self._logprobs(logprobs)
+        return [self._chunk(d, ids=ids if i == 0 else [], logprobs=lps if i == 0 else None)
+                for i, d in enumerate(deltas)]
 
     def delta(self, d: Delta) -> list[dict]:
-        return self._chunks(self.reader.feed(d.text), d.token_ids)
+        return self._chunks(self.reader.feed(d.text), d.token_ids, d.logprobs)
 
     def final(self, fin: Finished) -> list[dict]:
         return self._chunks(self.reader.finish(), None) + [
@@ -99,7 +118,7 @@ class ChatFormat(_Format):
         message = assistant_message(reply)
         if reply.reasoning is not None:
             message["reasoning"] = reply.reasoning  # the name vLLM uses now, next to `reasoning_content`
-        return self._ids({"index": 0, "message": message, "logprobs": None,
+        return self._ids({"index": self.index, "message": message, "logprobs": self._logprobs(fin.logprobs),
                           "finish_reason": _finish(fin, bool(reply.tool_calls))}, fin.token_ids)
 
 
@@ -120,20 +139,46 @@ def _deltas(ev) -> list[dict]:
 class CompletionFormat(_Format):
     object_name, full_object, prefix = "text_completion", "text_completion", "cmpl"
 
-    def _choice(self, text: str, ids: list[int] | None, finish: str | None) -> dict:
-        return self._ids({"index": 0, "text": text, "logprobs": None, "finish_reason": finish}, ids)
+    def __init__(self, model: str, token_ids: bool = False, tokenizer=None, echo: str | None = None):
+        super().__init__(model, token_ids, tokenizer)
+        self.echo = echo  # the prompt's text, sent ahead of the completion (`echo`)
+        self.offset = len(echo or "")  # text_offset of the next token
+
+    def _choice(self, text: str, ids: list[int] | None, finish: str | None, logprobs: dict | None = None) -> dict:
+        return self._ids({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}, ids)
+
+    def _logprobs(self, entries: list | None) -> dict | None:
+        """The legacy shape: parallel lists; each top_logprobs dict holds the k most likely and the sampled."""
+        if entries is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp, top in entries:
+            text = self._text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(lp))
+            best = {self._text(i): _finite(v) for i, v in top}
+            best.setdefault(text, _finite(lp))
+            out["top_logprobs"].append(best)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
 
     def start(self) -> list[dict]:
-        return [self._envelope([self._choice("", None, None)])]
+        return [self._envelope([self._choice(self.echo or "", None, None)])]
 
     def delta(self, d: Delta) -> list[dict]:
-        return [self._envelope([self._choice(d.text, d.token_ids, None)])]
+        return [self._envelope([self._choice(d.text, d.token_ids, None, self._logprobs(d.logprobs))])]
 
     def final(self, fin: Finished) -> list[dict]:
         return [self._envelope([self._choice("", [], _finish(fin))])]
 
     def full(self, fin: Finished) -> dict:
-        return self._choice(fin.text, fin.token_ids, _finish(fin))
+        return self._choice((self.echo or "") + fin.text, fin.token_ids, _finish(fin), self._logprobs(fin.logprobs))
+
+
+def _finite(logprob: float) -> float:
+    """A banned token's logprob is -inf, which JSON cannot carry: report vLLM's floor instead."""
+    return max(logprob, -9999.0)
 
 
 def _finish(fin: Finished, tool_calls: bool = False) -> str:
@@ -142,10 +187,22 @@ def _finish(fin: Finished, tool_calls: bool = False) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(fin: Finished) -> dict:
+def usage(*fins: Finished) -> dict:
+    """One prompt (shared by the n choices) and every choice's completion tokens."""
+    fin, completion = fins[0], sum(len(f.token_ids) for f in fins)
     return {
         "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": len(fin.token_ids),
-        "total_tokens": fin.prompt_tokens + len(fin.token_ids),
+        "completion_tokens": completion,
+        "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
     }
+
+
+def full_response(fmts: list[_Format], fins: list[Finished]) -> dict:
+    """The whole (non-streamed) response: one choice per format and its Finished item."""
+    if len(fmts) == 1:  # (Responses and Messages have no `choices`)
+        return fmts[0]("full", fins[0])
+    out = fmts[0]("full", fins[0])
+    out["choices"] += [fmt.full(fin) for fmt, fin in zip(fmts[1:], fins[1:])]
+    out["usage"] = usage(*fins)
+    return out

@@ -44,6 +44,7 @@ class MessagesRequest(SamplingFields):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, as in chat completions
+    n: int = Field(default=1, ge=1, le=1)  # one message per request
 
     @model_validator(mode="before")
     @classmethod
@@ -54,6 +55,9 @@ class MessagesRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return None  # not offered on this endpoint
 
     def chat_tools(self) -> list[dict] | None:
         out = []

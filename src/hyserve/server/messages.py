@@ -167,7 +167,7 @@ def install_messages(app: FastAPI, service: Service) -> None:
         req = api.build_request(body, chat.prompt, messages, request, chat)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         fmt = MessagesFormat(service.model_name, turn, body, len(chat.prompt), stop_of(body))
-        return await api.run("messages", body, req, request, fmt)
+        return await api.run("messages", body, req, request, lambda: fmt)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request):

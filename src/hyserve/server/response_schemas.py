@@ -47,9 +47,13 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, as in chat completions
+    n: int = Field(default=1, ge=1, le=1)  # one output per response
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return None  # not offered on this endpoint
 
     def chat_tools(self) -> list[dict] | None:
         """Function tools in chat form; any other tool type is refused (hyserve runs no hosted tools)."""

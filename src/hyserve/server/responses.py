@@ -248,7 +248,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
                 store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions)
 
         fmt = ResponsesFormat(service.model_name, turn, body, on_done)
-        return await api.run("responses", body, req, request, fmt)
+        return await api.run("responses", body, req, request, lambda: fmt)
 
     @app.get("/v1/responses/{rid}")
     async def get_response(rid: str, request: Request):

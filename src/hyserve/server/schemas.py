@@ -10,6 +10,8 @@ MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (as in vLLM): 1/T would overflow the logits
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_TOP_K = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 class TextPart(BaseModel):
@@ -89,7 +91,13 @@ class SamplingFields(BaseModel):
     stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices, sharing one prefill
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM extension
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extension
+    stop_token_ids: list[int] | None = None  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
     cache_salt: str | None = Field(default=None, max_length=256)  # vLLM extension: prefix-cache namespace
 
@@ -110,6 +118,19 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        """Keys must be token ids; the vocabulary bound is checked by the route, which knows it."""
+        if not v:
+            return None
+        for key, bias in v.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
+        return v
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -122,6 +143,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra chat-template variables
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -130,6 +156,11 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int]]
     max_tokens: int | None = Field(default=16, gt=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -142,3 +173,23 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a raw `prompt`, or chat `messages` rendered as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # chat only
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,160 @@
+"""Speed at a real size: a 0.75B-parameter Qwen3.5 (real dimensions, random weights) through hyserve's own
+runtime, float32 against bfloat16, and where the time goes.
+
+The model is `hyserve make-tiny-model --size real-0.8b` (24 layers: 18 Gated DeltaNet + 6 full attention,
+hidden 1024, 248,320-token vocabulary, tied embeddings), built once under `benchmarks/.models`. Every phase
+runs on hyserve's model thread through the family adapter, as the engine runs it (kernels on, after their
+load-time check):
+
+- cold prefill of `--prompt` tokens, in pieces of `--chunk` (the engine's prefill chunk);
+- a snapshot of that state (its bytes);
+- a warm turn: restore the snapshot and prefill `--new` tokens (what a chat's next turn costs);
+- decode: `--decode` steps of one request (batched-decode path, one row).
+
+`--profile` adds PyTorch's profiler table of the top operators (self CPU time) for each phase. Numbers are
+only comparable within one run on a quiet machine (two CPU-bound jobs on two cores slow each other far
+more than 2x).
+
+    python benchmarks/bench_real.py --json benchmarks/results/real.json
+    python benchmarks/bench_real.py --profile --dtypes bfloat16
+    python benchmarks/bench_real.py --quick          # the tiny qwen3_5, a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as C  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny qwen3_5, short prompt (seconds)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prompt", type=int, default=None, help="cold prompt tokens (default 1024; quick 64)")
+    p.add_argument("--new", type=int, default=64, help="new tokens of the warm turn")
+    p.add_argument("--decode", type=int, default=None, help="decode steps (default 16; quick 4)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill piece (the engine's --prefill-chunk)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="PyTorch profiler: top operators per phase")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def model_dir(quick: bool) -> Path:
+    if quick:
+        return C.ensure_model("qwen3_5", "tiny")
+    out = C.MODELS_DIR / "real-0.8b-qwen3_5"
+    if not C._complete(out):
+        from hyserve.tiny import make_tiny_model
+
+        print(f"building the 0.75B model in {out} (a few minutes, ~3 GB) ...", file=sys.stderr, flush=True)
+        make_tiny_model(out, "qwen3_5", size="real-0.8b", force=True)
+    return out
+
+
+def measure(rt, args, prompt: int, decode: int) -> dict:
+    """All phases, on the model thread (call through model_thread.run)."""
+    import torch
+
+    ad, vocab = rt.adapter, rt.model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(vocab, len(rt.tokenizer)), (prompt + args.new + decode,), generator=g).tolist()
+    profiles, out = {}, {}
+
+    def timed(name, fn):
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                result = fn()
+                out[name] = time.perf_counter() - t0
+            profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        else:
+            t0 = time.perf_counter()
+            result = fn()
+            out[name] = time.perf_counter() - t0
+        return result
+
+    ad.forward(ad.new_state(), ids[:8])  # warm-up: first-call costs out of the way
+
+    def cold():
+        state = ad.new_state()
+        for i in range(0, prompt, args.chunk):
+            ad.forward(state, ids[i : min(prompt, i + args.chunk)])
+        return state
+
+    state = timed("cold_prefill_s", cold)
+    snap = timed("snapshot_s", lambda: ad.snapshot(state))
+    out["snapshot_mb"] = snap.nbytes / 1e6
+
+    def warm():
+        live = ad.restore(snap, ids[:prompt])
+        ad.forward(live, ids[prompt : prompt + args.new])
+        return live
+
+    live = timed("warm_turn_s", warm)
+
+    def steps():
+        for t in ids[prompt + args.new :]:
+            ad.forward_batch([live], [t])
+        ad.drop_batch()
+
+    timed("decode_s", steps)
+    out.update(prompt_tokens=prompt, new_tokens=args.new, decode_steps=decode,
+               cold_tok_s=prompt / out["cold_prefill_s"], decode_tok_s=decode / out["decode_s"],
+               cold_over_warm=out["cold_prefill_s"] / out["warm_turn_s"], kernels=dict(rt.kernels.status))
+    if profiles:
+        out["profiles"] = profiles
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    C.setup_torch(args.threads)
+    prompt = args.prompt or (64 if args.quick else 1024)
+    decode = args.decode or (4 if args.quick else 16)
+    d = model_dir(args.quick)
+
+    from hyserve import model_thread
+    from hyserve.runtime import ModelRuntime
+
+    rows = {}
+    for dtype in args.dtypes.split(","):
+        rt = ModelRuntime.load(d, dtype=dtype, device="cpu")
+        rows[dtype] = model_thread.run(measure, rt, args, prompt, decode)
+        del rt
+        for name, text in rows[dtype].get("profiles", {}).items():
+            print(f"\n== {dtype} {name}\n{text}")
+    result = {"machine": C.machine_info(), "args": vars(args), "model": str(d), "rows": rows}
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    names = list(rows)
+    r0 = rows[names[0]]
+    spec = [
+        (f"cold prefill, {r0['prompt_tokens']} tokens (s)", "cold_prefill_s", C.fmt_s),
+        ("cold prefill (tokens/s)", "cold_tok_s", lambda x: f"{x:.0f}"),
+        (f"warm turn: restore + {r0['new_tokens']} new tokens (s)", "warm_turn_s", C.fmt_s),
+        ("cold prefill of the prompt / warm turn", "cold_over_warm", lambda x: f"{x:.1f}x"),
+        (f"decode, one request (tokens/s, {r0['decode_steps']} steps)", "decode_tok_s", lambda x: f"{x:.1f}"),
+        (f"snapshot at {r0['prompt_tokens']} tokens (MB)", "snapshot_mb", lambda x: f"{x:.1f}"),
+        ("snapshot copy (s)", "snapshot_s", C.fmt_s),
+    ]
+    return C.table(["", *names], [[label, *(fmt(rows[n][key]) for n in names)] for label, key, fmt in spec])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
