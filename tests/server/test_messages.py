@@ -88,11 +88,14 @@ def test_stop_sequence_is_reported(template_servers, force):
 
 
 def test_api_key_as_x_api_key(template_servers):
-    srv = template_servers(*QWEN35, api_keys=("key-a",))
+    srv = template_servers(*QWEN35, api_keys=("key-a",), max_body_bytes=4096)
     assert create(srv, "key-a", messages=ASK, max_tokens=2).usage.output_tokens == 2
     with pytest.raises(anthropic.AuthenticationError) as exc:
         create(srv, "wrong", messages=ASK, max_tokens=2)
     assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "authentication_error"
+    big = httpx.post(f"{srv.base_url}/v1/messages", headers={"x-api-key": "key-a"}, timeout=30,
+                     json={"model": "tpl", "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 8192}]})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"  # the guard's refusal
 
 
 @pytest.mark.parametrize("body,status", [

@@ -57,6 +57,8 @@ def test_previous_response_id_restores_the_whole_previous_turn(template_servers,
         assert (o1.output_text, o2.output_text) == (r1.output_text, r2.output_text)
         assert o2.usage.input_tokens == r2.usage.input_tokens and o2.usage.input_tokens_details.cached_tokens == 0
         assert client(on).responses.retrieve(r2.id).output_text == r2.output_text
+        r3 = create(on, input="Once more", previous_response_id=r2.id, max_output_tokens=3)  # a chain
+        assert r3.usage.input_tokens_details.cached_tokens == r2.usage.input_tokens + r2.usage.output_tokens
 
 
 def test_streamed_events_join_to_the_response(template_servers):
