@@ -159,3 +159,18 @@ def test_continuation_is_exact_on_every_family(servers, make_service, arch):
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
     assert (o1.output_text, o2.output_text) == (r1.output_text, r2.output_text)
     assert o2.usage.input_tokens == r2.usage.input_tokens
+
+
+def test_continuation_after_speculative_decoding(make_service):
+    """Prompt-lookup speculation leaves the state at prompt + output[:-1] too: the final token is fed and the
+    continued turn still reads everything (a repetitive input, so proposals are made and verified)."""
+    from hyserve.server.run import BackgroundServer
+    from hyserve.speculative import SpeculativeConfig
+
+    with BackgroundServer(make_service("qwen3_5", speculative=SpeculativeConfig(4, 2))) as srv:
+        kw = {"model": srv.service.model_name, "temperature": 0, "max_output_tokens": 24}
+        r1 = client(srv).responses.create(input="a b c a b c a b c a b c", **kw)
+        r2 = client(srv).responses.create(input="a b c", previous_response_id=r1.id, **kw)
+        proposed = srv.service.metrics.spec_proposed._value.get()
+    assert proposed > 0
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
