@@ -99,11 +99,10 @@ class ResponsesFormat(_Format):
     def _stream(self, ev) -> list[dict]:
         if isinstance(ev, CallEvent):
             item = call_item(ev.call, "", "in_progress")
-            idx = len(self.output)
-            done = call_item(ev.call)
-            done["id"] = item["id"]
+            idx, done = len(self.output), call_item(ev.call)  # (the same id: both derive it from the call's)
             self.output.append(done)
-            return self._close() + [
+            closed = self._close()  # the open text item first: its events come before this call's
+            return closed + [
                 self._ev("response.output_item.added", output_index=idx, item=item),
                 self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
                          delta=ev.call.arguments),
