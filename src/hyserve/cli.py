@@ -41,6 +41,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM)")
+    p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
+                   help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--no-history-checkpoint", action="store_true",
                    help="do not checkpoint at the message-history boundary (what the next turn reuses)")
     p.add_argument("--no-system-checkpoint", action="store_true",
@@ -115,6 +117,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         api_keys=tuple(k.strip() for k in (api_key or "").split(",") if k.strip()),
         admin_api_key=(admin_api_key or "").strip() or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap, max_messages=args.max_messages,
+        response_store_bytes=args.response_store_bytes,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )

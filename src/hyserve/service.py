@@ -46,6 +46,7 @@ class ServiceConfig:
     max_body_bytes: int = 8 << 20
     max_tokens_cap: int | None = None
     max_messages: int = 2048
+    response_store_bytes: int = 64 << 20  # /v1/responses `store: true`: all tenants' stored responses
     allow_special_tokens_in_content: bool = False  # True: `<|im_start|>` typed in a message is a control token
     tool_call_parser: str = "auto"  # a name in parsers.TOOL_PARSERS, "none", or "auto": from the chat template
     reasoning_parser: str = "auto"  # likewise, parsers.REASONING_PARSERS

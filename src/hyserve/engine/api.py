@@ -30,6 +30,9 @@ class GenerationRequest:
     # state once it has prefilled (when it is still running then; else it restores and prefills as usual)
     prefill_from: "GenerationRequest | None" = None
     grammar: object | None = None  # hyserve.grammar.Compiled: structured output, masks every sampled token
+    # record the state after *every* generated token (prompt + output, the last token fed too) in place of the
+    # usual post-decode checkpoint: /v1/responses continues a stored response from exactly there
+    keep_final: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)

@@ -50,6 +50,9 @@ class Finishing:
         rebuild = None
         if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
+        elif req.keep_final:
+            if self.cache.enabled and self.policy.post_decode:
+                self.record_final(run)
         else:
             state = run.state
             render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt,
@@ -72,6 +75,17 @@ class Finishing:
         self.metrics.snapshots_per_request.observe(run.snapshots)
         self.release(run)
         run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
+
+    def record_final(self, run: Run) -> None:
+        """Feed the last generated token (the state holds prompt + generated[:-1]) and record the state of
+        prompt + every generated token. A failure here costs the next turn its cache hit, never this reply."""
+        req, rt, generated = run.req, self.runtime, run.out.generated
+        try:
+            rt.adapter.forward(run.state, [generated[-1]])
+            run.snapshots += self.cache.record(rt.adapter, run.state, "post_decode", len(req.prompt) + len(generated),
+                                               req.request_id, req.cache_salt)
+        except Exception:
+            log.exception("request %s: recording its final state failed", req.request_id)
 
     def guard(self, runs: list[Run], fn, *args):
         """`fn(*args)`, or None after failing `runs` if it raised: each one leaves with a `Failed` item (unless

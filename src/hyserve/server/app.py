@@ -4,9 +4,9 @@ does everything that touches the model."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +25,9 @@ from .errors import APIError, install_handlers
 from .choices import merged, siblings
 from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .messages import install_messages
 from .openapi_doc import install_openapi
+from .responses import install_responses
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .strict_json import StrictJSONRoute
 from .tokens import install_tokens
@@ -151,26 +153,25 @@ def create_app(service: Service) -> FastAPI:
                 try:
                     for fmt in fmts:
                         for chunk in fmt("start", None):
-                            yield {"data": json.dumps(chunk)}
+                            yield fmt.event(chunk)
                     async for i, item in items:
                         if isinstance(item, Delta):
                             for chunk in fmts[i]("delta", item):
-                                yield {"data": json.dumps(chunk)}
+                                yield fmts[i].event(chunk)
                         elif isinstance(item, Finished) and item.reason == "timeout":
                             status = "timeout"
-                            yield {"data": json.dumps({"error": {"message": "request timed out", "type": "timeout",
-                                                                 "param": None, "code": "request_timeout"}})}
+                            yield fmts[0].error_event("request timed out", "timeout", "request_timeout")
                         elif isinstance(item, Finished):
                             finals[i] = item
                             for chunk in fmts[i]("final", item):
-                                yield {"data": json.dumps(chunk)}
+                                yield fmts[i].event(chunk)
                             if body.include_usage and all(finals):
-                                yield {"data": json.dumps(fmts[0]("usage", usage(*finals)))}
+                                yield fmts[0].event(fmts[0]("usage", usage(*finals)))
                         elif isinstance(item, Failed):
                             status = "error"
-                            yield {"data": json.dumps({"error": {"message": item.message, "type": "server_error",
-                                                                 "param": None, "code": None}})}
-                    yield {"data": "[DONE]"}
+                            yield fmts[0].error_event(item.message, "server_error", None)
+                    if fmts[0].done is not None:
+                        yield {"data": fmts[0].done}
                 except asyncio.CancelledError:
                     status = "cancelled"
                     raise
@@ -207,6 +208,10 @@ def create_app(service: Service) -> FastAPI:
         cancelled = any(r.reason == "cancelled" for r in results)
         metrics.requests.labels(endpoint, "cancelled" if cancelled else "ok").inc()
         return JSONResponse(full_response(fmts, results), headers={"X-Request-Id": rid})
+
+    # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
+    app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,
+                                    build_request=build_request, run=run)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -312,4 +317,6 @@ def create_app(service: Service) -> FastAPI:
         removed = await under_lock(service.cache.clear, tenant)
         return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
+    install_responses(app, service)
+    install_messages(app, service)
     return app

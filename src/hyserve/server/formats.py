@@ -4,6 +4,7 @@ give the same message."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -17,6 +18,14 @@ class _Format:
     stream chunks, 'usage' the usage chunk, 'full' the whole response."""
 
     object_name = full_object = prefix = ""
+    done: str | None = "[DONE]"  # the stream's last data line, if any
+
+    def event(self, chunk: dict) -> dict:
+        """One stream chunk as a server-sent event (Responses and Messages name their events)."""
+        return {"data": json.dumps(chunk)}
+
+    def error_event(self, message: str, type_: str, code: str | None) -> dict:
+        return {"data": json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})}
 
     def __init__(self, model: str, token_ids: bool = False, tokenizer=None):
         self.model, self.token_ids = model, token_ids
@@ -191,6 +200,8 @@ def usage(*fins: Finished) -> dict:
 
 def full_response(fmts: list[_Format], fins: list[Finished]) -> dict:
     """The whole (non-streamed) response: one choice per format and its Finished item."""
+    if len(fmts) == 1:  # (Responses and Messages have no `choices`)
+        return fmts[0]("full", fins[0])
     out = fmts[0]("full", fins[0])
     out["choices"] += [fmt.full(fin) for fmt, fin in zip(fmts[1:], fins[1:])]
     out["usage"] = usage(*fins)

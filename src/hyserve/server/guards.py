@@ -11,7 +11,7 @@ import json
 
 from ..cache.namespace import make_salt
 from ..service import Service, ServiceConfig
-from .errors import BodyTooLarge
+from .errors import ANTHROPIC_PATH, BodyTooLarge, anthropic_body
 
 OPEN_PATHS = ("/health", "/metrics")
 API_KEY = "hyserve.api_key"  # scope entry: the configured key (API or admin) the request presented
@@ -28,11 +28,15 @@ def tenant_salt(api_key: str | None, cache_salt: str | None) -> str:
 
 
 def bearer(scope) -> bytes | None:
-    """The token of `Authorization: Bearer <token>` as sent (bytes: a header need not be ASCII)."""
+    """The token of `Authorization: Bearer <token>`, else of `x-api-key` (Anthropic's clients), as sent
+    (bytes: a header need not be ASCII)."""
+    key = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             return value[7:].strip() if value[:7].lower() == b"bearer " else None
-    return None
+        if name == b"x-api-key":
+            key = value.strip()
+    return key
 
 
 def matching_key(token: bytes | None, cfg: ServiceConfig) -> str | None:
@@ -57,8 +61,11 @@ def cache_scope(scope, cfg: ServiceConfig) -> str | None:
     return key_tenant(key if cfg.api_keys else None)
 
 
-async def send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+async def send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False,
+                     path: str = "") -> None:
+    shaped = anthropic_body(status, message) if path.startswith(ANTHROPIC_PATH) else \
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -82,16 +89,16 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         if self.service.draining:
             return await send_error(send, 503, "server is shutting down", "server_error", "shutting_down",
-                                     close=True)
+                                     close=True, path=path)
         scope[API_KEY] = key = matching_key(bearer(scope), cfg)
         if cfg.api_keys and key is None:  # every route but the probes, /openapi.json too
             return await send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
-                                     "<key>'", "invalid_request_error", "invalid_api_key")
+                                     "<key>'", "invalid_request_error", "invalid_api_key", path=path)
         limit = cfg.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return await send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
-                                         BodyTooLarge.code)
+                                         BodyTooLarge.code, path=path)
         seen = 0
 
         async def limited_receive():
@@ -107,6 +114,6 @@ class GuardMiddleware:
         try:
             await self.app(scope, limited_receive, send)
         except BodyTooLarge as exc:  # raised outside a route (none read bodies there today)
-            await send_error(send, 413, exc.detail, "invalid_request_error", exc.code)
+            await send_error(send, 413, exc.detail, "invalid_request_error", exc.code, path=path)
         finally:
             self.service.inflight -= 1
