@@ -13,7 +13,7 @@ from hyserve.cache.telemetry import CacheTelemetry
 from hyserve.metrics import Metrics
 
 from ..conftest import wait_idle
-from ..test_engine_cache import GREEDY, SCRIPT, run_chat
+from ..test_engine_cache import GREEDY, SCRIPT
 
 PROMPT = list(range(3, 40))
 
@@ -105,22 +105,28 @@ def test_lru_within_the_budget_and_tenants_apart(runtimes, tmp_path):
     assert disk.clear("a") == 1 and disk.usage("a") == (0, 0) and disk.usage("b") == (1, size)
 
 
-def interleaved(service, turns=3, max_tokens=6):
+def turn(service, messages, max_tokens=6):
+    """One chat turn, then wait as a reader does (idle-time checkpoints, disk writes done)."""
+    fin = service.engine.generate(GenerationRequest(prompt=service.runtime.render_chat(messages, True),
+                                                    max_tokens=max_tokens, sampling=GREEDY, messages=messages))
+    wait_idle(service)
+    if service.cache.disk is not None:
+        service.cache.disk.flush()
+    return fin
+
+
+def interleaved(service, turns=3):
     """Two chats taking turns: each turn's history was pushed out of memory by the other chat's turn."""
     chats = {"a": SCRIPT[0][0], "b": "You are a pirate."}
     history = {k: [] for k in chats}
     out = []
-    for turn in range(turns):
+    for i in range(turns):
         for key, system in chats.items():
-            user = f"Turn {turn} of chat {key}: " + SCRIPT[turn][1]
+            user = f"Turn {i} of chat {key}: " + SCRIPT[i][1]
             messages = [{"role": "system", "content": system}] + history[key] + [{"role": "user", "content": user}]
-            fin = service.engine.generate(GenerationRequest(prompt=service.runtime.render_chat(messages, True),
-                                                            max_tokens=max_tokens, sampling=GREEDY, messages=messages))
+            fin = turn(service, messages)
             out.append((fin.token_ids, fin.cached_tokens))
             history[key] += [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
-            wait_idle(service)
-            if service.cache.disk is not None:
-                service.cache.disk.flush()
     return out
 
 
@@ -139,17 +145,20 @@ def test_small_memory_with_disk_matches_cache_off_and_hits_disk(make_service, tm
     assert svc.metrics.disk_hits._value.get() == disk["hits"]
 
 
-def test_a_new_service_on_the_same_directory_reuses_the_history(make_service, tmp_path):
+def test_a_new_service_on_the_same_directory_reuses_all_the_history(make_service, tmp_path):
+    (system, u1), (_, u2) = SCRIPT[:2]
+    first_turn = [{"role": "system", "content": system}, {"role": "user", "content": u1}]
+    uninterrupted = make_service("qwen3_5")
+    a1 = turn(uninterrupted, first_turn)
+    second_turn = first_turn + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": u2}]
+    a2 = turn(uninterrupted, second_turn)
     first = make_service("qwen3_5", cache_dir=tmp_path)
-    run_chat(first, SCRIPT[:1])
-    wait_idle(first)
-    first.cache.disk.flush()
+    assert turn(first, first_turn).token_ids == a1.token_ids
     first.engine.stop()
-    second = make_service("qwen3_5", cache_dir=tmp_path)
-    assert second.cache.stats()["tiers"]["disk"]["entries"] >= 1
-    results = run_chat(second, SCRIPT[:2])
-    off = run_chat(make_service("qwen3_5", cache_enabled=False), SCRIPT[:2])
-    assert [r[0] for r in results] == [r[0] for r in off]
-    (_, _, _, boundary) = results[0]
-    assert results[1][1] >= boundary  # turn 2 reused turn 1's history from a file the first service wrote
-    assert second.cache.stats()["tiers"]["disk"]["hits"] >= 1
+    second = make_service("qwen3_5", cache_dir=tmp_path)  # memory empty, the directory indexed afresh
+    assert second.cache.stats()["tiers"] == {"memory": {"entries": 0, "bytes": 0},
+                                             "disk": {**second.cache.stats()["tiers"]["disk"], "hits": 0}}
+    b2 = turn(second, second_turn)
+    assert b2.token_ids == a2.token_ids
+    assert b2.cached_tokens == a2.cached_tokens > a1.prompt_tokens  # all of it: the prompt and the reply
+    assert second.cache.stats()["tiers"]["disk"]["hits"] == 1

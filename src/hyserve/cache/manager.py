@@ -24,6 +24,11 @@ from .prefix_tree import PrefixTree, _Node
 from .telemetry import CacheTelemetry
 
 
+# Checkpoints written to disk as they are recorded, not only when evicted: a conversation's boundaries (the
+# end of its history, the end of a reply), which its next turn reuses, after a restart too.
+WRITE_THROUGH = ("history", "post_decode", "reply_rerender")
+
+
 @dataclass
 class Restored:
     state: LiveState
@@ -159,7 +164,7 @@ class PrefixCache:
         self._evicted(evicted)
         if stored:
             self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
-            if self.disk is not None and kind == "history":  # what the next turn reuses, after a restart too
+            if self.disk is not None and kind in WRITE_THROUGH:
                 self.disk.put(salt, snap, "history")
         else:
             self.telemetry.emit("declined", reason, bytes=snap.nbytes, **base)
