@@ -57,6 +57,8 @@ def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
     cached = usage2["prompt_tokens_details"]["cached_tokens"]
     assert cached > usage1["prompt_tokens"]  # turn 1's prompt and its reply, from before the kill
     assert cache_stats(second)["tiers"]["disk"]["hits"] == 1
+    exposition = httpx.get(f"{second.base}/metrics", timeout=30).text
+    assert "hyserve_cache_disk_hits_total 1.0" in exposition and "hyserve_cache_disk_load_seconds_count 1.0" in exposition
     uncached_text, uncached = chat(second, turn2, cache_salt="elsewhere")  # no checkpoint in that namespace
     assert uncached["prompt_tokens_details"]["cached_tokens"] == 0 and uncached_text == text
     second.kill()
