@@ -162,3 +162,28 @@ def test_a_new_service_on_the_same_directory_reuses_all_the_history(make_service
     assert b2.token_ids == a2.token_ids
     assert b2.cached_tokens == a2.cached_tokens > a1.prompt_tokens  # all of it: the prompt and the reply
     assert second.cache.stats()["tiers"]["disk"]["hits"] == 1
+
+
+def test_a_clear_also_drops_what_is_queued_and_an_oversized_snapshot_is_declined(runtimes, tmp_path):
+    adapter = runtimes("mamba2").adapter
+    disk = tier(tmp_path)
+    snaps = [adapter.snapshot(state_after(adapter, PROMPT[:n])) for n in (10, 20, 30, 31)]
+    for snap in snaps:
+        assert disk.put("t:", snap, "test")
+    disk.clear("t")  # the writer has not got to all of them yet: those it writes later must not stay
+    disk.flush()
+    assert disk.usage() == (0, 0) and not list(tmp_path.glob("*.safetensors"))
+    assert disk.put("t:", snaps[0], "test")  # a later put is written again
+    disk.flush()
+    assert disk.usage()[0] == 1
+    disk.budget_bytes = snaps[1].nbytes - 1
+    assert not disk.put("t:", snaps[1], "test")
+    assert disk.telemetry.events()[-1]["reason"] == "disk_over_budget"
+
+
+def test_the_fingerprint_follows_the_template_and_is_stable(runtimes):
+    from hyserve.cache.fingerprint import fingerprint
+
+    rt = runtimes("qwen3_5")
+    assert fingerprint(rt, "a") == fingerprint(rt, "a") != fingerprint(rt, "b")
+    assert fingerprint(rt, "a") != fingerprint(runtimes("qwen3_next"), "a")

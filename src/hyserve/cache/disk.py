@@ -80,7 +80,7 @@ def _header(f) -> dict:
 
 class DiskTier:
     def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str, metrics: Metrics,
-                 telemetry: CacheTelemetry, max_pending: int = 64):
+                 telemetry: CacheTelemetry, max_pending_bytes: int = 2 << 30):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
@@ -91,8 +91,13 @@ class DiskTier:
         self.load_seconds = 0.0
         self._entries: dict[str, DiskEntry] = {}  # file name -> entry
         self._pending: set[str] = set()
+        # evicted snapshots wait in the queue, out of the memory budget: bound what they hold
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._epoch = 0  # counts puts; a clear stamps the count, so writes queued before it are dropped
+        self._cleared: dict[str | None, int] = {}  # tenant (None: all) -> epoch of its latest clear
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._queue: queue.Queue = queue.Queue()
         self._index()
         self._writer = threading.Thread(target=self._write_loop, name="hyserve-disk-writer", daemon=True)
         self._writer.start()
@@ -147,20 +152,25 @@ class DiskTier:
 
     # -- write (writer thread) -------------------------------------------------------------
     def put(self, salt: str, snapshot: Snapshot, why: str) -> bool:
-        """Queue `snapshot` for writing; never blocks. False when already there or the queue is full."""
+        """Queue `snapshot` for writing; never blocks. False when already there, larger than the whole
+        budget, or when the queue already holds `max_pending_bytes` (the disk is slower than evictions)."""
         name = self._name(salt, snapshot.prefix_hash, snapshot.num_tokens)
+        base = dict(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, tenant=tenant_of(salt))
+        if snapshot.nbytes > self.budget_bytes:
+            self.telemetry.emit("declined", "disk_over_budget", **base)
+            return False
         with self._lock:
             if name in self._entries or name in self._pending:
                 return False
-            self._pending.add(name)
-        try:
-            self._queue.put_nowait((name, salt, snapshot, why))
-        except queue.Full:
-            with self._lock:
-                self._pending.discard(name)
-            self.telemetry.emit("declined", "disk_queue_full", tokens=snapshot.num_tokens, tenant=tenant_of(salt))
-            return False
-        return True
+            full = bool(self._pending) and self._pending_bytes + snapshot.nbytes > self.max_pending_bytes
+            if not full:
+                self._pending.add(name)
+                self._pending_bytes += snapshot.nbytes
+                self._epoch += 1
+                self._queue.put_nowait((name, salt, snapshot, why, self._epoch))
+        if full:
+            self.telemetry.emit("declined", "disk_queue_full", **base)
+        return not full
 
     def _write_loop(self) -> None:
         while True:
@@ -175,9 +185,16 @@ class DiskTier:
                 if item is not None:
                     with self._lock:
                         self._pending.discard(item[0])
+                        self._pending_bytes -= item[2].nbytes
                 self._queue.task_done()
 
-    def _write(self, name: str, salt: str, snap: Snapshot, why: str) -> None:
+    def _cleared_since(self, epoch: int, salt: str) -> bool:
+        return epoch <= max(self._cleared.get(None, 0), self._cleared.get(tenant_of(salt), 0))
+
+    def _write(self, name: str, salt: str, snap: Snapshot, why: str, epoch: int) -> None:
+        with self._lock:
+            if self._cleared_since(epoch, salt):
+                return
         try:
             tensors, layout = to_tensors(snap.cache)
         except TypeError as exc:
@@ -195,6 +212,9 @@ class DiskTier:
         os.replace(tmp, path)
         entry = DiskEntry(path, salt, snap.num_tokens, snap.prefix_hash, path.stat().st_size, time.time())
         with self._lock:
+            if self._cleared_since(epoch, salt):  # cleared while it was being written
+                path.unlink(missing_ok=True)
+                return
             self._entries[name] = entry
             evicted = self._evict_over_budget()
         self.metrics.disk_writes.inc()
@@ -231,8 +251,11 @@ class DiskTier:
             candidates = sorted((e for e in self._entries.values()
                                  if e.salt == salt and min_length < e.num_tokens <= min(max_length, len(prompt))),
                                 key=lambda e: -e.num_tokens)
+        hashes: dict[int, str] = {}  # one hash per distinct length: many chats end at the same one
         for entry in candidates:
-            if token_hash(prompt[: entry.num_tokens]) == entry.prefix_hash:
+            if entry.num_tokens not in hashes:
+                hashes[entry.num_tokens] = token_hash(prompt[: entry.num_tokens])
+            if hashes[entry.num_tokens] == entry.prefix_hash:
                 return entry
         return None
 
@@ -295,6 +318,7 @@ class DiskTier:
     def clear(self, tenant: str | None = None) -> int:
         """Delete every file, or `tenant`'s."""
         with self._lock:
+            self._cleared[tenant] = self._epoch  # and what is queued for it, not yet written
             chosen = [e for e in self._entries.values() if tenant is None or tenant_of(e.salt) == tenant]
             for e in chosen:
                 del self._entries[e.path.name]

@@ -31,11 +31,15 @@ def _file_part(h, path: Path) -> None:
 
 
 def fingerprint(runtime, template: str) -> str:
-    """A hex digest of the model (config, weights, dtype), tokenizer, chat template and transformers version."""
+    """A hex digest of the model (config, weights, dtype), tokenizer, chat template and transformers version,
+    and of what computes the state: the device type and which of hyserve's kernels run (a state computed
+    another way may differ in its last bits, and cache-on output must equal cache-off output exactly)."""
     h = hashlib.blake2b(digest_size=16)
     model = runtime.model
     dtype = next((p.dtype for p in model.parameters()), None)
-    for part in (FORMAT, transformers.__version__, type(model).__name__, str(dtype), template,
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    kernels = sorted(getattr(runtime.kernels, "status", {}).items())
+    for part in (FORMAT, transformers.__version__, type(model).__name__, str(dtype), device, repr(kernels), template,
                  model.config.to_json_string(use_diff=False)):
         h.update(part.encode())
         h.update(b"\0")
