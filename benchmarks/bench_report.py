@@ -169,6 +169,12 @@ def idle(r: dict) -> str:
     return bench_idle.idle_table(r["rows"])
 
 
+def disk(r: dict) -> str:
+    import bench_disk
+
+    return bench_disk.tables(r)
+
+
 # block name -> (file under the results folder, renderer)
 REPORTS = {
     "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),
@@ -184,6 +190,7 @@ REPORTS = {
     "threads": ("threads.json", threads),
     "long_decode": ("long_decode.json", long_decode),
     "idle": ("idle.json", idle),
+    "disk": ("disk.json", disk),
 }
 
 

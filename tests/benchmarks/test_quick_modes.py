@@ -39,7 +39,8 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_long_decode.py", "--json", "long_decode.json"),
     ("benchmarks/bench_kernels.py", "--json", "kernels.json"),
     ("benchmarks/bench_idle.py", "--json", "idle.json"),
-    ("benchmarks/bench_memory.py", "--json", "memory.json")])
+    ("benchmarks/bench_memory.py", "--json", "memory.json"),
+    ("benchmarks/bench_disk.py", "--json", "disk.json")])
 def test_quick_mode_exits_cleanly(script, flag, name, results):
     out = results / name
     run([script, "--quick", flag, str(out)])
