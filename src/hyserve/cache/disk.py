@@ -145,11 +145,6 @@ class DiskTier:
             chosen = [e for e in self._entries.values() if tenant is None or tenant_of(e.salt) == tenant]
         return len(chosen), sum(e.nbytes for e in chosen)
 
-    def has(self, salt: str, snapshot: Snapshot) -> bool:
-        name = self._name(salt, snapshot.prefix_hash, snapshot.num_tokens)
-        with self._lock:
-            return name in self._entries or name in self._pending
-
     # -- write (writer thread) -------------------------------------------------------------
     def put(self, salt: str, snapshot: Snapshot, why: str) -> bool:
         """Queue `snapshot` for writing; never blocks. False when already there, larger than the whole
@@ -206,10 +201,14 @@ class DiskTier:
                 "num_tokens": str(snap.num_tokens), "prefix_hash": snap.prefix_hash, "layout": layout}
         meta["checksum"] = checksum(tensors, *_signed(meta))
         path, tmp = self.dir / name, self.dir / f"{_TMP}{name}"
-        safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         entry = DiskEntry(path, salt, snap.num_tokens, snap.prefix_hash, path.stat().st_size, time.time())
         with self._lock:
             if self._cleared_since(epoch, salt):  # cleared while it was being written

@@ -165,7 +165,7 @@ class PrefixCache:
         if stored:
             self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
             if self.disk is not None and kind in WRITE_THROUGH:
-                self.disk.put(salt, snap, "history")
+                self.disk.put(salt, snap, kind)
         else:
             self.telemetry.emit("declined", reason, bytes=snap.nbytes, **base)
         return stored
