@@ -169,6 +169,12 @@ def idle(r: dict) -> str:
     return bench_idle.idle_table(r["rows"])
 
 
+def disk(r: dict) -> str:
+    import bench_disk
+
+    return bench_disk.tables(r)
+
+
 # block name -> (file under the results folder, renderer)
 def agent(result: dict) -> str:
     import bench_agent
@@ -199,6 +205,7 @@ REPORTS = {
     "threads": ("threads.json", threads),
     "long_decode": ("long_decode.json", long_decode),
     "idle": ("idle.json", idle),
+    "disk": ("disk.json", disk),
 }
 
 

@@ -43,6 +43,11 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM)")
     p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
                    help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="a disk tier for the prefix cache: checkpoints evicted from memory and history "
+                        "boundaries are written here, and found again after a restart (same model and template)")
+    p.add_argument("--cache-disk-bytes", type=parse_size, default=16 << 30, metavar="SIZE",
+                   help="byte budget of --cache-dir, least recently used files deleted first (default: 16G)")
     p.add_argument("--no-history-checkpoint", action="store_true",
                    help="do not checkpoint at the message-history boundary (what the next turn reuses)")
     p.add_argument("--no-system-checkpoint", action="store_true",
@@ -111,6 +116,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, cache_enabled=not args.no_cache,
         cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_disk_bytes=args.cache_disk_bytes,
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
         max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,

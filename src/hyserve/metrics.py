@@ -24,6 +24,12 @@ class Metrics:
         self.cache_events = Counter("hyserve_cache_events", "Cache decisions", ["event", "reason"], registry=r)
         self.cache_bytes = Gauge("hyserve_cache_bytes", "Bytes held by cached snapshots", registry=r)
         self.cache_entries = Gauge("hyserve_cache_entries", "Cached snapshots", registry=r)
+        self.disk_bytes = Gauge("hyserve_cache_disk_bytes", "Bytes of checkpoint files in the disk tier", registry=r)
+        self.disk_entries = Gauge("hyserve_cache_disk_entries", "Checkpoint files in the disk tier", registry=r)
+        self.disk_hits = Counter("hyserve_cache_disk_hits", "Lookups served by a checkpoint loaded from disk", registry=r)
+        self.disk_writes = Counter("hyserve_cache_disk_writes", "Checkpoints written to the disk tier", registry=r)
+        self.disk_load_seconds = Histogram("hyserve_cache_disk_load_seconds", "Time to read and verify a disk checkpoint",
+                                           buckets=_LATENCY, registry=r)
         self.cache_evictions = Counter("hyserve_cache_evictions", "Snapshots evicted for the byte budget", registry=r)
         self.snapshot_seconds = Histogram("hyserve_cache_snapshot_seconds", "Time to copy a live state into a snapshot", buckets=_FAST, registry=r)
         self.restore_seconds = Histogram("hyserve_cache_restore_seconds", "Time to restore a snapshot into a live state", buckets=_FAST, registry=r)

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache.disk import DiskTier
+from .cache.fingerprint import fingerprint
 from .cache.manager import PrefixCache
 from .cache.policy import CheckpointPolicy
 from .cache.telemetry import CacheTelemetry
@@ -33,6 +35,8 @@ class ServiceConfig:
     device: str = "auto"
     cache_enabled: bool = True
     cache_bytes: int = field(default_factory=default_cache_bytes)
+    cache_dir: Path | None = None  # the disk tier's directory; None: memory only
+    cache_disk_bytes: int = 16 << 30
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     log_cache_events: str | None = None
     prefill_chunk: int = 512
@@ -82,7 +86,11 @@ def build_service(config: ServiceConfig) -> Service:
     for name, status in runtime.kernels.status.items():
         metrics.kernel_active.labels(name).set(1 if status == "on" else 0)
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
-    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled)
+    disk = None
+    if config.cache_enabled and config.cache_dir is not None:
+        disk = DiskTier(config.cache_dir, config.cache_disk_bytes,
+                        fingerprint(runtime, template_text(runtime.tokenizer)), metrics, telemetry)
+    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled, disk=disk)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
                     max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)

@@ -1,5 +1,9 @@
 """The prefix cache as the engine sees it: look up and restore (fail closed), record, release.
 
+With a disk tier (`disk.py`), a lookup that finds nothing deeper in memory asks the disk; a verified disk
+checkpoint is put into the tree and restored from there like any other. Memory evictions and history
+boundaries are queued for the disk.
+
 Every restore is verified against the matched tokens (token count and content hash) and, where the
 model has attention layers, against the restored KV length. Any mismatch is a miss plus an event and
 the entry is dropped; the request then runs from an empty state, so output stays correct.
@@ -14,9 +18,15 @@ from typing import Sequence
 from ..families import FamilyAdapter
 from ..metrics import Metrics
 from ..state import LiveState, token_hash
+from .disk import DiskError, DiskTier
 from .namespace import tenant_of
 from .prefix_tree import PrefixTree, _Node
 from .telemetry import CacheTelemetry
+
+
+# Checkpoints written to disk as they are recorded, not only when evicted: a conversation's boundaries (the
+# end of its history, the end of a reply), which its next turn reuses, after a restart too.
+WRITE_THROUGH = ("history", "post_decode", "reply_rerender")
 
 
 @dataclass
@@ -27,8 +37,12 @@ class Restored:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, metrics: Metrics, telemetry: CacheTelemetry, enabled: bool = True):
+    def __init__(self, budget_bytes: int, metrics: Metrics, telemetry: CacheTelemetry, enabled: bool = True,
+                 disk: DiskTier | None = None):
         self.tree = PrefixTree(budget_bytes)
+        self.disk = disk if enabled else None
+        if self.disk is not None:
+            self.tree.on_evict = lambda salt, snap: self.disk.put(salt, snap, "evicted")
         self.metrics = metrics
         self.telemetry = telemetry
         self.enabled = enabled
@@ -53,8 +67,10 @@ class PrefixCache:
         counts = self._tenant_counts.setdefault(tenant, [0, 0])
         counts[0] += count
         t0 = time.perf_counter()
-        match = self.tree.lookup(prompt, max_length=len(prompt) - keep_last, truncate=not adapter.has_recurrent_layers,
-                                 salt=salt)
+        max_length, truncate = len(prompt) - keep_last, not adapter.has_recurrent_layers
+        match = self.tree.lookup(prompt, max_length=max_length, truncate=truncate, salt=salt)
+        if self.disk is not None:
+            match = self._from_disk(adapter, prompt, match, max_length, truncate, salt, request_id)
         if match is None:
             if count:
                 self.metrics.cache_misses.labels("no_match").inc()
@@ -77,6 +93,8 @@ class PrefixCache:
                 adapter.truncate(state, match.length)
         if problem is not None:
             self.tree.remove(node)
+            if self.disk is not None:
+                self.disk.discard(salt, snap)
             self._gauges()
             self.metrics.cache_misses.labels(problem).inc()
             self.telemetry.emit("miss", problem, tenant=tenant, request_id=request_id, prompt_tokens=len(prompt),
@@ -95,6 +113,28 @@ class PrefixCache:
                             request_id=request_id, prompt_tokens=len(prompt), cached_tokens=match.length,
                             checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3))
         return Restored(state, match.length, node)
+
+    def _from_disk(self, adapter: FamilyAdapter, prompt: Sequence[int], match, max_length: int, truncate: bool,
+                   salt: str, request_id: str):
+        """The memory match, or a deeper one after loading a verified disk checkpoint into the tree."""
+        entry = self.disk.find(prompt, salt, match.length if match is not None else 0, max_length)
+        if entry is None:
+            return match
+        base = dict(tenant=tenant_of(salt), request_id=request_id, checkpoint_tokens=entry.num_tokens)
+        t0 = time.perf_counter()
+        try:
+            snap = self.disk.load(entry, adapter)
+        except DiskError as exc:  # the memory match (if any) still serves; the file is gone
+            self.telemetry.emit("miss", exc.reason, prompt_tokens=len(prompt), **base)
+            return match
+        stored, reason, evicted = self.tree.insert(prompt[: entry.num_tokens], snap, salt)
+        self._evicted(evicted)
+        if not stored:
+            self.telemetry.emit("declined", f"disk_load:{reason}", bytes=snap.nbytes, **base)
+            return match if match is None or match.node.snapshot is not None else None
+        self.telemetry.emit("loaded", "disk", bytes=snap.nbytes, load_ms=round((time.perf_counter() - t0) * 1e3, 3),
+                            **base)
+        return self.tree.lookup(prompt, max_length=max_length, truncate=truncate, salt=salt)
 
     def has(self, tokens: Sequence[int], salt: str = "") -> bool:
         return self.enabled and self.tree.has(tokens, salt)
@@ -124,6 +164,8 @@ class PrefixCache:
         self._evicted(evicted)
         if stored:
             self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
+            if self.disk is not None and kind in WRITE_THROUGH:
+                self.disk.put(salt, snap, kind)
         else:
             self.telemetry.emit("declined", reason, bytes=snap.nbytes, **base)
         return stored
@@ -142,6 +184,8 @@ class PrefixCache:
     def clear(self, tenant: str | None = None) -> int:
         """Drop every unpinned checkpoint (tenant None: an admin's clear) or only `tenant`'s."""
         removed = self.tree.clear(tenant)
+        if self.disk is not None:
+            removed += self.disk.clear(tenant)
         self._gauges()
         self.telemetry.emit("cleared", "admin" if tenant is None else "tenant", entries=removed, tenant=tenant)
         return removed
@@ -152,6 +196,13 @@ class PrefixCache:
             entries, nbytes, lookups, hits = self.tree.entries, self.tree.total_bytes, self.lookups, self.hits
         else:
             (entries, nbytes), (lookups, hits) = self.tree.usage(tenant), self._tenant_counts.get(tenant, (0, 0))
+        disk = {"enabled": False}
+        if self.disk is not None:
+            disk_entries, disk_bytes = self.disk.usage(tenant)
+            disk = {"enabled": True, "entries": disk_entries, "bytes": disk_bytes,
+                    "budget_bytes": self.disk.budget_bytes}
+            if tenant is None:  # whole-server figures
+                disk.update(hits=self.disk.hits, load_seconds=round(self.disk.load_seconds, 6))
         return {
             "enabled": self.enabled,
             "entries": entries,
@@ -160,4 +211,5 @@ class PrefixCache:
             "lookups": lookups,
             "hits": hits,
             "hit_rate": (hits / lookups) if lookups else 0.0,
+            "tiers": {"memory": {"entries": entries, "bytes": nbytes}, "disk": disk},
         }

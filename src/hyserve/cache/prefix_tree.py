@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..state import Snapshot
 from .namespace import tenant_of
@@ -67,6 +67,7 @@ class PrefixTree:
         self.total_bytes = 0
         self.entries = 0
         self._clock = itertools.count(1)
+        self.on_evict: Callable[[str, Snapshot], None] | None = None  # (salt, snapshot) of each budget eviction
 
     @property
     def root(self) -> _Node:
@@ -163,8 +164,16 @@ class PrefixTree:
             if not candidates:
                 break
             victim = min(candidates, key=lambda n: (_has_snapshot_below(n), n.last_used))
+            salt = self.salt_of(victim)
             evicted.append(self._drop(victim))
+            if self.on_evict is not None:
+                self.on_evict(salt, evicted[-1])
         return evicted
+
+    def salt_of(self, node: _Node) -> str:
+        while node.parent is not None:
+            node = node.parent
+        return next((salt for salt, root in self.roots.items() if root is node), "")
 
     def remove(self, node: _Node) -> Snapshot | None:
         return self._drop(node) if node.snapshot is not None else None

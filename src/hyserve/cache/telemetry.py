@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..metrics import Metrics
 
-EVENTS = ("recorded", "deferred", "declined", "skipped", "hit", "miss", "evicted", "cleared")
+EVENTS = ("recorded", "deferred", "declined", "skipped", "hit", "miss", "evicted", "cleared", "spilled", "loaded")
 
 
 class CacheTelemetry:

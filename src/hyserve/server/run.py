@@ -127,6 +127,8 @@ def serve_forever(service: Service, sock: socket.socket, graceful_seconds: float
         DrainingServer(config, service).run(sockets=[sock])
     finally:
         service.engine.stop()
+        if service.cache.disk is not None:
+            service.cache.disk.close()  # finish queued writes: a graceful stop keeps them
         log.info("stopped")
 
 
