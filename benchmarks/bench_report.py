@@ -196,6 +196,7 @@ REPORTS = {
     "multiturn-8turn": ("multiturn-8turn.json", multiturn),
     "multiturn-split": ("multiturn-4k-short-split.json", multiturn),
     "run": ("run/results.json", run),
+    "run-hybrids": ("run-hybrids/results.json", run),
     "peers": ("peers.json", peers),
     "peers-growing": ("peers-growing.json", peers),
     "speculative": ("speculative.json", speculative),
