@@ -27,7 +27,6 @@ reply ends (no idle time for the engine's idle-time checkpoints).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import sys
@@ -72,32 +71,6 @@ def build_model(size: str) -> Path:
     if not C._complete(out):
         make_tiny_model(out, "qwen3_5", size=size, chat_template=TEMPLATE, force=True)
     return out
-
-
-def force_replies():
-    """Patch sampling so that a request with a scripted seed generates the script's tokens, then end of turn."""
-    from hyserve.sampling import Sampler
-
-    scripts: dict[int, list[int]] = {}
-    seeds = itertools.count(7_000_000)
-    sample = Sampler.__call__
-
-    def scripted(self, logits):
-        script = scripts.get(self.params.seed)
-        if script is None:
-            return sample(self, logits)
-        at = self.__dict__.get("_forced_at", 0)
-        self._forced_at = at + 1
-        return script[min(at, len(script) - 1)]
-
-    Sampler.__call__ = scripted
-
-    def make(tokenizer, text: str) -> int:
-        seed = next(seeds)
-        scripts[seed] = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        return seed
-
-    return make
 
 
 def tool_call_text(rng: random.Random, round_: int) -> str:
@@ -160,7 +133,9 @@ def main(argv=None) -> int:
     turns = args.turns or (6 if args.quick else 12)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = build_model(size)
-    force = force_replies()
+    from hyserve.forced import ForcedReplies
+
+    forced = ForcedReplies(7_000_000).install()
 
     from hyserve.chat import template_message
     from hyserve.server.run import BackgroundServer
@@ -183,7 +158,7 @@ def main(argv=None) -> int:
             body = {"model": "agent", "messages": messages, "tools": TOOLS, "temperature": 0,
                     "max_tokens": 400 if calls_tool else args.max_tokens}
             if calls_tool:
-                body["seed"] = force(tok, tool_call_text(rng, turn))
+                body["seed"] = forced.seed_for(tok, tool_call_text(rng, turn))
             history = (len(rt.render_next_turn([template_message(m) for m in previous], template_kwargs={"tools": TOOLS}))
                        if previous else 0)
             got = {}

@@ -45,32 +45,11 @@ def template_servers(request):
 
 
 @pytest.fixture
-def force(monkeypatch):
+def force():
     """force(runtime, text) -> seed: a request with that seed generates exactly `text`'s tokens, then end of
-    turn, through the real engine (sampling is replaced; everything after it runs as always). Requests with
-    other seeds sample as usual."""
-    import itertools
+    turn, through the real engine (`hyserve.forced`). Requests with other seeds sample as usual."""
+    from hyserve.forced import ForcedReplies
 
-    from hyserve.sampling import Sampler
-
-    scripts: dict[int, list[int]] = {}
-    seeds = itertools.count(424242)
-    sample = Sampler.__call__
-
-    def scripted(self, logits):
-        script = scripts.get(self.params.seed)
-        if script is None:
-            return sample(self, logits)
-        at = self.__dict__.get("_forced_at", 0)
-        self._forced_at = at + 1
-        return script[min(at, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, "__call__", scripted)
-
-    def make(runtime, text: str) -> int:
-        seed = next(seeds)
-        tok = runtime.tokenizer
-        scripts[seed] = list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
-        return seed
-
-    return make
+    forced = ForcedReplies().install()
+    yield lambda runtime, text: forced.seed_for(runtime.tokenizer, text)
+    forced.uninstall()
