@@ -63,10 +63,23 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when a record is written, not when it was set up: a process that
+    swaps stderr (pytest's capture, a daemonizing wrapper) never has records written to a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def configure(level: str = "info", fmt: str = "text", stream=None) -> None:
     """Route hyserve's and uvicorn's loggers to one stderr handler at `level`; other libraries' records
     still show from WARNING up, so a debug run is hyserve's debug lines, not every dependency's."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(JSONFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT, "%Y-%m-%d %H:%M:%S"))
     handler.addFilter(_UvicornName())
     root = logging.getLogger()
