@@ -19,17 +19,14 @@ from ..sampling import Sampler
 from ..scheduler import Scheduler
 from ..sequence import OutputSequence
 from .api import Delta, Finished, GenerationRequest, expired
+from .phase import Phase
 from .run import Run
 
 
-class Admission:
+class Admission(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  scheduler: Scheduler):
-        self.runtime = runtime
-        self.cache = cache
-        self.policy = policy
-        self.metrics = metrics
-        self.scheduler = scheduler
+        super().__init__(runtime, cache, policy, metrics, scheduler)
         # Builds a proposer (extend(tokens), propose() -> ids) per request, or None: no speculation.
         self.make_proposer = None
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from ..cache.manager import PrefixCache
 from ..cache.policy import Boundary, CheckpointPolicy
+from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
+from .phase import Phase
 from .run import Job, Run
 
 
-class Background:
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, scheduler: Scheduler,
-                 prefill_chunk: int):
-        self.runtime = runtime
-        self.cache = cache
-        self.policy = policy
-        self.scheduler = scheduler
+class Background(Phase):
+    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
+                 scheduler: Scheduler, prefill_chunk: int):
+        super().__init__(runtime, cache, policy, metrics, scheduler)
         self.prefill_chunk = prefill_chunk
 
     def queue_for(self, run: Run, rebuild: list[int] | None) -> None:

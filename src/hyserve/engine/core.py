@@ -63,7 +63,7 @@ class Engine:
         self.scheduler = Scheduler(max_running, max_waiting)
         self.outbox = Outbox()
         self.admission = Admission(runtime, cache, policy, metrics, self.scheduler)
-        self.background = Background(runtime, cache, policy, self.scheduler, prefill_chunk)
+        self.background = Background(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
         self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background)
         self.prefill = Prefill(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
         self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.outbox, prefill_chunk)

@@ -19,19 +19,16 @@ from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
 from .api import Failed, Finished, expired
 from .background import Background
+from .phase import Phase
 from .run import Run
 
 log = logging.getLogger("hyserve.engine")
 
 
-class Finishing:
+class Finishing(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  scheduler: Scheduler, background: Background):
-        self.runtime = runtime
-        self.cache = cache
-        self.policy = policy
-        self.metrics = metrics
-        self.scheduler = scheduler
+        super().__init__(runtime, cache, policy, metrics, scheduler)
         self.background = background
 
     def reap(self) -> None:

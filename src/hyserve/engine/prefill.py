@@ -21,6 +21,7 @@ from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
+from .phase import Phase
 from .run import Run
 
 log = logging.getLogger("hyserve.engine")
@@ -31,14 +32,10 @@ log = logging.getLogger("hyserve.engine")
 PIECE_COST = 64
 
 
-class Prefill:
+class Prefill(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  scheduler: Scheduler, prefill_chunk: int):
-        self.runtime = runtime
-        self.cache = cache
-        self.policy = policy
-        self.metrics = metrics
-        self.scheduler = scheduler
+        super().__init__(runtime, cache, policy, metrics, scheduler)
         self.prefill_chunk = prefill_chunk
 
     def run(self, runs: list[Run], guard: Callable) -> None:
