@@ -53,3 +53,21 @@ def force():
     forced = ForcedReplies().install()
     yield lambda runtime, text: forced.seed_for(runtime.tokenizer, text)
     forced.uninstall()
+
+
+def wait_healthy(base: str, proc, output=lambda: "", limit: float = 120) -> None:
+    """Until the `hyserve serve` process `proc` answers 200 on /health; fails with `output()` if it exits first
+    or takes longer than `limit` seconds."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + limit
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, output()
+        time.sleep(0.2)

@@ -18,6 +18,8 @@ from openai import OpenAI
 
 from hyserve.server.run import free_port
 
+from .conftest import wait_healthy
+
 ACCESS = re.compile(r'(?P<client>\S+) - "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d+)(?P<kv>.*)')
 
 
@@ -60,15 +62,7 @@ class Served:
         raise AssertionError(f"no {what} within {timeout} s:\n" + "\n".join(self.lines))
 
     def wait_healthy(self):
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and self.proc.poll() is None, "\n".join(self.lines)
-            time.sleep(0.2)
+        wait_healthy(self.base, self.proc, lambda: "\n".join(self.lines))
 
     def finish(self, timeout: float = 60) -> int:
         """Exit status, once stderr is read to its end."""

@@ -13,6 +13,8 @@ import httpx
 
 from hyserve.server.run import free_port
 
+from .conftest import wait_healthy
+
 
 def _read_response(sock) -> tuple[int, bytes]:
     """Status and body of one HTTP/1.1 response with Connection: close."""
@@ -32,15 +34,7 @@ def serving(model_dir):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
-            time.sleep(0.2)
+        wait_healthy(base, proc, lambda: proc.stderr.read() if proc.poll() is not None else "")
         yield proc, base
     finally:
         if proc.poll() is None:
