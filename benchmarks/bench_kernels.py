@@ -154,6 +154,20 @@ def micro(rounds: int = 30) -> list[dict]:
                      "reference": "transformers torch_chunk_gated_delta_rule",
                      "reference_ms": ms(lambda: chunked(**x, chunk_size=size)),
                      "hyserve_ms": ms(lambda: kernels.chunked_delta_rule(**x, chunk_size=size)), "max_abs_diff": diff})
+        # a decode step's depthwise conv at real Qwen3.5-0.8B width (6,144 channels, 4 taps), in bfloat16
+        w16, x16 = r(6144, 4).bfloat16(), r(1, 6144, 1).bfloat16()
+        s16 = r(1, 6144, 4).bfloat16()
+
+        def conv_reference(state):
+            state.copy_(torch.cat([state[:, :, 1:], x16], dim=-1))
+            return F.silu(F.conv1d(state, w16.unsqueeze(1), None, groups=6144)[..., -1:])
+
+        want16 = conv_reference(s16.clone())
+        rows.append({"piece": "conv decode step, 6144 channels, bfloat16", "reference": "grouped F.conv1d",
+                     "reference_ms": ms(lambda: conv_reference(s16.clone())),
+                     "hyserve_ms": ms(lambda: kernels.conv_step(x16, s16.clone(), w16, None, "silu")),
+                     "max_abs_diff": (kernels.conv_step(x16, s16.clone(), w16, None, "silu") - want16)
+                     .abs().max().item()})
         low = torch.empty(8 * 80 * 80).uniform_(-300.0, -90.0, generator=g)  # exp underflows: a chunk's decays
         rows.append({"piece": "exp of 51,200 values in [-300, -90]", "reference": "torch.exp",
                      "reference_ms": ms(lambda: low.exp()), "hyserve_ms": ms(lambda: kernels.safe_exp(low)),

@@ -164,8 +164,9 @@ def converter_copy(src: str | None, work: Path) -> Path:
     return dst
 
 
-def ensure_gguf(model_dir: Path, src: str | None) -> Path:
-    out = GGUF_DIR / f"{model_dir.name}-f32.gguf"
+def ensure_gguf(model_dir: Path, src: str | None, outtype: str = "f32") -> Path:
+    """`model_dir` converted to GGUF in `outtype` (f32, bf16, f16: no quantization), written once."""
+    out = GGUF_DIR / f"{model_dir.name}-{outtype}.gguf"
     if out.exists():
         return out
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
@@ -175,7 +176,7 @@ def ensure_gguf(model_dir: Path, src: str | None) -> Path:
         conv = converter_copy(src, Path(tmp))
         src_dir = _fit_mrope(model_dir, cfg, Path(tmp) / "model") if arch.startswith("Qwen3_5") else model_dir
         part = out.with_suffix(f".part{os.getpid()}")
-        cmd = [sys.executable, "convert_hf_to_gguf.py", str(src_dir), "--outtype", "f32", "--outfile", str(part)]
+        cmd = [sys.executable, "convert_hf_to_gguf.py", str(src_dir), "--outtype", outtype, "--outfile", str(part)]
         if arch.startswith(("Qwen3_5", "Qwen3Next")):
             cmd.append("--no-mtp")  # the random-init model has no multi-token-prediction head
         print(f"converting {model_dir.name} to GGUF: {' '.join(cmd)}", flush=True)

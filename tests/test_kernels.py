@@ -81,6 +81,22 @@ def test_conv_step_equals_the_reference(b, state_len, bias, activation):
     assert not torch.allclose(kernels.conv_step(x, state, weight, bias_t, activation), want)  # a new column
 
 
+def test_conv_step_in_bfloat16_equals_the_reference_bit_for_bit():
+    """bfloat16 weights: the taps are summed in float32 and rounded once, as the reference's grouped conv does."""
+    g = torch.Generator().manual_seed(2)
+    channels, kernel = 512, 4
+    x = torch.randn(2, channels, 1, generator=g).bfloat16()
+    state = torch.randn(2, channels, kernel, generator=g).bfloat16()
+    weight = torch.randn(channels, kernel, generator=g).bfloat16()
+    bias = torch.randn(channels, generator=g).bfloat16()
+    want_state = state.clone()
+    want = _reference_conv()(x, want_state, weight, bias, "silu")
+    got = kernels.conv_step(x, state, weight, bias, "silu")
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert torch.equal(state, want_state)
+
+
 def _attention_inputs(q_len, kv_len, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, q_len, 8, 16, generator=g).transpose(1, 2)  # a transposed view, as the models pass it

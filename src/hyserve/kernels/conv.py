@@ -1,7 +1,9 @@
 """The depthwise causal conv1d of Gated DeltaNet and Mamba2 layers: `conv_prefill` for a piece
 (transformers' `causal_conv1d_fn`), `conv_step` for one token (`causal_conv1d_update`). The reference is a
 grouped `F.conv1d`, which oneDNN runs slowly for one filter per channel; here prefill is `kernel` shifted
-multiply-adds and a decode step one batched product per channel.
+multiply-adds and a decode step one batched product per channel, taken in float32 (as oneDNN accumulates
+the reference) and rounded once: PyTorch's bfloat16 `bmm` over thousands of 4-tap products is ~15x slower
+than the float32 one (`benchmarks/bench_kernels.py --micro`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ def conv_step(hidden_states, conv_state, weight, bias=None, activation=None):
     window = torch.cat([conv_state[:, :, 1:], hidden_states], dim=-1)
     conv_state.copy_(window)
     window = window[:, :, -kernel:]
-    per_channel = window.permute(1, 0, 2)  # [channels, b, kernel]
+    per_channel = window.permute(1, 0, 2).float()  # [channels, b, kernel]
+    taps = weight.view(channels, kernel, 1).float()
     if bias is None:
-        out = torch.bmm(per_channel, weight.view(channels, kernel, 1))
+        out = torch.bmm(per_channel, taps)
     else:
-        out = torch.baddbmm(bias.view(channels, 1, 1), per_channel, weight.view(channels, kernel, 1))
-    out = out.permute(1, 0, 2)  # [b, channels, 1]
+        out = torch.baddbmm(bias.view(channels, 1, 1).float(), per_channel, taps)
+    out = out.permute(1, 0, 2).to(hidden_states.dtype)  # [b, channels, 1]
     return F.silu(out) if activation in _SILU else out
 
 
