@@ -18,6 +18,8 @@ more than 2x).
     python benchmarks/bench_real.py --json benchmarks/results/real.json
     python benchmarks/bench_real.py --profile --dtypes bfloat16
     python benchmarks/bench_real.py --quick          # the tiny qwen3_5, a smoke test
+    python benchmarks/bench_real.py --ab-env HYSERVE_MALLOC_KEEP=0   # also each dtype with freed memory
+                                                     # handed back to the OS (hyserve.allocator)
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=512, help="prefill piece (the engine's --prefill-chunk)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="PyTorch profiler: top operators per phase")
+    p.add_argument("--ab-env", action="append", default=[], metavar="VAR=VALUE",
+                   help="also measure each dtype in a child process with this environment (a column each)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -132,12 +136,36 @@ def main(argv=None) -> int:
         del rt
         for name, text in rows[dtype].get("profiles", {}).items():
             print(f"\n== {dtype} {name}\n{text}")
+        for env in args.ab_env:
+            rows[f"{dtype}, {env}"] = _child_row(argv, dtype, env)
     result = {"machine": C.machine_info(), "args": vars(args), "model": str(d), "rows": rows}
     print(table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _child_row(argv, dtype: str, env: str) -> dict:
+    """The same measurement of `dtype` in a child process whose environment adds `env` (VAR=VALUE)."""
+    import os
+    import subprocess
+    import tempfile
+
+    var, _, value = env.partition("=")
+    rest, skip = [], False
+    for a in argv if argv is not None else sys.argv[1:]:  # drop --json/--ab-env/--dtypes and their values
+        if skip:
+            skip = False
+        elif a in ("--json", "--ab-env", "--dtypes"):
+            skip = True
+        elif not a.startswith(("--json=", "--ab-env=", "--dtypes=")):
+            rest.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        subprocess.run([sys.executable, __file__, *rest, "--dtypes", dtype, "--json", str(out)],
+                       env={**os.environ, var: value}, check=True)
+        return json.loads(out.read_text())["rows"][dtype]
 
 
 def table(result: dict) -> str:

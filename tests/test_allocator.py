@@ -40,3 +40,29 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("HYSERVE_MALLOC_TRIM", "0")
     t = allocator.Trimmer(interval=0.0)
     assert not t.available and t.maybe() is None
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@glibc
+def test_freed_activation_memory_stays_mapped_for_the_next_pass():
+    """A 96 MiB block (above glibc's largest dynamic mmap threshold, 32 MiB) freed and allocated again: with
+    `keep_freed_memory` it comes from the heap and its pages stay resident in between, so the next pass does
+    not fault them in again."""
+    import torch
+
+    assert allocator.keep_freed_memory()
+    block = torch.ones(96 << 20, dtype=torch.uint8)  # written: its pages are resident
+    before = _rss_bytes()
+    del block
+    assert _rss_bytes() > before - (48 << 20)  # not handed back on free()
+
+
+def test_keep_freed_memory_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("HYSERVE_MALLOC_KEEP", "0")
+    assert allocator.keep_freed_memory() is False

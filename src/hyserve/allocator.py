@@ -38,6 +38,31 @@ def _malloc_trim():
     return fn
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+KEEP_BELOW = 256 << 20  # blocks up to this size come from the heap, not from a fresh mapping each time
+TRIM_ABOVE = 1 << 30  # free memory at the heap's top is handed back on free() only beyond this
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed activation memory for the next pass instead of handing it to the OS on every free().
+
+    A forward pass at real model sizes allocates and frees blocks of several MB per layer (projections,
+    the delta rule's chunk tensors). glibc maps blocks above its (dynamic) mmap threshold afresh and trims
+    the heap's top whenever its free part passes the trim threshold, so the next pass faults the same pages
+    in again, and a page fault costs several microseconds in a virtual machine. With a fixed mmap threshold
+    of `KEEP_BELOW` and a trim threshold of `TRIM_ABOVE` the pages stay mapped between passes; `Trimmer`
+    still hands the heap's free pages back under sustained load. `benchmarks/bench_real.py --ab-env
+    HYSERVE_MALLOC_KEEP=0` measures both. A no-op without glibc's `mallopt` or with `HYSERVE_MALLOC_KEEP=0`;
+    returns whether it applied."""
+    if os.environ.get("HYSERVE_MALLOC_KEEP", "1") == "0":
+        return False
+    fn = libc_function("mallopt")
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(fn(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(fn(M_TRIM_THRESHOLD, TRIM_ABOVE))
+
+
 class Trimmer:
     """`maybe()`: trim if `interval` seconds have passed since the last trim; returns the seconds it took,
     or None when it did not run."""

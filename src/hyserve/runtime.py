@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from . import kernels, model_thread, next_turn
+from .allocator import keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
@@ -83,6 +84,7 @@ class ModelRuntime:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         device = resolve_device(device)
+        keep_freed_memory()
         start = time.perf_counter()
         weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
         log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
