@@ -103,6 +103,22 @@ def peers(r: dict) -> str:
                       f"replies identical between the servers on {same} of {len(r['turns'])} turns."])
 
 
+def peers_real(r: dict) -> str:
+    import bench_peers
+
+    out = []
+    if r.get("throughput"):
+        out += [bench_peers.throughput_table(r["throughput"]), ""]
+    if r.get("turns"):
+        out += [peers(r)]
+        warm = [t for t in r["turns"][1:] if t.get("llama_over_hyserve")]
+        if warm:
+            worst = min(t["llama_over_hyserve"] for t in warm)
+            out += ["", f"Warm turns: hyserve's TTFT is at most {1 / worst:.2f}x llama-server's on every turn "
+                        f"(llama/hyserve {worst:.1f}x or more)."]
+    return "\n".join(out).rstrip()
+
+
 def speculative(r: dict) -> str:
     import bench_speculative as S
 
@@ -199,6 +215,7 @@ REPORTS = {
     "run-hybrids": ("run-hybrids/results.json", run),
     "peers": ("peers.json", peers),
     "peers-growing": ("peers-growing.json", peers),
+    "peers-real": ("peers-real.json", peers_real),
     "speculative": ("speculative.json", speculative),
     "load": ("load.json", load),
     "memory": ("memory.json", memory),

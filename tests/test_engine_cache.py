@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from hyserve.engine import GenerationRequest
 from hyserve.sampling import SamplingParams
@@ -54,6 +55,19 @@ def test_six_turn_chat_matches_cache_off(make_service, arch):
         assert cached[turn] < on[turn][2]
         # At least the previous turn's whole history (its prompt minus the generation prompt) is reused.
         assert cached[turn] >= on[turn - 1][3]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_six_turn_chat_matches_cache_off_in_bfloat16(make_service, arch):
+    """bfloat16 weights (float32 recurrent state), hyserve's kernels on: the cache still changes nothing."""
+    on_service = make_service(arch, dtype="bfloat16")
+    assert on_service.runtime.model.dtype == torch.bfloat16
+    status = on_service.runtime.adapter.kernels.status
+    assert status and all(v == "on" for v in status.values()), status
+    on = run_chat(on_service)
+    off = run_chat(make_service(arch, dtype="bfloat16", cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+    assert all(on[turn][1] >= on[turn - 1][3] for turn in (1, 2, 4, 5))  # whole histories reused
 
 
 def test_back_to_back_turns_take_over_deferred_checkpoints(make_service):
