@@ -168,7 +168,7 @@ def _load(args):
 
 
 def cmd_make_tiny_model(args) -> int:
-    from .tiny import FolderNotEmpty, make_tiny_model
+    from .tiny import FolderNotEmpty, default_arch, make_tiny_model
 
     try:
         out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed, force=args.force,
@@ -176,7 +176,7 @@ def cmd_make_tiny_model(args) -> int:
     except FolderNotEmpty as exc:
         log.error("%s", exc)
         return 2
-    print(f"wrote a random-init {args.arch} ({args.size}) model to {out}")
+    print(f"wrote a random-init {args.arch or default_arch(args.size)} ({args.size}) model to {out}")
     return 0
 
 
@@ -227,9 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)
     p.add_argument("out_dir", help="folder to write; must be empty or new unless --force")
-    p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
+    p.add_argument("--arch", default=None, choices=ARCHS,
+                   help="model family (default: qwen3_5; for --size real-moe, qwen3_5_moe)")
     p.add_argument("--size", default="tiny", choices=SIZES,
-                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks; real-0.8b: qwen3_5 at the real dimensions of a 0.75B model (~3 GB)")
+                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks; real-0.8b: qwen3_5 at "
+                        "the real dimensions of a 0.75B model (~3 GB); real-moe: qwen3_5_moe with Qwen3.5-35B-A3B's "
+                        "layer (64 of its 256 experts, 4 of its 40 layers; 1.46B parameters, ~2.9 GB in bfloat16)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a real model's chat template (.jinja) instead of ChatML; its control tokens are added")
