@@ -40,7 +40,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM)")
+                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM; on a GPU, half of its "
+                        "memory left free by the model)")
     p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
                    help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -99,7 +100,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
 
 
 def service_config_from_args(args) -> "ServiceConfig":
-    from .service import ServiceConfig, default_cache_bytes
+    from .service import ServiceConfig
     from .speculative import SpeculativeConfig
 
     policy = CheckpointPolicy(
@@ -115,7 +116,7 @@ def service_config_from_args(args) -> "ServiceConfig":
     return ServiceConfig(
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, cache_enabled=not args.no_cache,
-        cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
+        cache_bytes=args.cache_bytes,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_disk_bytes=args.cache_disk_bytes,
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
