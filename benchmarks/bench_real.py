@@ -146,7 +146,12 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    run(parse_args(argv))
+    return 0
+
+
+def run(args) -> dict:
+    """Measure, print the table (and profiles), write `--json`; returns the result."""
     C.setup_torch(args.threads)
     prompt = args.prompt or (64 if args.quick else 1024)
     decode = args.decode or (4 if args.quick else 16)
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return result
 
 
 def table(result: dict) -> str:
