@@ -64,3 +64,10 @@ def test_an_unknown_implementation_falls_back_to_eager(model_dirs, monkeypatch):
     monkeypatch.setenv("HYSERVE_EXPERTS", "no_such_implementation")
     rt = ModelRuntime.load(model_dirs["qwen3_5_moe"], device="cpu")
     assert experts.current(rt.model) == "eager"
+
+
+def test_hyserve_env_says_which_experts_run(model_dirs, capsys):
+    from hyserve.cli import main
+
+    assert main(["env", str(model_dirs["qwen3_5_moe"])]) == 0
+    assert f"experts: {experts.PREFERRED}" in capsys.readouterr().out

@@ -3,9 +3,11 @@
 transformers (5.24 and later) runs the experts of a MoE model (`@use_experts_implementation`: Qwen3.5-MoE,
 Qwen3-Next, ...) one of several ways: "eager" (a loop over the experts a batch hit), "grouped_mm" (one
 grouped matrix product over the tokens sorted by expert; its default) or "batched_mm" (each token's
-experts' weights gathered, then one batched product). On CPU, grouped_mm is as fast as eager or a little
-faster and batched_mm many times slower at any prefill (it copies a weight matrix per token and expert):
-`benchmarks/bench_real.py --model real-moe --experts eager,grouped_mm,batched_mm` measures them.
+experts' weights gathered, then one batched product). grouped_mm does the products of eager without its
+per-expert bookkeeping (a one-hot mask, and a scatter-add into the output for every expert hit, which shows
+high in a CPU profile of eager); batched_mm copies a weight matrix per token and expert, which a prefill
+piece cannot afford on CPU. `benchmarks/bench_real.py --model real-moe --experts eager,grouped_mm,batched_mm`
+measures them.
 
 hyserve asks for PREFERRED explicitly instead of relying on the default, and only after the model with
 it gives the same logits as with eager (the reference loop) on a prefill piece, a cached piece and a
