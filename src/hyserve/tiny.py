@@ -296,15 +296,11 @@ def default_arch(size: str) -> str:
     return archs[0] if len(archs) == 1 else "qwen3_5"
 
 
-def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
-    import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def model_config(arch: str, size: str, tokenizer: "PreTrainedTokenizerFast"):
+    """(transformers config, dtype the weights are saved in) of `arch` at `size`, for `tokenizer`."""
+    import torch
+    from transformers import AutoConfig
 
-    log.info("training the tokenizer")
-    tokenizer = train_tokenizer()
-    if chat_template is not None:
-        use_template(tokenizer, Path(chat_template).read_text())
     overrides = dict(_TINY[arch])
     if size != "tiny":
         overrides.update(_BENCH[arch] if size == "bench" else _REAL[size][arch])
@@ -313,25 +309,38 @@ def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path
     vocab_size = overrides.pop("vocab_size", len(tokenizer))
     tied = overrides.pop("tie_word_embeddings", False)
     save_dtype = getattr(torch, overrides.pop("save_dtype", "float32"))
-    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
-        eos_token_id=eos,
+        eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
         pad_token_id=pad,
         bos_token_id=pad,
         tie_word_embeddings=tied,
         **overrides,
     )
+    return config, save_dtype
+
+
+def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
+    import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    log.info("training the tokenizer")
+    tokenizer = train_tokenizer()
+    if chat_template is not None:
+        use_template(tokenizer, Path(chat_template).read_text())
+    config, save_dtype = model_config(arch, size, tokenizer)
     hf_logging.disable_progress_bar()
 
     def build() -> None:  # random init runs torch ops: on the model thread, like all model work
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)
-        log.info("random-init %s: %s parameters; saving", model_type, human_count(sum(p.numel() for p in model.parameters())))
-        model.generation_config.eos_token_id = eos
-        model.generation_config.pad_token_id = pad
+        log.info("random-init %s: %s parameters; saving", config.model_type,
+                 human_count(sum(p.numel() for p in model.parameters())))
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(out)
 
     model_thread.run(build)
