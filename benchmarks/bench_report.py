@@ -204,8 +204,17 @@ def real(result: dict) -> str:
     return bench_real.table(result)
 
 
+def gpu(result: dict) -> str:
+    import bench_real
+
+    gpu_name = (result.get("machine") or {}).get("gpu", "GPU unknown")
+    return "\n\n".join(f"`{model}` on {gpu_name}:\n\n{bench_real.table(r)}" for model, r in result["models"].items())
+
+
 REPORTS = {
     "real": ("real.json", real),
+    "real-moe": ("real-moe.json", real),
+    "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),
     "agent-back-to-back": ("agent-back-to-back.json", agent),
     "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),

@@ -18,6 +18,27 @@ def test_make_tiny_model(tmp_path):
     assert (tmp_path / "m" / "tokenizer.json").exists() and list((tmp_path / "m").glob("*.safetensors"))
 
 
+def test_the_real_moe_size_has_the_35b_a3b_layer():
+    """`--size real-moe` (checked without writing its 2.9 GB): Qwen3.5-35B-A3B's layer dimensions, fewer
+    experts and layers; its parameters counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyserve.tiny import default_arch, model_config, train_tokenizer
+
+    assert default_arch("real-moe") == "qwen3_5_moe" and default_arch("real-0.8b") == "qwen3_5"
+    config, save_dtype = model_config("qwen3_5_moe", "real-moe", train_tokenizer())
+    assert save_dtype == torch.bfloat16
+    real = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320)
+    assert {k: getattr(config, k) for k in real} == real
+    assert config.num_experts == 64 and config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.46
+
+
 def test_serve_rejects_unsupported_model(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     r = run("serve", str(tmp_path), "--port", "0")

@@ -40,7 +40,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM)")
+                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM; on a GPU, half of its "
+                        "memory left free by the model)")
     p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
                    help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -99,7 +100,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
 
 
 def service_config_from_args(args) -> "ServiceConfig":
-    from .service import ServiceConfig, default_cache_bytes
+    from .service import ServiceConfig
     from .speculative import SpeculativeConfig
 
     policy = CheckpointPolicy(
@@ -115,7 +116,7 @@ def service_config_from_args(args) -> "ServiceConfig":
     return ServiceConfig(
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, cache_enabled=not args.no_cache,
-        cache_bytes=args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(),
+        cache_bytes=args.cache_bytes,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_disk_bytes=args.cache_disk_bytes,
         policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
@@ -168,7 +169,7 @@ def _load(args):
 
 
 def cmd_make_tiny_model(args) -> int:
-    from .tiny import FolderNotEmpty, make_tiny_model
+    from .tiny import FolderNotEmpty, default_arch, make_tiny_model
 
     try:
         out = make_tiny_model(args.out_dir, args.arch, size=args.size, seed=args.seed, force=args.force,
@@ -176,7 +177,7 @@ def cmd_make_tiny_model(args) -> int:
     except FolderNotEmpty as exc:
         log.error("%s", exc)
         return 2
-    print(f"wrote a random-init {args.arch} ({args.size}) model to {out}")
+    print(f"wrote a random-init {args.arch or default_arch(args.size)} ({args.size}) model to {out}")
     return 0
 
 
@@ -227,9 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)
     p.add_argument("out_dir", help="folder to write; must be empty or new unless --force")
-    p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
+    p.add_argument("--arch", default=None, choices=ARCHS,
+                   help="model family (default: qwen3_5; for --size real-moe, qwen3_5_moe)")
     p.add_argument("--size", default="tiny", choices=SIZES,
-                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks; real-0.8b: qwen3_5 at the real dimensions of a 0.75B model (~3 GB)")
+                   help="tiny: ~100k parameters for tests; bench: tens of millions, for benchmarks; real-0.8b: qwen3_5 at "
+                        "the real dimensions of a 0.75B model (~3 GB); real-moe: qwen3_5_moe with Qwen3.5-35B-A3B's "
+                        "layer (64 of its 256 experts, 4 of its 40 layers; 1.46B parameters, ~2.9 GB in bfloat16)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a real model's chat template (.jinja) instead of ChatML; its control tokens are added")

@@ -27,4 +27,8 @@ def report(model_dir: str | None = None, dtype: str = "float32") -> str:
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu")
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
+        from .experts import current
+
+        if impl := current(rt.model):
+            lines.append(f"experts: {impl}")
     return "\n".join(lines)

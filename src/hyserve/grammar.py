@@ -159,7 +159,7 @@ class Constraint:
         fill_bitmask(self.matcher, self.bitmask)
         if not bool(self.bitmask.any()):
             return None
-        row = logits.detach().float().clone().reshape(-1)
+        row = logits.detach().float().cpu().clone().reshape(-1)  # where the bitmask is (the model's may be a GPU)
         apply_bitmask(row, self.bitmask)
         return row
 

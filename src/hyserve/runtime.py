@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import kernels, model_thread, next_turn
+from . import experts, kernels, model_thread, next_turn
 from .allocator import keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
@@ -95,6 +95,9 @@ class ModelRuntime:
                  type(model).__name__, human_count(sum(p.numel() for p in model.parameters())))
         adapter = adapter_for(model)
         t0 = time.perf_counter()
+        if impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
+            log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
+            t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
         log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),

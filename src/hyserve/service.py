@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .cache.disk import DiskTier
 from .cache.fingerprint import fingerprint
 from .cache.manager import PrefixCache
@@ -19,8 +21,13 @@ from .runtime import ModelRuntime
 from .speculative import SpeculativeConfig
 
 
-def default_cache_bytes(fraction: float = 0.25) -> int:
-    """A quarter of physical RAM: room for many checkpoints while leaving the model and OS theirs."""
+def default_cache_bytes(fraction: float = 0.25, device=None) -> int:
+    """A quarter of physical RAM: room for many checkpoints while leaving the model and OS theirs. On a GPU,
+    where snapshots stay (copies of the model's own state tensors), half of its memory still free once
+    the model is loaded: host RAM says nothing of what fits there."""
+    if device is not None and torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free // 2
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
     except (ValueError, OSError, AttributeError):
@@ -34,7 +41,7 @@ class ServiceConfig:
     dtype: str = "float32"
     device: str = "auto"
     cache_enabled: bool = True
-    cache_bytes: int = field(default_factory=default_cache_bytes)
+    cache_bytes: int | None = None  # None: `default_cache_bytes` of the device the model is on
     cache_dir: Path | None = None  # the disk tier's directory; None: memory only
     cache_disk_bytes: int = 16 << 30
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
@@ -90,7 +97,10 @@ def build_service(config: ServiceConfig) -> Service:
     if config.cache_enabled and config.cache_dir is not None:
         disk = DiskTier(config.cache_dir, config.cache_disk_bytes,
                         fingerprint(runtime, template_text(runtime.tokenizer)), metrics, telemetry)
-    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled, disk=disk)
+    budget = config.cache_bytes
+    if budget is None:
+        budget = default_cache_bytes(device=runtime.model.device)
+    cache = PrefixCache(budget, metrics, telemetry, enabled=config.cache_enabled, disk=disk)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
                     max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)

@@ -174,9 +174,15 @@ _BENCH = {
                    n_mamba_heads=16, chunk_size=128),
 }
 
-# Real dimensions, for measuring speed at the sizes people serve (benchmarks only; ~3 GB in float32):
-# a Qwen3.5 of 0.75B parameters (tied embeddings, 24 layers, 18 Gated DeltaNet + 6 full attention, the real vocabulary size;
-# the tokenizer stays the small trained one, so ids above its size are never produced by it).
+# Real dimensions, for measuring speed at the sizes people serve (benchmarks only). The tokenizer stays the small
+# trained one, so ids above its size are never produced by it.
+# - real-0.8b: a Qwen3.5 of 0.75B parameters (tied embeddings, 24 layers, 18 Gated DeltaNet + 6 full attention, the
+#   real vocabulary size; ~3 GB in float32).
+# - real-moe: Qwen3.5-35B-A3B's layer at its real dimensions (hidden 2048, 16 q / 2 kv heads x 256, linear attention
+#   16 k / 32 v heads x 128, experts of 512 with 8 routed + 1 shared per token, the real vocabulary), with 64 experts
+#   instead of 256 and 4 layers (3 Gated DeltaNet + 1 full attention) instead of 40, and tied embeddings (the head's
+#   work is the same; its copy is not): 1.46B parameters, saved in bfloat16 like the real checkpoint (~2.9 GB).
+#   Per token it does the real layer's work; 256 experts would be 0.8B parameters a layer.
 _REAL = {
     "real-0.8b": {
         "qwen3_5": dict(
@@ -185,6 +191,15 @@ _REAL = {
             linear_num_key_heads=16, linear_num_value_heads=16,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
             max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True,
+        ),
+    },
+    "real-moe": {
+        "qwen3_5_moe": dict(
+            hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True, save_dtype="bfloat16",
         ),
     },
 }
@@ -238,15 +253,18 @@ class FolderNotEmpty(FileExistsError):
     """`make_tiny_model` was pointed at a folder that already holds files (perhaps a real model's)."""
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tiny", seed: int = 0,
+def make_tiny_model(out_dir: str | Path, arch: str | None = None, size: str = "tiny", seed: int = 0,
                     force: bool = False, chat_template: str | Path | None = None) -> Path:
     """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path.
+    `arch`: qwen3_5 by default, or the one family a real size is made for (real-moe: qwen3_5_moe).
     `chat_template`: the path of a real template to use instead of ChatML.
 
     A folder that already holds files is refused (FolderNotEmpty) unless `force`; even then only the files
     this writes are replaced, nothing else in the folder is touched. Everything is written to a temporary
     folder beside it first (transformers' save_pretrained deletes weight shards it did not write in the
     folder it saves to) and moved in file by file."""
+    if arch is None:
+        arch = default_arch(size)
     if arch not in _TINY:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -272,15 +290,17 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_5", size: str = "tin
     return out
 
 
-def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
-    import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def default_arch(size: str) -> str:
+    """qwen3_5, or the family of a real size made for one other family only."""
+    archs = list(_REAL.get(size, ()))
+    return archs[0] if len(archs) == 1 else "qwen3_5"
 
-    log.info("training the tokenizer")
-    tokenizer = train_tokenizer()
-    if chat_template is not None:
-        use_template(tokenizer, Path(chat_template).read_text())
+
+def model_config(arch: str, size: str, tokenizer: "PreTrainedTokenizerFast"):
+    """(transformers config, dtype the weights are saved in) of `arch` at `size`, for `tokenizer`."""
+    import torch
+    from transformers import AutoConfig
+
     overrides = dict(_TINY[arch])
     if size != "tiny":
         overrides.update(_BENCH[arch] if size == "bench" else _REAL[size][arch])
@@ -288,25 +308,39 @@ def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path
     model_type = overrides.pop("model_type")
     vocab_size = overrides.pop("vocab_size", len(tokenizer))
     tied = overrides.pop("tie_word_embeddings", False)
-    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    save_dtype = getattr(torch, overrides.pop("save_dtype", "float32"))
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
-        eos_token_id=eos,
+        eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
         pad_token_id=pad,
         bos_token_id=pad,
         tie_word_embeddings=tied,
         **overrides,
     )
+    return config, save_dtype
+
+
+def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
+    import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    log.info("training the tokenizer")
+    tokenizer = train_tokenizer()
+    if chat_template is not None:
+        use_template(tokenizer, Path(chat_template).read_text())
+    config, save_dtype = model_config(arch, size, tokenizer)
     hf_logging.disable_progress_bar()
 
     def build() -> None:  # random init runs torch ops: on the model thread, like all model work
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        log.info("random-init %s: %s parameters; saving", model_type, human_count(sum(p.numel() for p in model.parameters())))
-        model.generation_config.eos_token_id = eos
-        model.generation_config.pad_token_id = pad
+        model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)
+        log.info("random-init %s: %s parameters; saving", config.model_type,
+                 human_count(sum(p.numel() for p in model.parameters())))
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(out)
 
     model_thread.run(build)

@@ -82,3 +82,24 @@ def test_report_renders_every_result(results, tmp_path):
 def test_doc_is_generated_from_the_committed_results():
     """Every table in docs/benchmarks.md is what bench_report.py renders from benchmarks/results/."""
     run(["benchmarks/bench_report.py", "--check"])
+
+
+def test_real_quick_measures_each_experts_implementation_of_a_moe(tmp_path):
+    out = tmp_path / "real-moe.json"
+    run(["benchmarks/bench_real.py", "--quick", "--model", "real-moe", "--dtypes", "float32",
+         "--experts", "eager,grouped_mm", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {name: row["experts"] for name, row in rows.items()} == {"float32 eager": "eager",
+                                                                    "float32 grouped_mm": "grouped_mm"}
+    assert all(row["decode_batch_tok_s"] > 0 for row in rows.values())
+
+
+def test_gpu_quick_skips_cleanly_without_cuda(tmp_path):
+    import torch
+
+    out = tmp_path / "gpu.json"
+    r = run(["benchmarks/bench_gpu.py", "--quick", "--json", str(out)])
+    if torch.cuda.is_available():
+        assert set(json.loads(out.read_text())["models"]) == {"real-0.8b", "real-moe"}
+    else:
+        assert "no CUDA device" in r.stdout and not out.exists()

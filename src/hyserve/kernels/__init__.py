@@ -55,6 +55,11 @@ def install(model, adapter, vocab: int) -> KernelReport:
         for name in ALL:
             report.set(name, False, "disabled (HYSERVE_KERNELS=0)")
         return report
+    device = next(model.parameters()).device
+    if device.type != "cpu":  # written and measured for CPU; on a GPU transformers' own (FLA, causal-conv1d) run
+        for name in ALL:
+            report.set(name, False, f"disabled (CPU kernels; the model is on {device.type})")
+        return report
     dtype = next(model.parameters()).dtype
     _install_attention(model, report, dtype)
     _install_linear(model, report)
