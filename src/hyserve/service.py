@@ -36,6 +36,7 @@ class ServiceConfig:
     cache_enabled: bool = True
     cache_bytes: int = field(default_factory=default_cache_bytes)
     cache_dir: Path | None = None  # the disk tier's directory; None: memory only
+    kv_sharing: bool = True  # checkpoints along one path store their attention KV once (`hyserve.kv_chain`)
     cache_disk_bytes: int = 16 << 30
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     log_cache_events: str | None = None
@@ -90,7 +91,8 @@ def build_service(config: ServiceConfig) -> Service:
     if config.cache_enabled and config.cache_dir is not None:
         disk = DiskTier(config.cache_dir, config.cache_disk_bytes,
                         fingerprint(runtime, template_text(runtime.tokenizer)), metrics, telemetry)
-    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled, disk=disk)
+    cache = PrefixCache(config.cache_bytes, metrics, telemetry, enabled=config.cache_enabled, disk=disk,
+                        share_kv=config.kv_sharing)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
                     max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)
