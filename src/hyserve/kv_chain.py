@@ -1,18 +1,19 @@
 """Attention KV stored once along the prefix tree: each checkpoint keeps only the KV of its own new tokens.
 
 A conversation keeps several checkpoints along one path (the system prompt, each history boundary, each
-reply). A standalone copy of the state at each would hold all the attention KV before it again and again:
-for a 27B hybrid at 32k tokens, 2 GiB of KV per checkpoint next to ~150 MB of recurrent state. Instead a
-snapshot holds its recurrent/conv state (fixed size) and a `KVSegment`: the KV of the tokens since the
-nearest checkpoint above it on the same path, linked to that checkpoint's segment (its `parent`). Python
-references keep a segment alive exactly while a checkpoint, a descendant's chain, or a write to the disk
+reply). A standalone copy of the state at each would hold all the attention KV before it again and again,
+and KV grows with every token where a recurrent state does not: at long contexts it is most of a copy.
+Instead a snapshot holds its recurrent/conv state (fixed size) and a `KVSegment`: the KV of the tokens
+since the nearest checkpoint above it on the same path, linked to that checkpoint's segment (its
+`parent`). Python references keep a segment alive exactly while a checkpoint, a descendant's chain, or a write to the disk
 tier still needs it; `PrefixTree` counts each segment's bytes once.
 
 Exactness: a new segment is linked to an ancestor's chain only when the live state's KV over the
-ancestor's tokens is bit for bit the chain's (compared as integers: -0.0 and 0.0, or two NaNs, differ);
-otherwise the snapshot stores its whole KV (a chain of one). The usual case matches, because a restored
-state's KV is the chain's tensors concatenated and attention KV is only ever appended to. Segment tensors
-are never written: `DynamicLayer.update` concatenates into new tensors (see `state.clone_cache`).
+ancestor's tokens is bit for bit the chain's (compared as integers: -0.0 differs from 0.0, and a NaN
+from a NaN of other bits); otherwise the snapshot stores its whole KV (a chain of one). The usual case
+matches, because a restored state's KV is the chain's tensors concatenated and attention KV is only ever
+appended to. Segment tensors are never written: `DynamicLayer.update` concatenates into new tensors
+(see `state.clone_cache`).
 
 Which layers: full-attention KV (alone, or beside a recurrent state in a hybrid layer). Sliding-window KV
 drops old tokens, so it stays in the snapshot's state part, copied whole, as does any state whose KV
