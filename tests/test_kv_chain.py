@@ -314,3 +314,29 @@ def test_multi_turn_chats_with_kv_sharing_on_and_off_equal_cache_off(make_servic
     assert all(s.kv.parent is None for _, s in whole.cache.tree.snapshots())
     assert shared.cache.tree.kv_bytes < whole.cache.tree.kv_bytes
     assert shared.cache.tree.state_bytes == whole.cache.tree.state_bytes
+
+
+def _one_layer_cache(keys, values):
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer()]
+    cache.layers[0].lazy_initialization(keys[..., :0, :], values[..., :0, :])
+    cache.layers[0].keys, cache.layers[0].values = keys, values
+    return cache
+
+
+def test_a_chain_stops_growing_at_max_chain_and_joins_at_any_cut(monkeypatch):
+    monkeypatch.setattr(kv_chain, "MAX_CHAIN", 3)
+    keys, values = torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 4)
+    snap = None
+    for end in range(2, 13, 2):
+        cache = _one_layer_cache(keys[..., :end, :], values[..., :end, :])
+        kv = kv_chain.kv_layers(cache, end)
+        parent = snap.kv if snap is not None and kv_chain.extends(kv, snap.kv) else None
+        snap = kv_chain.split(cache, end, "h", parent)
+        assert snap.kv.depth == (end // 2 - 1) % 3 + 1  # a fourth segment starts a new chain of one
+    assert [(seg.start, seg.end) for seg in snap.kv.chain()] == [(0, 8), (8, 10), (10, 12)]
+    for cut in range(1, 13):
+        k, v = kv_chain.assemble(snap.kv, cut)[0]
+        assert torch.equal(k, keys[..., :cut, :]) and torch.equal(v, values[..., :cut, :])
+    with pytest.raises(kv_chain.KVChainError):
+        kv_chain.assemble(snap.kv, 13)
