@@ -330,9 +330,7 @@ def test_a_chain_stops_growing_at_max_chain_and_joins_at_any_cut(monkeypatch):
     snap = None
     for end in range(2, 13, 2):
         cache = _one_layer_cache(keys[..., :end, :], values[..., :end, :])
-        kv = kv_chain.kv_layers(cache, end)
-        parent = snap.kv if snap is not None and kv_chain.extends(kv, snap.kv) else None
-        snap = kv_chain.split(cache, end, "h", parent)
+        snap = kv_chain.split(cache, end, "h", snap.kv if snap is not None else None)
         assert snap.kv.depth == (end // 2 - 1) % 3 + 1  # a fourth segment starts a new chain of one
     assert [(seg.start, seg.end) for seg in snap.kv.chain()] == [(0, 8), (8, 10), (10, 12)]
     for cut in range(1, 13):

@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from .state import Snapshot, _appends_kv, cache_nbytes, clone_cache, packed_clones
+from .state import Snapshot, _appends_kv, _cache_tensors, cache_nbytes, clone_cache, packed_clones
 
 MAX_CHAIN = 64  # segments per chain; a deeper checkpoint stores its whole KV (a restore concatenates every piece)
 
@@ -168,16 +168,16 @@ def attach(cache, segment: KVSegment, length: int) -> None:
         layer.keys, layer.values = k, v
 
 
-def split(cache, num_tokens: int, prefix_hash: str, parent: KVSegment | None = None, packed: bool = True) -> Snapshot:
+def split(cache, num_tokens: int, prefix_hash: str, base: KVSegment | None = None, packed: bool = True) -> Snapshot:
     """A snapshot of `cache` after `num_tokens` tokens: its state part in compact copies, and its KV as a
-    segment after `parent` (whose chain the caller has checked with `extends`), or whole (a chain of one)."""
+    segment after `base` (the chain of a checkpoint above it) when the KV begins with exactly that chain
+    (`extends`), else whole (a chain of one)."""
     kv = kv_layers(cache, num_tokens)
     if not kv:  # no full-attention KV (pure SSM), or KV lengths that disagree: one standalone copy
         state = clone_cache(cache, packed=packed)
         return Snapshot(state, num_tokens, prefix_hash, cache_nbytes(state))
-    if parent is not None and (parent.depth >= MAX_CHAIN or parent.end >= num_tokens):
-        parent = None
-    segment = capture(kv, num_tokens, parent)
+    usable = base is not None and base.depth < MAX_CHAIN and base.end < num_tokens and extends(kv, base)
+    segment = capture(kv, num_tokens, base if usable else None)
     state = clone_cache(cache, packed=packed, leave_out=[t for pair in kv.values() for t in pair])
     return Snapshot(state, num_tokens, prefix_hash, cache_nbytes(state) + segment.chain_nbytes, segment)
 
@@ -201,8 +201,6 @@ def standalone(snapshot: Snapshot):
     not copied, and the chain's KV assembled."""
     if snapshot.kv is None:
         return snapshot.cache
-    from .state import _cache_tensors
-
     memo = {id(t): t for t in _cache_tensors(snapshot.cache)}
     cache = copy.deepcopy(snapshot.cache, memo)
     attach(cache, snapshot.kv, snapshot.num_tokens)

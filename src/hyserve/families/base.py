@@ -132,12 +132,8 @@ class FamilyAdapter:
         (`hyserve.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
         the tokens after `base` and links to `base`'s chain, provided the state's KV over those tokens is
         bit for bit that chain's; otherwise (and without `base`) it holds the whole KV."""
-        parent = None
-        if base is not None and base.kv is not None and base.num_tokens < state.position:
-            kv = kv_chain.kv_layers(state.cache, state.position)
-            if kv and kv_chain.extends(kv, base.kv):
-                parent = base.kv
-        return kv_chain.split(state.cache, state.position, token_hash(state.tokens), parent)
+        return kv_chain.split(state.cache, state.position, token_hash(state.tokens),
+                              base.kv if base is not None else None)
 
     def restore(self, snapshot: Snapshot, tokens: Sequence[int], length: int | None = None) -> LiveState:
         """A fresh live state equal to `snapshot` (`tokens`: its tokens), or to its first `length` tokens
