@@ -35,7 +35,7 @@ def _assert_bit_identical(restored, recorded):
     assert restored.tokens == recorded.tokens
 
 
-def _cache(rt, budget=1 << 30, share_kv=True, disk=None):
+def _cache(budget=1 << 30, share_kv=True, disk=None):
     metrics = Metrics()
     return PrefixCache(budget, metrics, CacheTelemetry(metrics), disk=disk, share_kv=share_kv)
 
@@ -95,7 +95,7 @@ def test_a_second_checkpoint_100_tokens_deeper_costs_its_state_and_100_tokens_of
     ad = rt.adapter
     ids = _ids(rt, 420, seed=9)
     for share in (True, False):
-        cache = _cache(rt, share_kv=share)
+        cache = _cache(share_kv=share)
         live = ad.new_state()
         ad.forward(live, ids[:300])
         assert cache.record(ad, live, "history", 300)
@@ -119,7 +119,7 @@ def test_a_second_checkpoint_100_tokens_deeper_costs_its_state_and_100_tokens_of
             assert not cache.stats()["kv_sharing"]
 
 
-def _chat(rt, ad, cache, ids, cuts):
+def _chat(ad, cache, ids, cuts):
     """Checkpoints of one growing conversation at each of `cuts`, each turn restored from the cache as the
     engine does; returns the live state recorded at each cut."""
     recorded = {}
@@ -138,8 +138,8 @@ def test_evicting_an_inner_checkpoint_frees_only_its_state_and_keeps_the_deeper_
     rt = runtimes(arch)
     ad = rt.adapter
     ids = _ids(rt, 90, seed=10)
-    cache = _cache(rt)
-    recorded = _chat(rt, ad, cache, ids, [20, 40, 60])
+    cache = _cache()
+    recorded = _chat(ad, cache, ids, [20, 40, 60])
     nodes = {s.num_tokens: (n, s) for n, s in cache.tree.snapshots()}
     assert nodes[60][1].kv.parent is nodes[40][1].kv and nodes[40][1].kv.parent is nodes[20][1].kv
     before, inner = cache.tree.total_bytes, nodes[40][1]
@@ -160,8 +160,8 @@ def test_evicting_everything_frees_every_byte_and_every_segment(runtimes):
     rt = runtimes("qwen3_5")
     ad = rt.adapter
     ids = _ids(rt, 80, seed=11)
-    cache = _cache(rt)
-    recorded = _chat(rt, ad, cache, ids, [15, 30, 45, 60])
+    cache = _cache()
+    recorded = _chat(ad, cache, ids, [15, 30, 45, 60])
     segments = [weakref.ref(s.kv) for _, s in cache.tree.snapshots()]
     assert cache.tree.kv_bytes > 0 and cache.tree.state_bytes > 0
     del recorded
@@ -178,12 +178,12 @@ def test_budget_eviction_counts_the_bytes_it_really_frees(runtimes):
     rt = runtimes("qwen3_5")
     ad = rt.adapter
     ids = _ids(rt, 90, seed=12)
-    probe = _cache(rt)
-    recorded = _chat(rt, ad, probe, ids, [20, 40, 60])
+    probe = _cache()
+    recorded = _chat(ad, probe, ids, [20, 40, 60])
     deepest = max((s for _, s in probe.tree.snapshots()), key=lambda s: s.num_tokens)
     budget = deepest.nbytes + deepest.state_nbytes // 2
-    cache = _cache(rt, budget=budget)
-    recorded = _chat(rt, ad, cache, ids, [20, 40, 60])
+    cache = _cache(budget=budget)
+    recorded = _chat(ad, cache, ids, [20, 40, 60])
     assert cache.tree.total_bytes <= budget
     kept = {s.num_tokens for _, s in cache.tree.snapshots()}
     assert 60 in kept and len(kept) < 3
@@ -197,8 +197,8 @@ def test_a_live_request_survives_its_checkpoints_eviction(runtimes, depths):
     rt = runtimes("qwen3_5")
     ad = rt.adapter
     ids = _ids(rt, 70, seed=13)
-    cache = _cache(rt)
-    recorded = _chat(rt, ad, cache, ids, depths)
+    cache = _cache()
+    recorded = _chat(ad, cache, ids, depths)
     restored = cache.restore(ad, ids)
     live = restored.state
     cache.release(restored)
@@ -218,8 +218,8 @@ def test_attention_only_cut_assembles_the_chain_up_to_the_cut(runtimes):
     rt = runtimes("qwen3")
     ad = rt.adapter
     ids = _ids(rt, 80, seed=14)
-    cache = _cache(rt)
-    recorded = _chat(rt, ad, cache, ids, [20, 50])[50]
+    cache = _cache()
+    recorded = _chat(ad, cache, ids, [20, 50])[50]
     other = _ids(rt, 30, seed=15)
     for cut in (35, 12):  # inside the second segment, inside the first
         prompt = ids[:cut] + other
@@ -241,8 +241,8 @@ def test_a_damaged_chain_is_a_miss_never_a_restore(runtimes):
     rt = runtimes("qwen3")
     ad = rt.adapter
     ids = _ids(rt, 60, seed=16)
-    cache = _cache(rt)
-    _chat(rt, ad, cache, ids, [20, 40])
+    cache = _cache()
+    _chat(ad, cache, ids, [20, 40])
     low = next(s for _, s in cache.tree.snapshots() if s.num_tokens == 40)
     low.kv.start = 19  # claims to follow its parent one token early
     assert cache.restore(ad, ids).cached_tokens == 0  # a miss: the request runs from an empty state
@@ -263,7 +263,7 @@ def test_the_disk_tier_writes_a_chain_whole_and_loads_it_as_a_chain_of_one(runti
     disk = DiskTier(tmp_path, 1 << 30, "test", metrics, telemetry)
     try:
         cache = PrefixCache(1 << 30, metrics, telemetry, disk=disk)
-        recorded = _chat(rt, ad, cache, ids, [20, 40])
+        recorded = _chat(ad, cache, ids, [20, 40])
         disk.flush()
         low = next(s for _, s in cache.tree.snapshots() if s.num_tokens == 40)
         assert low.kv.parent is not None

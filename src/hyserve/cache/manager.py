@@ -6,11 +6,11 @@ boundaries are queued for the disk.
 
 Every restore is verified against the matched tokens (token count and content hash) and, where the
 model has attention layers, against the restored KV length (the KV chain must add up to the snapshot's
-tokens, and the assembled KV hold exactly the tokens restored).
+tokens, and the assembled KV hold exactly the tokens restored). Any mismatch is a miss plus an event and
+the entry is dropped; the request then runs from an empty state, so output stays correct.
 
 With `share_kv` (the default), a checkpoint recorded below another on the same path keeps only the
-attention KV of its own new tokens and links to the other's (`hyserve.kv_chain`). Any mismatch is a miss plus an event and
-the entry is dropped; the request then runs from an empty state, so output stays correct.
+attention KV of its own new tokens and links to the other's (`hyserve.kv_chain`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..families import FamilyAdapter
-from ..metrics import Metrics
 from ..kv_chain import KVChainError
+from ..metrics import Metrics
 from ..state import LiveState, token_hash
 from .disk import DiskError, DiskTier
 from .namespace import tenant_of
