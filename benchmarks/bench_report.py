@@ -191,6 +191,12 @@ def disk(r: dict) -> str:
     return bench_disk.tables(r)
 
 
+def kv_sharing(r: dict) -> str:
+    import bench_kv_sharing
+
+    return bench_kv_sharing.tables(r)
+
+
 # block name -> (file under the results folder, renderer)
 def agent(result: dict) -> str:
     import bench_agent
@@ -233,6 +239,7 @@ REPORTS = {
     "long_decode": ("long_decode.json", long_decode),
     "idle": ("idle.json", idle),
     "disk": ("disk.json", disk),
+    "kv-sharing": ("kv-sharing.json", kv_sharing),
 }
 
 

@@ -169,6 +169,11 @@ def test_sizes_take_units(tmp_path):
     assert _config(tmp_path).max_body_bytes == 8 << 20
 
 
+def test_kv_sharing_is_on_unless_turned_off(tmp_path):
+    assert _config(tmp_path).kv_sharing is True
+    assert _config(tmp_path, "--no-kv-sharing").kv_sharing is False
+
+
 # -- make-tiny-model never writes over, or deletes, what it did not write ------------------------------------------
 
 def test_make_tiny_model_refuses_a_folder_that_holds_files(tmp_path):

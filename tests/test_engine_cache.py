@@ -208,9 +208,10 @@ def test_tampered_snapshot_is_never_restored(make_service, field, reason):
 def test_snapshot_with_wrong_kv_length_is_never_restored(make_service):
     svc, ref = make_service("qwen3_5"), make_service("qwen3_5", cache_enabled=False)
     run_chat(svc, SCRIPT[:1])
-    for _, s in svc.cache.tree.snapshots():
-        layer = s.cache.layers[3]  # the full-attention layer
-        layer.keys, layer.values = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+    for _, s in svc.cache.tree.snapshots():  # the full-attention layer's KV, in the snapshot's last segment
+        layers = list(s.kv.layers)
+        layers[3] = tuple(t[..., :-1, :] for t in layers[3])
+        s.kv.layers = tuple(layers)
     assert [g[0] for g in run_chat(svc, SCRIPT[:2])] == [w[0] for w in run_chat(ref, SCRIPT[:2])]
     assert any(e["reason"] == "kv_length_mismatch" for e in svc.cache.telemetry.recent)
 

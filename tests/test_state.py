@@ -52,9 +52,9 @@ def test_snapshot_is_a_copy_not_a_view(runtimes, arch):
     live = ad.new_state()
     ad.forward(live, ids)
     snap = ad.snapshot(live)
-    before = [t.clone() for t in _tensors(snap.cache)]
+    before = [t.clone() for t in _snapshot_tensors(snap)]
     ad.forward(live, ids[:7])  # advancing the live state must not change the snapshot
-    assert all(torch.equal(a, b) for a, b in zip(before, _tensors(snap.cache)))
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot_tensors(snap)))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -70,7 +70,7 @@ def test_a_restored_state_never_writes_into_its_snapshot(runtimes, arch):
         live = ad.new_state()
         ad.forward(live, ids[:20])
         snap = ad.snapshot(live)
-        before = [t.clone() for t in _tensors(snap.cache)]
+        before = [t.clone() for t in _snapshot_tensors(snap)]
         a, b = ad.restore(snap, ids[:20]), ad.restore(snap, ids[:20])
         ad.forward(a, ids[20:25])  # a prefill piece
         for tok in (5, 6, 7):  # batched decode, rows of different lengths
@@ -88,15 +88,17 @@ def test_a_restored_state_never_writes_into_its_snapshot(runtimes, arch):
         return before, snap
 
     before, snap = model_thread.run(scenario)
-    assert all(torch.equal(x, y) for x, y in zip(before, _tensors(snap.cache)))
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot_tensors(snap)))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
-    """A snapshot's tensors are compact copies in one mapped block (outside the heap), counted once."""
+    """A snapshot's state part and its KV segment are compact copies, each in one mapped block of its own
+    (outside the heap), counted once."""
     import gc
     import sys
 
+    from hyserve.kv_chain import standalone
     from hyserve.state import cache_nbytes
 
     rt = runtimes(arch)
@@ -104,18 +106,21 @@ def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
     live = ad.new_state()
     ad.forward(live, _ids(rt, 21, seed=2))
     snap = ad.snapshot(live)
-    copies, originals = _tensors(snap.cache), _tensors(live.cache)
-    assert len({t.untyped_storage().data_ptr() for t in copies}) == 1
-    assert all(c.is_contiguous() and torch.equal(c, o) for c, o in zip(copies, originals))
-    assert all(c.data_ptr() % 64 == 0 for c in copies)
+    assert (snap.kv is not None) == (arch != "mamba2") and (snap.kv is None or snap.kv.chain() == [snap.kv])
+    groups = [g for g in (_tensors(snap.cache), _segment_tensors(snap.kv)) if g]
+    for copies in groups:
+        assert len({t.untyped_storage().data_ptr() for t in copies}) == 1
+        assert all(c.is_contiguous() and c.data_ptr() % 64 == 0 for c in copies)
+    assert all(torch.equal(c, o) for c, o in zip(_tensors(standalone(snap)), _tensors(live.cache)))
+    copies = [t for g in groups for t in g]
     exact = sum(t.numel() * t.element_size() for t in copies)
-    assert exact <= snap.nbytes == cache_nbytes(snap.cache) < exact + 64 * len(copies)
-    ptr = copies[0].untyped_storage().data_ptr()
-    if sys.platform.startswith("linux"):  # the block is a mapping of its own, unmapped with the snapshot
-        assert _mapping_of(ptr) is not None and _mapping_of(ptr)[1] - _mapping_of(ptr)[0] >= snap.nbytes
-        del snap, copies
+    assert exact <= snap.nbytes == cache_nbytes(snap.cache) + snap.kv_nbytes < exact + 64 * len(copies)
+    ptrs = [g[0].untyped_storage().data_ptr() for g in groups]
+    if sys.platform.startswith("linux"):  # each block is a mapping of its own, unmapped with the snapshot
+        assert all(_mapping_of(p) is not None for p in ptrs)
+        del snap, copies, groups
         gc.collect()
-        assert _mapping_of(ptr) is None
+        assert all(_mapping_of(p) is None for p in ptrs)
 
 
 def _mapping_of(address: int):
@@ -143,6 +148,17 @@ def test_packed_clones_of_mixed_dtypes_and_views():
 def _tensors(cache):
     from hyserve.state import _cache_tensors
     return list(_cache_tensors(cache))
+
+
+def _segment_tensors(segment):
+    """The tensors of a KV chain ending in `segment` (none for None)."""
+    chain = segment.chain() if segment is not None else []
+    return [t for seg in chain for pair in seg.layers if pair is not None for t in pair]
+
+
+def _snapshot_tensors(snap):
+    """Everything a snapshot holds: its state part's tensors and its KV chain's."""
+    return _tensors(snap.cache) + _segment_tensors(snap.kv)
 
 
 def test_truncate_attention_only(runtimes):
@@ -187,6 +203,7 @@ def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, sta
     prefill split at that token, and continues exactly like it; the piece itself runs as without capture.
     Offset 2 is shorter than the conv kernel (4): its conv state is zero-padded, as transformers pads it."""
     from hyserve import model_thread
+    from hyserve.kv_chain import standalone
 
     rt = runtimes(arch)
     ad = rt.adapter
@@ -210,7 +227,7 @@ def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, sta
             assert got.tokens == split.tokens
             snap, want = ad.snapshot(got), ad.snapshot(split)
             assert snap.nbytes == want.nbytes
-            for a, b in zip(_tensors(snap.cache), _tensors(want.cache)):
+            for a, b in zip(_tensors(standalone(snap)), _tensors(standalone(want))):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             a, b = ad.restore(snap, got.tokens), ad.restore(want, split.tokens)
             rest = ids[start + o :]

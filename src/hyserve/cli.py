@@ -49,6 +49,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "boundaries are written here, and found again after a restart (same model and template)")
     p.add_argument("--cache-disk-bytes", type=parse_size, default=16 << 30, metavar="SIZE",
                    help="byte budget of --cache-dir, least recently used files deleted first (default: 16G)")
+    p.add_argument("--no-kv-sharing", action="store_true",
+                   help="store each checkpoint's whole attention KV, instead of only the KV of the tokens since "
+                        "the checkpoint above it on the same conversation path (more memory, same output)")
     p.add_argument("--no-history-checkpoint", action="store_true",
                    help="do not checkpoint at the message-history boundary (what the next turn reuses)")
     p.add_argument("--no-system-checkpoint", action="store_true",
@@ -118,7 +121,8 @@ def service_config_from_args(args) -> "ServiceConfig":
         device=args.device, cache_enabled=not args.no_cache,
         cache_bytes=args.cache_bytes,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_disk_bytes=args.cache_disk_bytes,
-        policy=policy, log_cache_events=args.log_cache_events, prefill_chunk=args.prefill_chunk,
+        kv_sharing=not args.no_kv_sharing, policy=policy, log_cache_events=args.log_cache_events,
+        prefill_chunk=args.prefill_chunk,
         speculative=SpeculativeConfig(args.spec_tokens, args.spec_ngram) if args.speculative != "off" else None,
         max_running=args.max_running, max_waiting=args.max_waiting, request_timeout=args.request_timeout,
         api_keys=tuple(k.strip() for k in (api_key or "").split(",") if k.strip()),

@@ -23,6 +23,10 @@ class Metrics:
         self.cached_tokens = Counter("hyserve_cache_cached_tokens", "Prompt tokens served from the cache", registry=r)
         self.cache_events = Counter("hyserve_cache_events", "Cache decisions", ["event", "reason"], registry=r)
         self.cache_bytes = Gauge("hyserve_cache_bytes", "Bytes held by cached snapshots", registry=r)
+        self.cache_state_bytes = Gauge("hyserve_cache_state_bytes", "Of hyserve_cache_bytes: cached snapshots' own "
+                                       "recurrent/conv states", registry=r)
+        self.cache_kv_bytes = Gauge("hyserve_cache_kv_bytes", "Of hyserve_cache_bytes: attention-KV segments, each "
+                                    "counted once however many cached snapshots share it", registry=r)
         self.cache_entries = Gauge("hyserve_cache_entries", "Cached snapshots", registry=r)
         self.disk_bytes = Gauge("hyserve_cache_disk_bytes", "Bytes of checkpoint files in the disk tier", registry=r)
         self.disk_entries = Gauge("hyserve_cache_disk_entries", "Checkpoint files in the disk tier", registry=r)

@@ -43,6 +43,7 @@ class ServiceConfig:
     cache_enabled: bool = True
     cache_bytes: int | None = None  # None: `default_cache_bytes` of the device the model is on
     cache_dir: Path | None = None  # the disk tier's directory; None: memory only
+    kv_sharing: bool = True  # checkpoints along one path store their attention KV once (`hyserve.kv_chain`)
     cache_disk_bytes: int = 16 << 30
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     log_cache_events: str | None = None
@@ -100,7 +101,8 @@ def build_service(config: ServiceConfig) -> Service:
     budget = config.cache_bytes
     if budget is None:
         budget = default_cache_bytes(device=runtime.model.device)
-    cache = PrefixCache(budget, metrics, telemetry, enabled=config.cache_enabled, disk=disk)
+    cache = PrefixCache(budget, metrics, telemetry, enabled=config.cache_enabled, disk=disk,
+                        share_kv=config.kv_sharing)
     engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
                     speculative=config.speculative, max_running=config.max_running,
                     max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)

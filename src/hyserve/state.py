@@ -17,10 +17,13 @@ import mmap
 import sys
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 from transformers.cache_utils import DynamicLayer
+
+if TYPE_CHECKING:
+    from .kv_chain import KVSegment
 
 
 def token_hash(tokens: Sequence[int]) -> str:
@@ -71,7 +74,7 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
+def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False, leave_out: Iterable[torch.Tensor] = ()):
     """Deep copy in which every state tensor is a compact clone. A live state in a decode batch holds
     views of its rows; `copy.deepcopy` would copy each view's whole storage, i.e. the whole batch.
 
@@ -81,15 +84,19 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False):
     state's progress leaves its snapshot bit-identical). Conv and recurrent states are updated in
     place, so they are always cloned.
 
-    `packed`: the clones of CPU tensors share one block of their own (`packed_clones`): for snapshots."""
+    `packed`: the clones of CPU tensors share one block of their own (`packed_clones`): for snapshots.
+
+    `leave_out`: tensors the copy holds None in place of (the KV a snapshot keeps in segments, `kv_chain`)."""
+    left = {id(t) for t in leave_out}
     shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) if _appends_kv(layer)
                for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)} if share_kv else set())
-    tensors = {id(t): t for t in _cache_tensors(cache_or_layer)}  # each once
+    tensors = {id(t): t for t in _cache_tensors(cache_or_layer) if id(t) not in left}  # each once
     cpu = [t for i, t in tensors.items() if packed and i not in shared and t.device.type == "cpu"]
     memo = dict(zip(map(id, cpu), packed_clones(cpu)))
     for i, t in tensors.items():
         if i not in memo:
             memo[i] = t if i in shared else t.clone()
+    memo.update(dict.fromkeys(left))  # deepcopy takes a memo entry of None as the copy: the tensor stays out
     return copy.deepcopy(cache_or_layer, memo)
 
 
@@ -127,12 +134,25 @@ def cache_nbytes(*caches) -> int:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A standalone copy of the full state after exactly `num_tokens` tokens."""
+    """The full state after exactly `num_tokens` tokens: `cache` holds compact copies of it, except the
+    full-attention KV when `kv` is set, which then lives in that chain of segments (`hyserve.kv_chain`),
+    shared with the checkpoints above it on its tree path."""
 
     cache: object
     num_tokens: int
     prefix_hash: str
-    nbytes: int
+    nbytes: int  # what this snapshot would hold alone: its state part and its whole KV chain
+    kv: KVSegment | None = None  # the KV of its last tokens, linked to the KV before them
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of its whole KV chain (shared with ancestors: `PrefixTree` counts each segment once)."""
+        return self.kv.chain_nbytes if self.kv is not None else 0
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of what is its own alone: recurrent/conv state, and any KV kept outside segments."""
+        return self.nbytes - self.kv_nbytes
 
 
 @dataclass

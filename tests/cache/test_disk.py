@@ -156,7 +156,7 @@ def test_a_new_service_on_the_same_directory_reuses_all_the_history(make_service
     assert turn(first, first_turn).token_ids == a1.token_ids
     first.engine.stop()
     second = make_service("qwen3_5", cache_dir=tmp_path)  # memory empty, the directory indexed afresh
-    assert second.cache.stats()["tiers"] == {"memory": {"entries": 0, "bytes": 0},
+    assert second.cache.stats()["tiers"] == {"memory": {"entries": 0, "bytes": 0, "state_bytes": 0, "kv_bytes": 0},
                                              "disk": {**second.cache.stats()["tiers"]["disk"], "hits": 0}}
     b2 = turn(second, second_turn)
     assert b2.token_ids == a2.token_ids

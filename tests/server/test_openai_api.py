@@ -134,7 +134,8 @@ def test_models_health_metrics_cache_admin(qwen35_server):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("hyserve_requests", "hyserve_prompt_tokens", "hyserve_generation_tokens",
                  "hyserve_time_to_first_token_seconds", "hyserve_inter_token_latency_seconds",
-                 "hyserve_cache_hits", "hyserve_cache_bytes", "hyserve_cache_snapshot_seconds",
+                 "hyserve_cache_hits", "hyserve_cache_bytes", "hyserve_cache_state_bytes", "hyserve_cache_kv_bytes",
+                 "hyserve_cache_snapshot_seconds",
                  "hyserve_runtime_lock_hold_seconds", "hyserve_cache_snapshots_per_request",
                  "hyserve_decode_batch_size", "hyserve_decode_batch_gathers", "hyserve_spec_proposed_tokens"):
         assert name in families, name
@@ -147,6 +148,10 @@ def test_models_health_metrics_cache_admin(qwen35_server):
     assert gen >= 3
     stats = httpx.get(f"{base}/v1/cache").json()
     assert stats["entries"] >= 1 and stats["bytes"] > 0
+    assert stats["bytes"] == stats["state_bytes"] + stats["kv_bytes"] and stats["kv_sharing"] is True
+    gauges = {name: families[name].samples[0].value for name in ("hyserve_cache_bytes", "hyserve_cache_state_bytes",
+                                                                 "hyserve_cache_kv_bytes")}
+    assert gauges["hyserve_cache_bytes"] == gauges["hyserve_cache_state_bytes"] + gauges["hyserve_cache_kv_bytes"] > 0
     events = httpx.get(f"{base}/v1/cache/events").json()["events"]
     assert {"recorded", "miss"} <= {e["event"] for e in events}
     cleared = httpx.delete(f"{base}/v1/cache").json()

@@ -6,6 +6,9 @@ the next turn, possibly after a restart, reuses). Writes happen on a thread of t
 thread never waits for a disk: a recorded snapshot's tensors are never written again, so the writer reads
 them while requests run on. Reads happen on the model thread when a lookup finds nothing deeper in memory.
 
+A file holds a standalone snapshot: the KV chain of a memory checkpoint (`hyserve.kv_chain`) is assembled
+when it is written, and a file loads as a chain of one.
+
 Each file's metadata holds the model fingerprint, the tenant salt, the token count and content hash of
 its prefix, the layout and a checksum over all of it and every tensor byte. A file is used only when all
 of these match; anything else (truncated, corrupted, another model's, unreadable) is a miss with an event
@@ -27,8 +30,9 @@ from typing import Sequence
 
 import safetensors.torch
 
+from ..kv_chain import adopt, standalone
 from ..metrics import Metrics
-from ..state import Snapshot, cache_nbytes, token_hash
+from ..state import Snapshot, token_hash
 from .namespace import tenant_of
 from .serialize import checksum, from_tensors, to_tensors
 from .telemetry import CacheTelemetry
@@ -191,7 +195,7 @@ class DiskTier:
             if self._cleared_since(epoch, salt):
                 return
         try:
-            tensors, layout = to_tensors(snap.cache)
+            tensors, layout = to_tensors(standalone(snap))
         except TypeError as exc:
             self.telemetry.emit("declined", "disk_unserializable", tokens=snap.num_tokens, detail=str(exc))
             return
@@ -299,7 +303,7 @@ class DiskTier:
             cache = from_tensors(adapter.new_state().cache, tensors, meta["layout"], adapter.model.device)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise DiskError("disk_layout_mismatch") from None
-        return Snapshot(cache, entry.num_tokens, entry.prefix_hash, cache_nbytes(cache))
+        return adopt(cache, entry.num_tokens, entry.prefix_hash)
 
     def forget(self, entry: DiskEntry) -> None:
         with self._lock:

@@ -5,8 +5,12 @@ checkpoint is put into the tree and restored from there like any other. Memory e
 boundaries are queued for the disk.
 
 Every restore is verified against the matched tokens (token count and content hash) and, where the
-model has attention layers, against the restored KV length. Any mismatch is a miss plus an event and
+model has attention layers, against the restored KV length (the KV chain must add up to the snapshot's
+tokens, and the assembled KV hold exactly the tokens restored). Any mismatch is a miss plus an event and
 the entry is dropped; the request then runs from an empty state, so output stays correct.
+
+With `share_kv` (the default), a checkpoint recorded below another on the same path keeps only the
+attention KV of its own new tokens and links to the other's (`hyserve.kv_chain`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..families import FamilyAdapter
+from ..kv_chain import KVChainError
 from ..metrics import Metrics
 from ..state import LiveState, token_hash
 from .disk import DiskError, DiskTier
@@ -38,8 +43,9 @@ class Restored:
 
 class PrefixCache:
     def __init__(self, budget_bytes: int, metrics: Metrics, telemetry: CacheTelemetry, enabled: bool = True,
-                 disk: DiskTier | None = None):
+                 disk: DiskTier | None = None, share_kv: bool = True):
         self.tree = PrefixTree(budget_bytes)
+        self.share_kv = share_kv
         self.disk = disk if enabled else None
         if self.disk is not None:
             self.tree.on_evict = lambda salt, snap: self.disk.put(salt, snap, "evicted")
@@ -52,6 +58,8 @@ class PrefixCache:
 
     def _gauges(self) -> None:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
+        self.metrics.cache_state_bytes.set(self.tree.state_bytes)
+        self.metrics.cache_kv_bytes.set(self.tree.kv_bytes)
         self.metrics.cache_entries.set(self.tree.entries)
 
     def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "",
@@ -85,12 +93,14 @@ class PrefixCache:
             problem = "hash_mismatch"
         state = None
         if problem is None:
-            state = adapter.restore(snap, expected)
-            attn = adapter.attention_length(state)
-            if attn is not None and attn != snap.num_tokens:
+            try:
+                state = adapter.restore(snap, expected, match.length)
+            except KVChainError:
                 problem = "kv_length_mismatch"
-            elif match.needs_truncation:
-                adapter.truncate(state, match.length)
+            else:
+                attn = adapter.attention_length(state)
+                if attn is not None and attn != match.length:
+                    problem = "kv_length_mismatch"
         if problem is not None:
             self.tree.remove(node)
             if self.disk is not None:
@@ -156,14 +166,16 @@ class PrefixCache:
             self.telemetry.emit("skipped", "already_cached", **base)
             return False
         t0 = time.perf_counter()
-        snap = adapter.snapshot(state)
+        snap = adapter.snapshot(state, self.tree.base_for(state.tokens, salt) if self.share_kv else None)
         seconds = time.perf_counter() - t0
         self.metrics.snapshot_seconds.observe(seconds)
         self.metrics.lock_hold.labels("snapshot").observe(seconds)
         stored, reason, evicted = self.tree.insert(state.tokens, snap, salt)
         self._evicted(evicted)
         if stored:
-            self.telemetry.emit("recorded", kind, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3), **base)
+            self.telemetry.emit("recorded", kind, bytes=snap.nbytes, state_bytes=snap.state_nbytes,
+                                kv_shared_tokens=snap.kv.start if snap.kv is not None else 0,
+                                lock_ms=round(seconds * 1e3, 3), **base)
             if self.disk is not None and kind in WRITE_THROUGH:
                 self.disk.put(salt, snap, kind)
         else:
@@ -192,10 +204,9 @@ class PrefixCache:
 
     def stats(self, tenant: str | None = None) -> dict:
         """Figures for the whole cache, or for `tenant`'s own salts (the byte budget is shared)."""
-        if tenant is None:
-            entries, nbytes, lookups, hits = self.tree.entries, self.tree.total_bytes, self.lookups, self.hits
-        else:
-            (entries, nbytes), (lookups, hits) = self.tree.usage(tenant), self._tenant_counts.get(tenant, (0, 0))
+        entries, state_bytes, kv_bytes = self.tree.usage_split(tenant)
+        nbytes = state_bytes + kv_bytes
+        lookups, hits = (self.lookups, self.hits) if tenant is None else self._tenant_counts.get(tenant, (0, 0))
         disk = {"enabled": False}
         if self.disk is not None:
             disk_entries, disk_bytes = self.disk.usage(tenant)
@@ -207,9 +218,13 @@ class PrefixCache:
             "enabled": self.enabled,
             "entries": entries,
             "bytes": nbytes,
+            "state_bytes": state_bytes,  # recurrent/conv states (and KV kept outside segments)
+            "kv_bytes": kv_bytes,  # attention-KV segments, each counted once however many checkpoints share it
+            "kv_sharing": self.share_kv,
             "budget_bytes": self.tree.budget_bytes,
             "lookups": lookups,
             "hits": hits,
             "hit_rate": (hits / lookups) if lookups else 0.0,
-            "tiers": {"memory": {"entries": entries, "bytes": nbytes}, "disk": disk},
+            "tiers": {"memory": {"entries": entries, "bytes": nbytes, "state_bytes": state_bytes, "kv_bytes": kv_bytes},
+                      "disk": disk},
         }

@@ -6,8 +6,11 @@ Lookup finds the deepest usable checkpoint for a prompt:
   which the caller cuts back to the match length.
 
 Each cache salt (tenant) has its own root, so one tenant can neither reuse nor time-probe another's
-prefixes; the byte budget is shared. Memory is a byte budget over snapshot sizes; eviction is least-recently-used among unpinned snapshots,
-leaves (nothing cached below) before shared inner prefixes. A pinned snapshot is in use by a request.
+prefixes; the byte budget is shared. Memory is a byte budget over what the snapshots hold: each one's
+state part, plus each attention-KV segment once however many snapshots' chains run through it
+(`hyserve.kv_chain`), so evicting an inner checkpoint whose KV a deeper one still uses frees only its state.
+Eviction is least-recently-used among unpinned snapshots, leaves (nothing cached below) before shared
+inner prefixes. A pinned snapshot is in use by a request.
 """
 
 from __future__ import annotations
@@ -64,10 +67,16 @@ class PrefixTree:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.roots: dict[str, _Node] = {"": _Node((), None, 0)}
-        self.total_bytes = 0
+        self.state_bytes = 0  # snapshots' own parts: recurrent/conv state (and KV kept outside segments)
+        self.kv_bytes = 0  # attention-KV segments, each once
+        self._segments: dict[int, list] = {}  # id -> [segment, holders]: snapshots with it as tail, held children
         self.entries = 0
         self._clock = itertools.count(1)
         self.on_evict: Callable[[str, Snapshot], None] | None = None  # (salt, snapshot) of each budget eviction
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.kv_bytes
 
     @property
     def root(self) -> _Node:
@@ -133,10 +142,43 @@ class PrefixTree:
             return False, "duplicate", []
         node.snapshot = snapshot
         node.last_used = next(self._clock)
-        self.total_bytes += snapshot.nbytes
+        self._hold(snapshot)
         self.entries += 1
         evicted = self._evict(keep=node)
         return True, "recorded", evicted
+
+    def _hold(self, snapshot: Snapshot) -> None:
+        """Count `snapshot`'s bytes: its state, and the segments of its chain not yet held by another."""
+        self.state_bytes += snapshot.state_nbytes
+        seg = snapshot.kv
+        while seg is not None:
+            entry = self._segments.get(id(seg))
+            if entry is not None:
+                entry[1] += 1
+                return
+            self._segments[id(seg)] = [seg, 1]
+            self.kv_bytes += seg.nbytes
+            seg = seg.parent
+
+    def _release(self, snapshot: Snapshot) -> None:
+        """Uncount `snapshot`: its state, and each segment of its chain nothing else holds any more."""
+        self.state_bytes -= snapshot.state_nbytes
+        seg = snapshot.kv
+        while seg is not None:
+            entry = self._segments[id(seg)]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._segments[id(seg)]
+            self.kv_bytes -= seg.nbytes
+            seg = seg.parent
+
+    def base_for(self, tokens: Sequence[int], salt: str = "") -> Snapshot | None:
+        """The deepest snapshot above depth len(tokens) on the path of `tokens`: whose KV chain a snapshot
+        there may continue."""
+        path, _, _ = self._descend(tokens, salt)
+        return next((n.snapshot for n in reversed(path) if n.snapshot is not None and 0 < n.depth < len(tokens)),
+                    None)
 
     def _make_path(self, tokens: Sequence[int], root: _Node) -> _Node:
         node, pos = root, 0
@@ -180,7 +222,7 @@ class PrefixTree:
 
     def _drop(self, node: _Node) -> Snapshot:
         snap, node.snapshot = node.snapshot, None
-        self.total_bytes -= snap.nbytes
+        self._release(snap)
         self.entries -= 1
         self._prune(node)
         return snap
@@ -217,12 +259,25 @@ class PrefixTree:
 
     def usage(self, tenant: str | None = None) -> tuple[int, int]:
         """(entries, bytes) held by all salts, or by `tenant`'s."""
-        entries = nbytes = 0
+        entries, state, kv = self.usage_split(tenant)
+        return entries, state + kv
+
+    def usage_split(self, tenant: str | None = None) -> tuple[int, int, int]:
+        """(entries, state bytes, KV segment bytes) held by all salts, or by `tenant`'s (chains never
+        cross salts: a snapshot continues only a checkpoint of its own salt's tree)."""
+        if tenant is None:
+            return self.entries, self.state_bytes, self.kv_bytes
+        entries = state = 0
+        segments = {}
         for salt in self._salts(tenant):
             for node in self.roots[salt].walk():
                 if node.snapshot is not None:
-                    entries, nbytes = entries + 1, nbytes + node.snapshot.nbytes
-        return entries, nbytes
+                    entries, state = entries + 1, state + node.snapshot.state_nbytes
+                    seg = node.snapshot.kv
+                    while seg is not None and id(seg) not in segments:
+                        segments[id(seg)] = seg.nbytes
+                        seg = seg.parent
+        return entries, state, sum(segments.values())
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, node: _Node) -> None:

@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..state import LiveState, Snapshot, cache_nbytes, clone_cache, set_seen_tokens, token_hash
+from .. import kv_chain
+from ..state import LiveState, Snapshot, clone_cache, set_seen_tokens, token_hash
 from . import layers as kinds
 
 
@@ -126,16 +127,36 @@ class FamilyAdapter:
         return {"attention_mask": mask, "position_ids": positions}
 
     # -- snapshot / restore -----------------------------------------------------------------
-    def snapshot(self, state: LiveState) -> Snapshot:
-        """Deep copy of the full state: KV tensors, conv state and recurrent state, never views."""
-        cache = clone_cache(state.cache, packed=True)
-        return Snapshot(cache, state.position, token_hash(state.tokens), cache_nbytes(cache))
+    def snapshot(self, state: LiveState, base: Snapshot | None = None) -> Snapshot:
+        """Compact copies of the state: conv and recurrent state, and its attention KV as a segment
+        (`hyserve.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
+        the tokens after `base` and links to `base`'s chain, provided the state's KV over those tokens is
+        bit for bit that chain's; otherwise (and without `base`) it holds the whole KV."""
+        return kv_chain.split(state.cache, state.position, token_hash(state.tokens),
+                              base.kv if base is not None else None)
 
-    def restore(self, snapshot: Snapshot, tokens: Sequence[int]) -> LiveState:
-        """A fresh live state equal to `snapshot`; the snapshot itself stays untouched for later requests.
-        Its attention KV is shared, not copied (see `clone_cache`): the first forward concatenates it
-        into new tensors anyway, so a copy here would copy it twice."""
-        return LiveState(cache=clone_cache(snapshot.cache, share_kv=True), tokens=list(tokens))
+    def restore(self, snapshot: Snapshot, tokens: Sequence[int], length: int | None = None) -> LiveState:
+        """A fresh live state equal to `snapshot` (`tokens`: its tokens), or to its first `length` tokens
+        (attention-only models); the snapshot itself stays untouched for later requests. Its KV is the
+        chain's, concatenated once per layer; a chain of one is shared, not copied: the first forward
+        concatenates it into new tensors anyway (see `clone_cache`). Raises KVChainError when the KV does
+        not hold exactly the snapshot's tokens, ValueError for a cut of a state that cannot be cut."""
+        length = snapshot.num_tokens if length is None else length
+        state = LiveState(cache=clone_cache(snapshot.cache, share_kv=True), tokens=list(tokens))
+        if length < snapshot.num_tokens and not self.can_truncate(state):
+            raise ValueError("this state has recurrent or sliding-window layers and cannot be truncated")
+        if snapshot.kv is not None:
+            if snapshot.kv.end != snapshot.num_tokens:
+                raise kv_chain.KVChainError(f"KV of {snapshot.kv.end} tokens in a snapshot of {snapshot.num_tokens}")
+            kv_chain.attach(state.cache, snapshot.kv, length)
+            del state.tokens[length:]
+        else:
+            held = self.attention_length(state)
+            if held is not None and held != snapshot.num_tokens:
+                raise kv_chain.KVChainError(f"KV of {held} tokens in a snapshot of {snapshot.num_tokens}")
+            if length < snapshot.num_tokens:
+                self.truncate(state, length)
+        return state
 
     def attention_length(self, state: LiveState) -> int | None:
         """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
