@@ -1,0 +1,255 @@
+"""The Ray Serve side: engine replicas, the request router that applies `router.CheckpointRouting`, and the
+ingress that takes HTTP requests, renders their prompts and forwards them.
+
+Each engine replica runs the single-server app in-process (`bridge`), so everything the API does is what
+one hyserve process does. The ingress only routes: it answers itself only when no replica can
+(a replica died under a request: the request is sent once more if nothing of it reached the client yet,
+else it ends with a 503 / an error event), and for /metrics (its routing metrics plus every replica's)."""
+
+# no `from __future__ import annotations`: FastAPI reads the ingress route's annotations in the replica,
+# where Ray has rebuilt the class with only the globals its code names
+
+import asyncio
+import copy
+from typing import Any
+import json
+import logging
+import uuid
+
+import ray
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, generate_latest
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from ..service import ServiceConfig
+from .bridge import HTTPRequest
+from .routed import TELEMETRY, Routed, replica_ids
+
+log = logging.getLogger("hyserve.scale")
+
+ROUTER = "hyserve.scale.request_router.CheckpointRequestRouter"
+
+
+# -- the engine replica ---------------------------------------------------------------------------------
+class EngineReplica:
+    """One hyserve engine and its app; `forward` streams one HTTP request's response (`bridge.call`)."""
+
+    def __init__(self, config: ServiceConfig, threads: int = 1):
+        import torch
+        from sse_starlette.sse import AppStatus
+
+        from ..server.app import create_app
+        from ..service import build_service
+        from .publish import Published
+
+        torch.set_num_threads(threads)
+        AppStatus.disable_automatic_graceful_drain()  # a replica's streams end with their requests
+        self.service = build_service(config)
+        self.app = create_app(self.service)
+        self.published = Published()
+        with self.service.runtime.lock:
+            self.published.attach(self.service.cache.tree)
+
+    async def forward(self, routed: Routed, req: HTTPRequest):
+        from .bridge import call
+
+        async for item in call(self.app, req):
+            yield item
+
+    def record_routing_stats(self) -> dict:
+        sched = self.service.engine.scheduler
+        return {"checkpoints": self.published.checkpoints(), "version": self.published.version,
+                "running": len(sched.running), "waiting": len(sched.waiting)}
+
+    def check_health(self) -> None:
+        problem = self.service.engine.problem()
+        if problem is not None:  # Ray Serve replaces a replica whose engine keeps failing or hangs
+            raise RuntimeError(problem)
+
+    def __del__(self):
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.engine.stop()
+
+
+# -- the ingress ----------------------------------------------------------------------------------------
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def _died(exc: BaseException) -> bool:
+    return isinstance(exc, RETRYABLE) or "ActorDiedError" in type(exc).__name__
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    from ..server.errors import error_body
+
+    return json.dumps(error_body(message, "server_error", None, code)).encode()
+
+
+class Ingress:
+    """Takes HTTP requests (behind Ray Serve's proxy), forwards each to an engine replica and streams the
+    answer back. Holds a response's head and first chunk until a second chunk (or its end) arrives, so a
+    request whose replica dies before anything of it was generated can be sent again, once."""
+
+    def __init__(self, engine, config: ServiceConfig):
+        from .keys import PromptKeys
+
+        self.engine = engine
+        self.config = config
+        self.keys = PromptKeys(config)
+
+    async def handle(self, request):
+        from starlette.responses import Response, StreamingResponse
+
+        path = request.url.path
+        if path == "/metrics" and request.method == "GET":
+            return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await request.body()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+        req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
+                          headers, body)
+        salt, tokens = await asyncio.get_running_loop().run_in_executor(
+            None, self.keys.of, path, request.scope["headers"], body)
+        routed = Routed(uuid.uuid4().hex, salt, tokens, _messages(path, body))
+        for attempt in (0, 1):
+            stream = self.engine.options(stream=True).forward.remote(routed, req)
+            held: list = []
+            try:
+                async for item in stream:
+                    held.append(item)
+                    if len(held) >= 3:  # head + two chunks: generation has started
+                        break
+                else:  # the whole response arrived
+                    return _response(held)
+            except Exception as exc:
+                if not _died(exc):
+                    raise
+                replica = getattr(exc, "replica", "") or ""
+                if attempt == 0:
+                    TELEMETRY.failed(str(replica), "retried", routed.request_id)
+                    routed.avoid = _replica_of(exc)
+                    continue
+                TELEMETRY.failed(str(replica), "failed", routed.request_id)
+                return Response(_error_body(503, "the replica serving this request stopped; try again",
+                                            "replica_unavailable"), status_code=503, media_type="application/json")
+            head = held[0]
+            return StreamingResponse(_rest(held[1:], stream, routed, head), status_code=head["status"],
+                                     headers=_headers(head))
+
+    async def metrics(self) -> bytes:
+        """This process's routing metrics, then each replica's exposition, labelled with its replica id."""
+        texts = {}
+        for rid in replica_ids():
+            req = HTTPRequest("GET", "/metrics", "", [], b"")
+            try:
+                chunks = [c async for c in self.engine.options(stream=True).forward.remote(
+                    Routed(uuid.uuid4().hex, target=rid), req)]
+            except Exception:
+                continue
+            texts[rid] = b"".join(c for c in chunks if isinstance(c, bytes)).decode()
+        return b"".join([generate_latest(TELEMETRY.registry), _merged(texts)])
+
+
+def _replica_of(exc: BaseException) -> str | None:
+    text = str(exc)
+    for rid in replica_ids():
+        if rid in text:
+            return rid
+    return None
+
+
+def _messages(path: str, body: bytes) -> list:
+    try:
+        data = json.loads(body)
+    except Exception:
+        return []
+    if not isinstance(data, dict):
+        return []
+    if path == "/v1/chat/completions" and isinstance(data.get("messages"), list):
+        return data["messages"]
+    if isinstance(data.get("prompt"), str):
+        return [data["prompt"]]
+    return []
+
+
+_DROP = {"content-length", "transfer-encoding"}
+
+
+def _headers(head: dict) -> dict:
+    return {k: v for k, v in head["headers"] if k.lower() not in _DROP}
+
+
+def _response(held: list):
+    from starlette.responses import Response
+
+    head = held[0]
+    body = b"".join(held[1:])
+    resp = Response(body, status_code=head["status"])
+    resp.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]
+                        if k.lower() != "content-length"] + [(b"content-length", str(len(body)).encode())]
+    return resp
+
+
+async def _rest(held: list, stream, routed: Routed, head: dict):
+    for chunk in held:
+        yield chunk
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as exc:
+        if not _died(exc):
+            raise
+        TELEMETRY.failed(_replica_of(exc) or "", "failed", routed.request_id)
+        if "text/event-stream" in dict((k.lower(), v) for k, v in head["headers"]).get("content-type", ""):
+            yield b"data: " + _error_body(503, "the replica serving this request stopped", "replica_unavailable") \
+                + b"\n\n"
+
+
+def _merged(expositions: dict[str, str]) -> bytes:
+    """Every replica's Prometheus text as one exposition, each sample labelled with its replica id."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for replica, text in expositions.items():
+        for fam in text_string_to_metric_families(text):
+            merged = families.setdefault(fam.name, copy.copy(fam))
+            if merged is fam or merged.samples is fam.samples:
+                merged.samples = []
+            merged.samples += [s._replace(labels={"replica": replica, **s.labels}) for s in fam.samples]
+
+    class Collected:
+        def collect(self):
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collected())
+    return generate_latest(registry)
+
+
+# -- the application ------------------------------------------------------------------------------------
+def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, threads: int = 1,
+              router: str = ROUTER, router_kwargs: dict | None = None, stats_period: float = 1.0,
+              ingress_cpus: float = 0.1):
+    """The Serve application: `replicas` engine replicas behind one ingress. `router`: the request router
+    class (import path) of the engine deployment: hyserve's by default (the benchmark compares others)."""
+    max_ongoing = config.max_running + config.max_waiting + 2  # the engine's own queue answers 429 first
+    engine = serve.deployment(
+        EngineReplica, name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing,
+        ray_actor_options={"num_cpus": replica_cpus},
+        request_router_config=RequestRouterConfig(request_router_class=router,
+                                                  request_router_kwargs=router_kwargs or {},
+                                                  request_routing_stats_period_s=stats_period),
+        health_check_period_s=5, graceful_shutdown_timeout_s=5,
+    ).bind(config, threads)
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @serve.deployment(name="ingress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": ingress_cpus})
+    @serve.ingress(app)
+    class HTTPIngress(Ingress):
+        @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+        async def any_route(self, request: Request, path: str):
+            return await self.handle(request)
+
+    return HTTPIngress.bind(engine, config)
