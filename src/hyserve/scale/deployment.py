@@ -21,10 +21,11 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..service import ServiceConfig
 from .bridge import HTTPRequest
-from .routed import TELEMETRY, Routed, replica_ids
+from .routed import PLACED, TELEMETRY, Routed, replica_ids
 
 log = logging.getLogger("hyserve.scale")
 
@@ -50,11 +51,15 @@ class EngineReplica:
         self.published = Published()
         with self.service.runtime.lock:
             self.published.attach(self.service.cache.tree)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, routed: Routed, req: HTTPRequest):
+        """The response to `req`: its head (with the replica's id in `x-hyserve-replica`), then its body."""
         from .bridge import call
 
         async for item in call(self.app, req):
+            if isinstance(item, dict):
+                item["headers"].append(("x-hyserve-replica", self.replica_id))
             yield item
 
     def record_routing_stats(self) -> dict:
@@ -81,10 +86,10 @@ def _died(exc: BaseException) -> bool:
     return isinstance(exc, RETRYABLE) or "ActorDiedError" in type(exc).__name__
 
 
-def _error_body(status: int, message: str, code: str) -> bytes:
+def _error_body(message: str, code: str | None, kind: str = "server_error") -> bytes:
     from ..server.errors import error_body
 
-    return json.dumps(error_body(message, "server_error", None, code)).encode()
+    return json.dumps(error_body(message, kind, None, code)).encode()
 
 
 class Ingress:
@@ -100,11 +105,11 @@ class Ingress:
         self.keys = PromptKeys(config)
 
     async def handle(self, request):
-        from starlette.responses import Response, StreamingResponse
-
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if path == "/v1/routing/events" and request.method == "GET":
+            return self.routing_events(request)
         body = await request.body()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
@@ -125,17 +130,36 @@ class Ingress:
             except Exception as exc:
                 if not _died(exc):
                     raise
-                replica = getattr(exc, "replica", "") or ""
+                replica = PLACED.pop(routed.request_id, "")
                 if attempt == 0:
-                    TELEMETRY.failed(str(replica), "retried", routed.request_id)
-                    routed.avoid = _replica_of(exc)
+                    TELEMETRY.failed(replica, "retried", routed.request_id)
+                    routed.avoid = replica or None
                     continue
-                TELEMETRY.failed(str(replica), "failed", routed.request_id)
-                return Response(_error_body(503, "the replica serving this request stopped; try again",
+                TELEMETRY.failed(replica, "failed", routed.request_id)
+                return Response(_error_body("the replica serving this request stopped; try again",
                                             "replica_unavailable"), status_code=503, media_type="application/json")
             head = held[0]
             return StreamingResponse(_rest(held[1:], stream, routed, head), status_code=head["status"],
                                      headers=_headers(head))
+
+    def routing_events(self, request):
+        """The latest routing decisions (`?limit=N`, default 100): every tenant's, so with keys the admin key's."""
+        from ..server.guards import bearer, matching_key
+
+        cfg = self.config
+        if cfg.api_keys or cfg.admin_api_key:
+            key = matching_key(bearer(request.scope), cfg)
+            if key is None or key != cfg.admin_api_key:
+                status, message, code = (401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                         "invalid_api_key") if key is None else \
+                    (403, "routing events need the admin API key", "admin_key_required")
+                return Response(_error_body(message, code, "invalid_request_error"), status_code=status,
+                                media_type="application/json")
+        try:
+            limit = int(request.query_params.get("limit", 100))
+        except ValueError:
+            limit = 100
+        return JSONResponse({"events": TELEMETRY.events(limit)})
 
     async def metrics(self) -> bytes:
         """This process's routing metrics, then each replica's exposition, labelled with its replica id."""
@@ -149,14 +173,6 @@ class Ingress:
                 continue
             texts[rid] = b"".join(c for c in chunks if isinstance(c, bytes)).decode()
         return b"".join([generate_latest(TELEMETRY.registry), _merged(texts)])
-
-
-def _replica_of(exc: BaseException) -> str | None:
-    text = str(exc)
-    for rid in replica_ids():
-        if rid in text:
-            return rid
-    return None
 
 
 def _messages(path: str, body: bytes) -> list:
@@ -181,8 +197,6 @@ def _headers(head: dict) -> dict:
 
 
 def _response(held: list):
-    from starlette.responses import Response
-
     head = held[0]
     body = b"".join(held[1:])
     resp = Response(body, status_code=head["status"])
@@ -200,9 +214,9 @@ async def _rest(held: list, stream, routed: Routed, head: dict):
     except Exception as exc:
         if not _died(exc):
             raise
-        TELEMETRY.failed(_replica_of(exc) or "", "failed", routed.request_id)
+        TELEMETRY.failed(PLACED.pop(routed.request_id, ""), "failed", routed.request_id)
         if "text/event-stream" in dict((k.lower(), v) for k, v in head["headers"]).get("content-type", ""):
-            yield b"data: " + _error_body(503, "the replica serving this request stopped", "replica_unavailable") \
+            yield b"data: " + _error_body("the replica serving this request stopped", "replica_unavailable") \
                 + b"\n\n"
 
 

@@ -61,6 +61,7 @@ class CheckpointRequestRouter(FIFOMixin, RequestRouter):
         route, key = self.routes.pop(pending_request.metadata.internal_request_id, (None, None))
         if route is None:
             return
+        shared.placed(key.request_id, rid)
         shared.TELEMETRY.decided(route, rid, key.request_id, len(key.tokens or ()), retry=key.avoid is not None)
         if key.tokens:
             self.policy.remember(rid, key.salt, key.tokens)

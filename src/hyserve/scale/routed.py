@@ -5,6 +5,7 @@ it to every handle: objects here are shared by reference within a process."""
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,14 @@ from .router import RoutingTelemetry
 
 TELEMETRY = RoutingTelemetry()  # this process's routing decisions (the ingress's: its handle routes)
 ROUTERS: "weakref.WeakSet" = weakref.WeakSet()  # the request routers living in this process
+PLACED: "OrderedDict[str, str]" = OrderedDict()  # request id -> the replica it was last sent to (latest 10k)
+
+
+def placed(request_id: str, replica: str) -> None:
+    PLACED[request_id] = replica
+    PLACED.move_to_end(request_id)
+    while len(PLACED) > 10_000:
+        PLACED.popitem(last=False)
 
 
 def replica_ids() -> list[str]:
