@@ -175,6 +175,12 @@ def disk(r: dict) -> str:
     return bench_disk.tables(r)
 
 
+def replicas(r: dict) -> str:
+    import bench_replicas
+
+    return bench_replicas.tables(r)
+
+
 # block name -> (file under the results folder, renderer)
 def agent(result: dict) -> str:
     import bench_agent
@@ -207,6 +213,7 @@ REPORTS = {
     "long_decode": ("long_decode.json", long_decode),
     "idle": ("idle.json", idle),
     "disk": ("disk.json", disk),
+    "replicas": ("replicas.json", replicas),
 }
 
 
