@@ -132,6 +132,28 @@ def test_metrics_hold_routing_and_every_replica(cluster):
     assert len(replicas) == 2
 
 
+def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_along(cluster):
+    messages = conversation(300)
+    first = chat(cluster, messages)
+    holder = first.headers["x-hyserve-replica"]
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Go on."}]
+    long = {"model": MODEL, "max_tokens": 800, "min_tokens": 800, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        # four long requests extending the conversation: they go to the holder, 4 more in flight than elsewhere
+        busy = [pool.submit(cluster.post, "/v1/chat/completions",
+                            json={**long, "messages": messages + [{"role": "user", "content": f"v{i}"}]})
+                for i in range(4)]
+        time.sleep(0.3)
+        moved = chat(cluster, messages)
+        assert all(f.result(timeout=120).headers["x-hyserve-replica"] == holder for f in busy)
+    events = cluster.get("/v1/routing/events", params={"limit": 10},
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["events"]
+    assert moved.headers["x-hyserve-replica"] != holder, events
+    assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fetched checkpoint
+    assert any(e.get("overloaded") == holder for e in events)
+
+
 def engine_replicas() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]]
@@ -140,7 +162,7 @@ def engine_replicas() -> list[str]:
 def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluster):
     from ray import serve
 
-    body = {"model": MODEL, "max_tokens": 120, "min_tokens": 120, "temperature": 0}
+    body = {"model": MODEL, "max_tokens": 1000, "min_tokens": 1000, "temperature": 0}
 
     def plain(i):
         return cluster.post("/v1/chat/completions", json={**body, "messages": conversation(100 + i)})
@@ -153,13 +175,13 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluste
     with ThreadPoolExecutor(12) as pool:
         plains = [pool.submit(plain, i) for i in range(8)]
         streams = [pool.submit(streamed, i) for i in range(4)]
-        time.sleep(1.0)
+        time.sleep(0.5)
         victim = engine_replicas()[0]
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         for f in plains:  # none had reached the client: each is answered, by the survivor if need be
             r = f.result(timeout=120)
             assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 120
+            assert r.json()["usage"]["completion_tokens"] == 1000
         for f in streams:  # each ends, with [DONE] or with an error event: nothing hangs
             status, lines = f.result(timeout=120)
             assert status == 200 and lines

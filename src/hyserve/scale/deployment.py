@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..service import ServiceConfig
 from .bridge import HTTPRequest
 from .routed import PLACED, TELEMETRY, Routed, replica_ids
+from .transfer import Transfers, worth_fetching
 
 log = logging.getLogger("hyserve.scale")
 
@@ -36,7 +37,8 @@ ROUTER = "hyserve.scale.request_router.CheckpointRequestRouter"
 class EngineReplica:
     """One hyserve engine and its app; `forward` streams one HTTP request's response (`bridge.call`)."""
 
-    def __init__(self, config: ServiceConfig, threads: int = 1):
+    def __init__(self, config: ServiceConfig, threads: int = 1, prefill_tokens_per_s: float = 1000.0,
+                 transfer_bytes_per_s: float = 500e6):
         import torch
         from sse_starlette.sse import AppStatus
 
@@ -51,16 +53,53 @@ class EngineReplica:
         self.published = Published()
         with self.service.runtime.lock:
             self.published.attach(self.service.cache.tree)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.deployment = (context.deployment, context.app_name)
+        self.transfers = Transfers(self.service)
+        self.prefill_tokens_per_s, self.transfer_bytes_per_s = prefill_tokens_per_s, transfer_bytes_per_s
+        self._peers = None  # a handle to this deployment's replicas, made when first needed
 
     async def forward(self, routed: Routed, req: HTTPRequest):
         """The response to `req`: its head (with the replica's id in `x-hyserve-replica`), then its body."""
         from .bridge import call
 
+        if routed.fetch_from not in (None, self.replica_id) and routed.tokens:
+            await self.fetch(routed)
         async for item in call(self.app, req):
             if isinstance(item, dict):
                 item["headers"].append(("x-hyserve-replica", self.replica_id))
             yield item
+
+    async def fetch(self, routed: Routed) -> None:
+        """Take the deepest checkpoint of the prompt from the replica the router passed over, if it is deeper
+        than any here and its bytes move faster than its tokens prefill; on any failure the request runs cold."""
+        tokens, salt = routed.tokens[:-1], routed.salt  # the last prompt token always runs
+        with self.service.runtime.lock:
+            here = self.service.cache.tree.lookup(tokens, len(tokens), False, salt)
+        have = here.length if here is not None else 0
+        if have >= routed.fetch_tokens:
+            return
+        try:
+            if self._peers is None:
+                self._peers = serve.get_deployment_handle(*self.deployment)
+            ask = Routed(routed.request_id, target=routed.fetch_from)
+            package = await asyncio.wait_for(self._peers.export.remote(
+                ask, salt, tokens, have, self.prefill_tokens_per_s, self.transfer_bytes_per_s), timeout=30)
+        except Exception as exc:  # the holder died, is stuck, or the transport failed
+            log.warning("fetching a checkpoint from replica %s failed: %s: %s", routed.fetch_from,
+                        type(exc).__name__, exc)
+            return
+        if package is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.transfers.take, package, salt, tokens[: package.num_tokens], routed.request_id)
+
+    def export(self, routed: Routed, salt: str, tokens: list[int], deeper_than: int, prefill_tokens_per_s: float,
+               transfer_bytes_per_s: float):
+        """For another replica: the deepest checkpoint of `tokens` held here, packed (`transfer.Package`), if
+        it is deeper than theirs and worth moving; else None."""
+        return self.transfers.export(salt, tokens, deeper_than,
+                                     worth_fetching(prefill_tokens_per_s, transfer_bytes_per_s))
 
     def record_routing_stats(self) -> dict:
         sched = self.service.engine.scheduler
@@ -244,9 +283,11 @@ def _merged(expositions: dict[str, str]) -> bytes:
 # -- the application ------------------------------------------------------------------------------------
 def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, threads: int = 1,
               router: str = ROUTER, router_kwargs: dict | None = None, stats_period: float = 1.0,
-              ingress_cpus: float = 0.1):
+              ingress_cpus: float = 0.1, prefill_tokens_per_s: float = 1000.0, transfer_bytes_per_s: float = 500e6):
     """The Serve application: `replicas` engine replicas behind one ingress. `router`: the request router
-    class (import path) of the engine deployment: hyserve's by default (the benchmark compares others)."""
+    class (import path) of the engine deployment: hyserve's by default (the benchmark compares others).
+    A replica fetches a checkpoint from another rather than prefilling its tokens when its bytes at
+    `transfer_bytes_per_s` take less time than its tokens at `prefill_tokens_per_s`."""
     max_ongoing = config.max_running + config.max_waiting + 2  # the engine's own queue answers 429 first
     engine = serve.deployment(
         EngineReplica, name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing,
@@ -255,7 +296,7 @@ def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, t
                                                   request_router_kwargs=router_kwargs or {},
                                                   request_routing_stats_period_s=stats_period),
         health_check_period_s=5, graceful_shutdown_timeout_s=5,
-    ).bind(config, threads)
+    ).bind(config, threads, prefill_tokens_per_s, transfer_bytes_per_s)
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import routed as shared
 from .router import CheckpointRouting
 
 
-class CheckpointRequestRouter(FIFOMixin, RequestRouter):
+class CheckpointRequestRouter(RequestRouter):
     """Replicas' published checkpoints arrive as their routing stats; a replica's load is the requests this
-    router has in flight on it. Each decision is recorded (`routed.TELEMETRY`) once Ray has sent the request."""
+    router has in flight on it. Each decision is recorded (`routed.TELEMETRY`) once Ray has sent the request.
+    Without Ray's FIFOMixin: a replica chosen for one request must go to that request, not to whichever
+    request is first in the queue."""
 
     def initialize_state(self, imbalance: int = 4, **kwargs) -> None:
         self.policy = CheckpointRouting(imbalance=imbalance)
@@ -52,6 +54,11 @@ class CheckpointRequestRouter(FIFOMixin, RequestRouter):
             del by_id[key.avoid]
         route = self.policy.choose(key.salt, key.tokens, {r: self.inflight[r] for r in by_id})
         self.routes[pending_request.metadata.internal_request_id] = (route, key)
+        holder = route.overloaded
+        if holder is not None and route.depths[holder] > route.depth:  # the state may follow the request
+            key.fetch_from, key.fetch_tokens = holder, route.depths[holder]
+        else:
+            key.fetch_from, key.fetch_tokens = None, 0
         rest = sorted((r for r in by_id if r != route.replica), key=lambda r: self.inflight[r])
         return [[by_id[route.replica]]] + ([[by_id[r] for r in rest]] if rest else [])
 

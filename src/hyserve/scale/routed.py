@@ -39,5 +39,9 @@ class Routed:
     messages: list[Any] = field(default_factory=list)
     target: str | None = None  # a replica id: this replica only (the ingress's fan-out to every replica)
     avoid: str | None = None  # a replica id not to use (it just died under this request)
+    # set by the router when it sends the request away from the replica holding its deepest checkpoint:
+    # that replica, and the checkpoint's length (the chosen replica may fetch it: `transfer`)
+    fetch_from: str | None = None
+    fetch_tokens: int = 0
 
 

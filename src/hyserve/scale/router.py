@@ -37,6 +37,7 @@ class Route:
     depth: int
     depths: dict[str, int] = field(default_factory=dict)
     overloaded: str | None = None  # the deeper holder passed over for load
+    loads: dict[str, int] = field(default_factory=dict)  # requests in flight on each replica, as seen
 
 
 class CheckpointRouting:
@@ -119,12 +120,12 @@ class CheckpointRouting:
         depths = self.depths(salt, tokens, loads) if tokens else dict.fromkeys(loads, 0)
         holders = sorted((r for r in loads if depths[r]), key=lambda r: (-depths[r], loads[r], r))
         if not holders:
-            return Route(by_load, "load", 0, depths)
+            return Route(by_load, "load", 0, depths, None, dict(loads))
         fit = [r for r in holders if loads[r] - least < self.imbalance]
         if fit:
             overloaded = holders[0] if fit[0] != holders[0] else None
-            return Route(fit[0], "checkpoint", depths[fit[0]], depths, overloaded)
-        return Route(by_load, "load", depths[by_load], depths, holders[0])
+            return Route(fit[0], "checkpoint", depths[fit[0]], depths, overloaded, dict(loads))
+        return Route(by_load, "load", depths[by_load], depths, holders[0], dict(loads))
 
 
 class RoutingTelemetry:
@@ -156,7 +157,8 @@ class RoutingTelemetry:
             self.overloaded.inc()
         event = {"ts": round(time.time(), 6), "event": "routed", "reason": reason, "replica": replica,
                  "checkpoint_tokens": depth, "prompt_tokens": prompt_tokens, "request_id": request_id,
-                 "deepest_elsewhere": max((d for r, d in route.depths.items() if r != replica), default=0)}
+                 "deepest_elsewhere": max((d for r, d in route.depths.items() if r != replica), default=0),
+                 "loads": route.loads}
         if route.overloaded is not None and route.overloaded != replica:
             event["overloaded"] = route.overloaded
         with self._lock:
