@@ -119,6 +119,22 @@ def test_auth_is_a_single_process_auth(cluster, single):
     assert cluster.get("/health").json()["status"] == "ok"
 
 
+def test_the_cache_routes_act_on_every_replica(cluster):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for i in (30, 31, 32, 33):
+        chat(cluster, conversation(i))
+    stats = cluster.get("/v1/cache", headers=admin).json()
+    assert len(stats["replicas"]) == 2 and all(s["entries"] > 0 for s in stats["replicas"].values())
+    assert stats["entries"] == sum(s["entries"] for s in stats["replicas"].values())
+    events = cluster.get("/v1/cache/events", params={"limit": 50}, headers=admin).json()["events"]
+    assert len(events) == 50 and len({e["replica"] for e in events}) == 2
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    assert cluster.get("/v1/cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    cleared = cluster.delete("/v1/cache", headers=admin).json()
+    assert cleared["cleared"] > 0 and cleared["entries"] == 0
+    assert all(s["entries"] == 0 for s in cluster.get("/v1/cache", headers=admin).json()["replicas"].values())
+
+
 def test_metrics_hold_routing_and_every_replica(cluster):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -149,6 +149,8 @@ class Ingress:
             return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
         if path == "/v1/routing/events" and request.method == "GET":
             return self.routing_events(request)
+        if path in ("/v1/cache", "/v1/cache/events"):  # every replica's cache, not one's
+            return await self.every_cache(request)
         body = await request.body()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
@@ -200,6 +202,35 @@ class Ingress:
             limit = 100
         return JSONResponse({"events": TELEMETRY.events(limit)})
 
+    async def every_cache(self, request):
+        """/v1/cache (GET, DELETE) and /v1/cache/events over every replica: figures summed (each replica's
+        under `replicas`), events merged in time order with their replica. A refusal (auth) is a replica's."""
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        answers = {}
+        for rid in replica_ids():
+            req = HTTPRequest(request.method, request.url.path, query, headers, b"")
+            try:
+                items = [c async for c in self.engine.options(stream=True).forward.remote(
+                    Routed(uuid.uuid4().hex, target=rid), req)]
+            except Exception:  # a replica that died meanwhile has no cache left to report
+                continue
+            answers[rid] = items
+        if not answers:
+            return Response(_error_body("no replica is running", "replica_unavailable"), status_code=503,
+                            media_type="application/json")
+        for items in answers.values():
+            if items[0]["status"] != 200:
+                return _response(items)
+        bodies = {rid: json.loads(b"".join(items[1:])) for rid, items in answers.items()}
+        if request.url.path == "/v1/cache/events":
+            events = sorted(({**e, "replica": rid} for rid, b in bodies.items() for e in b["events"]),
+                            key=lambda e: e.get("ts", 0))
+            limit = int(request.query_params.get("limit", 100)) if request.query_params.get("limit", "").isdigit() \
+                else 100
+            return JSONResponse({"events": events[-limit:] if limit > 0 else []})
+        return JSONResponse({**_summed(list(bodies.values())), "replicas": bodies})
+
     async def metrics(self) -> bytes:
         """This process's routing metrics, then each replica's exposition, labelled with its replica id."""
         texts = {}
@@ -212,6 +243,25 @@ class Ingress:
                 continue
             texts[rid] = b"".join(c for c in chunks if isinstance(c, bytes)).decode()
         return b"".join([generate_latest(TELEMETRY.registry), _merged(texts)])
+
+
+def _summed(stats: list[dict]) -> dict:
+    """Cache figures of several replicas as one: numbers added (booleans: any), nested figures alike,
+    the hit rate recomputed."""
+    out: dict = {}
+    for key in stats[0]:
+        values = [s[key] for s in stats if key in s]
+        if isinstance(values[0], dict):
+            out[key] = _summed(values)
+        elif isinstance(values[0], bool):
+            out[key] = any(values)
+        elif isinstance(values[0], (int, float)):
+            out[key] = sum(values)
+        else:
+            out[key] = values[0]
+    if "lookups" in out and "hits" in out:
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+    return out
 
 
 def _messages(path: str, body: bytes) -> list:
