@@ -126,8 +126,9 @@ def test_the_cache_routes_act_on_every_replica(cluster):
     stats = cluster.get("/v1/cache", headers=admin).json()
     assert len(stats["replicas"]) == 2 and all(s["entries"] > 0 for s in stats["replicas"].values())
     assert stats["entries"] == sum(s["entries"] for s in stats["replicas"].values())
-    events = cluster.get("/v1/cache/events", params={"limit": 50}, headers=admin).json()["events"]
-    assert len(events) == 50 and len({e["replica"] for e in events}) == 2
+    assert len(cluster.get("/v1/cache/events", params={"limit": 5}, headers=admin).json()["events"]) == 5
+    events = cluster.get("/v1/cache/events", params={"limit": 2000}, headers=admin).json()["events"]
+    assert len({e["replica"] for e in events}) == 2  # both replicas have served since the cluster started
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
     assert cluster.get("/v1/cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
     cleared = cluster.delete("/v1/cache", headers=admin).json()

@@ -125,6 +125,19 @@ def _died(exc: BaseException) -> bool:
     return isinstance(exc, RETRYABLE) or "ActorDiedError" in type(exc).__name__
 
 
+def _unavailable(exc: BaseException):
+    """Ray could not take or run the request (not a replica's death): 429 when every replica's queue is full,
+    else 503, in the API's error shape."""
+    from ray.serve.exceptions import BackPressureError
+
+    log.warning("request not served: %s: %s", type(exc).__name__, exc)
+    if isinstance(exc, BackPressureError):
+        return Response(_error_body("every replica's queue is full; try again later", "rate_limit_exceeded",
+                                    "rate_limit_error"), status_code=429, media_type="application/json")
+    return Response(_error_body(f"no replica could serve this request ({type(exc).__name__})",
+                                "replica_unavailable"), status_code=503, media_type="application/json")
+
+
 def _error_body(message: str, code: str | None, kind: str = "server_error") -> bytes:
     from ..server.errors import error_body
 
@@ -151,7 +164,11 @@ class Ingress:
             return self.routing_events(request)
         if path in ("/v1/cache", "/v1/cache/events"):  # every replica's cache, not one's
             return await self.every_cache(request)
-        body = await request.body()
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.config.max_body_bytes:
+            body = b""  # the replica answers 413 from the header, as a single server does before reading it
+        else:
+            body = await request.body()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
                           headers, body)
@@ -170,7 +187,7 @@ class Ingress:
                     return _response(held)
             except Exception as exc:
                 if not _died(exc):
-                    raise
+                    return _unavailable(exc)
                 replica = PLACED.pop(routed.request_id, "")
                 if attempt == 0:
                     TELEMETRY.failed(replica, "retried", routed.request_id)
@@ -208,7 +225,7 @@ class Ingress:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         query = request.scope.get("query_string", b"").decode("latin-1")
         answers = {}
-        for rid in replica_ids():
+        for rid in await self.replicas():
             req = HTTPRequest(request.method, request.url.path, query, headers, b"")
             try:
                 items = [c async for c in self.engine.options(stream=True).forward.remote(
@@ -231,10 +248,21 @@ class Ingress:
             return JSONResponse({"events": events[-limit:] if limit > 0 else []})
         return JSONResponse({**_summed(list(bodies.values())), "replicas": bodies})
 
+    async def replicas(self) -> list[str]:
+        """The engine replicas' ids. This process's router learns them with its first request: before
+        any, one /health request is sent."""
+        if not replica_ids():
+            try:
+                [_ async for _ in self.engine.options(stream=True).forward.remote(
+                    Routed(uuid.uuid4().hex), HTTPRequest("GET", "/health", "", [], b""))]
+            except Exception as exc:
+                log.warning("no replica answered: %s: %s", type(exc).__name__, exc)
+        return replica_ids()
+
     async def metrics(self) -> bytes:
         """This process's routing metrics, then each replica's exposition, labelled with its replica id."""
         texts = {}
-        for rid in replica_ids():
+        for rid in await self.replicas():
             req = HTTPRequest("GET", "/metrics", "", [], b"")
             try:
                 chunks = [c async for c in self.engine.options(stream=True).forward.remote(
