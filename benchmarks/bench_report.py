@@ -197,6 +197,12 @@ def kv_sharing(r: dict) -> str:
     return bench_kv_sharing.tables(r)
 
 
+def replicas(r: dict) -> str:
+    import bench_replicas
+
+    return bench_replicas.tables(r)
+
+
 # block name -> (file under the results folder, renderer)
 def agent(result: dict) -> str:
     import bench_agent
@@ -240,6 +246,7 @@ REPORTS = {
     "idle": ("idle.json", idle),
     "disk": ("disk.json", disk),
     "kv-sharing": ("kv-sharing.json", kv_sharing),
+    "replicas": ("replicas.json", replicas),
 }
 
 

@@ -237,3 +237,8 @@ def test_serve_refuses_a_device_torch_cannot_use(model_dirs):
     r = run("serve", str(model_dirs["qwen3"]), "--port", "0", "--device", "cuda")
     assert r.returncode == 2 and "CUDA is not available" in r.stderr and "--device cpu" in r.stderr
     assert "Traceback" not in r.stderr and "loading" not in r.stderr
+
+
+def test_serve_refuses_fewer_than_one_replica(model_dirs):
+    r = run("serve", str(model_dirs["qwen3"]), "--port", "0", "--replicas", "0")
+    assert r.returncode == 2 and "--replicas must be at least 1" in r.stderr and "loading" not in r.stderr

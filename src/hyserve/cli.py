@@ -97,6 +97,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests get to finish after the first Ctrl-C or SIGTERM; a second "
                         "one exits at once")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas behind one endpoint, on Ray Serve (needs `pip install 'hyserve[ray]'`); "
+                        "each request goes to the replica holding the deepest exact checkpoint of its prompt")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join this Ray cluster (e.g. auto, or ray://host:10001) instead of starting a local one; "
+                        "implies Ray Serve even with --replicas 1")
+    p.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica (its torch threads: this, rounded, at least 1)")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine lines (throughput, running/waiting, cache hit rate) while "
                         "there is work; 0: none")
@@ -146,6 +154,12 @@ def cmd_serve(args) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    if args.replicas < 1:
+        log.error("cannot start: --replicas must be at least 1")
+        return 2
+    if args.replicas > 1 or args.ray_address:
+        sock.close()  # Ray Serve's proxy takes the port itself
+        return _serve_on_ray(args)
     service = _load(args)
     if service is None:
         sock.close()
@@ -156,6 +170,19 @@ def cmd_serve(args) -> int:
     with StatsLogger(service, args.log_stats_interval):
         serve_forever(service, sock, args.graceful_shutdown)
     return 0
+
+
+def _serve_on_ray(args) -> int:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        log.error("cannot start: --replicas needs Ray Serve: pip install 'hyserve[ray]'")
+        return 2
+    from .scale.launch import serve_replicas
+
+    return serve_replicas(service_config_from_args(args), args.replicas, args.host, args.port, args.ray_address,
+                          args.replica_cpus, max(1, round(args.replica_cpus)))
 
 
 def _load(args):

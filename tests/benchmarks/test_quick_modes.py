@@ -43,8 +43,11 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_agent.py", "--json", "agent.json"),
     ("benchmarks/bench_real.py", "--json", "real.json"),
     ("benchmarks/bench_disk.py", "--json", "disk.json"),
-    ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json")])
+    ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json"),
+    ("benchmarks/bench_replicas.py", "--json", "replicas.json")])
 def test_quick_mode_exits_cleanly(script, flag, name, results):
+    if script.endswith("bench_replicas.py"):
+        pytest.importorskip("ray.serve")
     if script.endswith("bench_agent.py"):
         from ..conftest import QWEN35_TEMPLATE, real_template
 

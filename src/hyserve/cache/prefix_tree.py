@@ -73,6 +73,9 @@ class PrefixTree:
         self.entries = 0
         self._clock = itertools.count(1)
         self.on_evict: Callable[[str, Snapshot], None] | None = None  # (salt, snapshot) of each budget eviction
+        # (salt, snapshot, held) whenever a snapshot is stored (True) or dropped for any reason (False):
+        # what a replica publishes for routing (hyserve.scale.publish) follows the tree through it
+        self.on_change: Callable[[str, Snapshot, bool], None] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -144,6 +147,8 @@ class PrefixTree:
         node.last_used = next(self._clock)
         self._hold(snapshot)
         self.entries += 1
+        if self.on_change is not None:
+            self.on_change(salt, snapshot, True)
         evicted = self._evict(keep=node)
         return True, "recorded", evicted
 
@@ -221,6 +226,8 @@ class PrefixTree:
         return self._drop(node) if node.snapshot is not None else None
 
     def _drop(self, node: _Node) -> Snapshot:
+        if self.on_change is not None:
+            self.on_change(self.salt_of(node), node.snapshot, False)
         snap, node.snapshot = node.snapshot, None
         self._release(snap)
         self.entries -= 1

@@ -1,0 +1,219 @@
+"""Several replicas on a local Ray Serve cluster (tiny qwen3_5, 2 replicas, one cluster for the module):
+routing follows exact checkpoints, answers equal a single process's, errors and auth are a single
+process's, and a replica killed under load loses no request that had not started streaming."""
+
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from hyserve.cache.policy import CheckpointPolicy  # noqa: E402
+from hyserve.scale import launch  # noqa: E402
+from hyserve.server.run import BackgroundServer, free_port  # noqa: E402
+from hyserve.service import ServiceConfig, build_service  # noqa: E402
+
+from ..server.test_errors import CASES  # noqa: E402
+
+MODEL = "tiny-qwen3_5"
+KEY, ADMIN = "key-a", "admin-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def config(model_dir) -> ServiceConfig:
+    return ServiceConfig(model_dir=model_dir, served_model_name=MODEL, device="cpu", cache_bytes=64 << 20,
+                         policy=CheckpointPolicy(), api_keys=(KEY, "key-b"), admin_api_key=ADMIN)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    cfg = config(model_dirs["qwen3_5"])
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        launch.start(cfg, 2, "127.0.0.1", port, replica_cpus=0.1, threads=1)
+        yield httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=AUTH)
+    finally:
+        launch.stop()
+
+
+@pytest.fixture(scope="module")
+def single(model_dirs):
+    service = build_service(config(model_dirs["qwen3_5"]))
+    with BackgroundServer(service) as srv:
+        yield httpx.Client(base_url=srv.base_url, timeout=60, headers=AUTH)
+    service.engine.stop()
+
+
+def chat(client, messages, **extra):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 12,
+                                                  "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def conversation(i: int) -> list[dict]:
+    # a system prompt of its own: only the replica that ran turn 1 holds any checkpoint of turn 2
+    return [{"role": "system", "content": f"You are assistant number {i}. " * 3},
+            {"role": "user", "content": f"Tell me about topic {i}, please, in some detail."}]
+
+
+def test_next_turns_go_where_their_checkpoints_are(cluster):
+    convs = [conversation(i) for i in range(6)]
+    firsts = [chat(cluster, m) for m in convs]
+    assert len({r.headers["x-hyserve-replica"] for r in firsts}) == 2  # by load, both replicas took turns
+    for messages, first in zip(convs, firsts):
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And then?"}]
+    seconds = [chat(cluster, m) for m in convs]
+    for first, second in zip(firsts, seconds):
+        assert second.headers["x-hyserve-replica"] == first.headers["x-hyserve-replica"]
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first.json()["usage"]["prompt_tokens"] // 2
+    events = cluster.get("/v1/routing/events", params={"limit": 6}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert [e["reason"] for e in events.json()["events"]] == ["checkpoint"] * 6
+    assert all(e["checkpoint_tokens"] > 0 for e in events.json()["events"])
+    # only the admin key sees every tenant's routing
+    assert cluster.get("/v1/routing/events").status_code == 403
+
+
+def test_answers_equal_a_single_process(cluster, single):
+    for i in (10, 11):
+        a, b = conversation(i), conversation(i)
+        for turn in range(2):
+            ra, rb = chat(cluster, a), chat(single, b)
+            assert ra.json()["choices"][0]["message"] == rb.json()["choices"][0]["message"]
+            text = ra.json()["choices"][0]["message"]["content"]
+            a += [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {turn}"}]
+            b += [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {turn}"}]
+    # streamed, the same text
+    body = {"model": MODEL, "messages": a, "max_tokens": 12, "temperature": 0, "stream": True}
+    with cluster.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1])
+    assert streamed == chat(single, b).json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_errors_are_a_single_process_errors(cluster, single, case):
+    _, path, body, raw, status, _, _ = case
+    kw = {"content": raw, "headers": {"content-type": "application/json"}} if raw is not None else {"json": body}
+    a, b = cluster.post(path, **kw), single.post(path, **kw)
+    assert (a.status_code, a.json()) == (b.status_code, b.json()) and a.status_code == status
+
+
+def test_auth_is_a_single_process_auth(cluster, single):
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
+        a = cluster.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
+        b = single.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
+        assert (a.status_code, a.json(), a.headers.get("www-authenticate")) == \
+            (b.status_code, b.json(), b.headers.get("www-authenticate")) == (401, b.json(), "Bearer")
+    assert cluster.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert cluster.get("/health").json()["status"] == "ok"
+
+
+def test_the_cache_routes_act_on_every_replica(cluster):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for i in (30, 31, 32, 33):
+        chat(cluster, conversation(i))
+    stats = cluster.get("/v1/cache", headers=admin).json()
+    assert len(stats["replicas"]) == 2 and all(s["entries"] > 0 for s in stats["replicas"].values())
+    assert stats["entries"] == sum(s["entries"] for s in stats["replicas"].values())
+    assert len(cluster.get("/v1/cache/events", params={"limit": 5}, headers=admin).json()["events"]) == 5
+    events = cluster.get("/v1/cache/events", params={"limit": 2000}, headers=admin).json()["events"]
+    assert len({e["replica"] for e in events}) == 2  # both replicas have served since the cluster started
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    assert cluster.get("/v1/cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    cleared = cluster.delete("/v1/cache", headers=admin).json()
+    assert cleared["cleared"] > 0 and cleared["entries"] == 0
+    assert all(s["entries"] == 0 for s in cluster.get("/v1/cache", headers=admin).json()["replicas"].values())
+
+
+def test_metrics_hold_routing_and_every_replica(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat(cluster, conversation(20))
+    text = cluster.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # parses: one family per name
+    routed = {s.labels["reason"]: s.value for s in families["hyserve_route_requests"].samples
+              if s.name.endswith("_total")}
+    assert routed.get("checkpoint", 0) >= 6
+    replicas = {s.labels["replica"] for s in families["hyserve_requests"].samples}
+    assert len(replicas) == 2
+
+
+def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_along(cluster):
+    messages = conversation(300)
+    first = chat(cluster, messages)
+    holder = first.headers["x-hyserve-replica"]
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Go on."}]
+    long = {"model": MODEL, "max_tokens": 800, "min_tokens": 800, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        # four long requests extending the conversation: they go to the holder, 4 more in flight than elsewhere
+        busy = [pool.submit(cluster.post, "/v1/chat/completions",
+                            json={**long, "messages": messages + [{"role": "user", "content": f"v{i}"}]})
+                for i in range(4)]
+        time.sleep(0.3)
+        moved = chat(cluster, messages)
+        assert all(f.result(timeout=120).headers["x-hyserve-replica"] == holder for f in busy)
+    events = cluster.get("/v1/routing/events", params={"limit": 10},
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["events"]
+    assert moved.headers["x-hyserve-replica"] != holder, events
+    assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fetched checkpoint
+    assert any(e.get("overloaded") == holder for e in events)
+
+
+def engine_replicas() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]]
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluster):
+    from ray import serve
+
+    body = {"model": MODEL, "max_tokens": 1000, "min_tokens": 1000, "temperature": 0}
+
+    def plain(i):
+        return cluster.post("/v1/chat/completions", json={**body, "messages": conversation(100 + i)})
+
+    def streamed(i):
+        with cluster.stream("POST", "/v1/chat/completions",
+                            json={**body, "messages": conversation(200 + i), "stream": True}) as r:
+            return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    with ThreadPoolExecutor(12) as pool:
+        plains = [pool.submit(plain, i) for i in range(8)]
+        streams = [pool.submit(streamed, i) for i in range(4)]
+        time.sleep(0.5)
+        victim = engine_replicas()[0]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        for f in plains:  # none had reached the client: each is answered, by the survivor if need be
+            r = f.result(timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 1000
+        for f in streams:  # each ends, with [DONE] or with an error event: nothing hangs
+            status, lines = f.result(timeout=120)
+            assert status == 200 and lines
+            last = lines[-1]
+            assert last == "data: [DONE]" or json.loads(last[6:])["error"]["code"] == "replica_unavailable"
+    events = cluster.get("/v1/routing/events", params={"limit": 200},
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["events"]
+    assert any(e["event"] == "replica_failed" and e["reason"] == "retried" for e in events)
+    # Ray Serve replaces the replica; its conversations continue elsewhere, cold
+    deadline = time.time() + 120
+    while True:
+        names = engine_replicas()
+        status = serve.status().applications["hyserve"].deployments["engine"].status
+        if victim not in names and len(names) == 2 and status == "HEALTHY":
+            break
+        assert time.time() < deadline, (names, status)
+        time.sleep(1)
+    assert chat(cluster, conversation(100)).status_code == 200
