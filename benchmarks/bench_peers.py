@@ -381,23 +381,16 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
 
 
 # -- throughput: cold prefill, decode of one and of several requests, memory -----------------------------
-def _decode_stream(client, name: str, messages: list[dict], max_tokens: int, llama: bool) -> dict:
-    """One streamed greedy request of exactly `max_tokens` tokens (EOS ignored: `ignore_eos` for llama-server,
-    `min_tokens` for hyserve): TTFT, and the times of the first and the last token."""
+def _timed_request(client, name: str, prompt: str, max_tokens: int, llama: bool) -> dict:
+    """One greedy request of exactly `max_tokens` tokens (EOS ignored: `ignore_eos` for llama-server,
+    `min_tokens` for hyserve), not streamed: its wall time and usage. (The random-weight models pick ids the
+    bench tokenizer has no text for, so a stream's content chunks cannot time the tokens.)"""
     extra = {"ignore_eos": True} if llama else {"min_tokens": max_tokens}
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, extra_body=extra)
-    first = last = None
-    usage = None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        if any(c.delta is not None and c.delta.content for c in chunk.choices):
-            last = time.perf_counter()
-            first = first or last
-    return {"start": t0, "ttft": (first or time.perf_counter()) - t0, "first": first, "last": last,
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "completion_tokens": usage.completion_tokens if usage else None}
+    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=max_tokens, temperature=0, extra_body=extra)
+    return {"wall": time.perf_counter() - t0, "prompt_tokens": r.usage.prompt_tokens,
+            "completion_tokens": r.usage.completion_tokens}
 
 
 def _rss_mib(pid: int) -> dict:
@@ -414,29 +407,36 @@ def _rss_mib(pid: int) -> dict:
 
 
 def _measure_server(args, client, name: str, prompts: list[str], llama: bool) -> dict:
-    """Cold prefill (a prompt no cache holds, one output token), one request's decode, then `len(prompts) - 1`
-    concurrent decodes."""
+    """Cold prefill (a prompt no cache holds, one output token); decode tokens/s of one request from the
+    difference between N tokens and 1 token on two distinct prompts of the same length; the same for
+    `--concurrent` requests at once (all N tokens against all 1 token)."""
     import concurrent.futures as cf
 
-    msg = lambda text: [{"role": "user", "content": text}]  # noqa: E731
-    _decode_stream(client, name, msg("warm-up " + prompts[0][:200]), 4, llama)
-    cold = _decode_stream(client, name, msg(prompts[0]), 1, llama)
-    one = _decode_stream(client, name, msg(prompts[1][:400]), args.decode_tokens, llama)
-    with cf.ThreadPoolExecutor(args.concurrent) as pool:
-        many = list(pool.map(lambda p: _decode_stream(client, name, msg(p[:400]), args.decode_tokens, llama),
-                             prompts[2 : 2 + args.concurrent]))
-    tokens = sum((r["completion_tokens"] or 0) - 1 for r in many)
-    span = max(r["last"] for r in many) - min(r["first"] for r in many)
-    return {"cold_prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["ttft"],
-            "cold_tok_s": cold["prompt_tokens"] / cold["ttft"],
-            "decode_tok_s": (one["completion_tokens"] - 1) / (one["last"] - one["first"]),
-            "decode_completion_tokens": one["completion_tokens"],
-            "concurrent_tok_s": tokens / span if span > 0 else None,
-            "concurrent_completion_tokens": [r["completion_tokens"] for r in many]}
+    n, k = args.decode_tokens, args.concurrent
+    _timed_request(client, name, "warm-up " + prompts[0][:200], 4, llama)
+    cold = _timed_request(client, name, prompts[0], 1, llama)
+    one_1 = _timed_request(client, name, prompts[1], 1, llama)
+    one_n = _timed_request(client, name, prompts[2], n, llama)
+
+    def together(batch, tokens):
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(len(batch)) as pool:
+            res = list(pool.map(lambda p: _timed_request(client, name, p, tokens, llama), batch))
+        return time.perf_counter() - t0, res
+
+    many_1, _ = together(prompts[3 : 3 + k], 1)
+    many_n, res = together(prompts[3 + k : 3 + 2 * k], n)
+    return {"cold_prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["wall"],
+            "cold_tok_s": cold["prompt_tokens"] / cold["wall"],
+            "decode_tok_s": (one_n["completion_tokens"] - 1) / (one_n["wall"] - one_1["wall"]),
+            "decode_completion_tokens": one_n["completion_tokens"],
+            "concurrent_tok_s": sum(r["completion_tokens"] - 1 for r in res) / (many_n - many_1),
+            "concurrent_completion_tokens": [r["completion_tokens"] for r in res]}
 
 
 def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
-    """Both servers, one after the other, on the same prompts: see `_measure_server`. llama-server runs with
+    """Both servers, one after the other, on the same prompts (distinct ones, so no cache serves them): see
+    `_measure_server`. llama-server runs with
     `--concurrent` slots (its KV unified across them), hyserve as configured (it decodes up to --max-running
     requests together)."""
     import random
@@ -445,7 +445,7 @@ def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
 
     rng = random.Random(args.seed + 1)
     prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
-               for i in range(2 + args.concurrent)]
+               for i in range(3 + 2 * args.concurrent)]
     res = {}
     hy.wait_idle()
     res["hyserve"] = _measure_server(args, hy_client, name, prompts, llama=False)
