@@ -168,6 +168,18 @@ def micro(rounds: int = 30) -> list[dict]:
                      "hyserve_ms": ms(lambda: kernels.conv_step(x16, s16.clone(), w16, None, "silu")),
                      "max_abs_diff": (kernels.conv_step(x16, s16.clone(), w16, None, "silu") - want16)
                      .abs().max().item()})
+        # one decode row through a bfloat16 weight of Qwen3.5-0.8B's MLP (3584 x 1024), plain against packed
+        lin = torch.nn.Linear(1024, 3584, bias=False).bfloat16()
+        row = r(1, 1024).bfloat16()
+        from hyserve.kernels import linear as klinear
+
+        if klinear.pack(lin):
+            packed = lin.__dict__[klinear.PACKED]
+            rows.append({"piece": "decode row x bfloat16 weight 3584x1024", "reference": "F.linear",
+                         "reference_ms": ms(lambda: F.linear(row, lin.weight)),
+                         "hyserve_ms": ms(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")),
+                         "max_abs_diff": (torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")
+                                          - F.linear(row, lin.weight)).abs().max().item()})
         low = torch.empty(8 * 80 * 80).uniform_(-300.0, -90.0, generator=g)  # exp underflows: a chunk's decays
         rows.append({"piece": "exp of 51,200 values in [-300, -90]", "reference": "torch.exp",
                      "reference_ms": ms(lambda: low.exp()), "hyserve_ms": ms(lambda: kernels.safe_exp(low)),

@@ -117,12 +117,21 @@ def _install_linear(model, report: KernelReport) -> None:
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not layers:
         return
-    x = linear.probe(layers[0])
-    why = verify.mismatch(linear_forward(layers[0], x), torch.nn.functional.linear(x, layers[0].weight, layers[0].bias),
-                          x.dtype)
+    packed = [m for m in layers if linear.pack(m)]
+    why = None
+    for module in [layers[0], *packed[-1:]]:  # the first layer, and the last packed one (the head)
+        x = linear.probe(module)
+        with torch.inference_mode():  # as served; the packed product is bit-identical to F.linear's
+            got = linear_forward(module, x)
+        want = torch.nn.functional.linear(x, module.weight, module.bias)
+        why = why or (verify.mismatch(got, want, x.dtype) if module not in packed else
+                      None if torch.equal(got, want) else "a packed product differs from F.linear")
     if why is None:
         for module in layers:
             module.forward = types.MethodType(linear_forward, module)
+    else:
+        for module in packed:
+            linear.unpack(module)
     report.set("linear", why is None, why or "")
 
 
@@ -160,6 +169,7 @@ def _uninstall(model) -> None:
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__dict__.pop("forward", None)
+            linear.unpack(module)
         for f in (module.__dict__.get("_kernel_funcs") or {}).values():
             reference = getattr(f.__dict__.get("forward"), "reference", None)
             if reference is not None:
