@@ -88,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--cold-tokens", type=int, default=1024, help="prompt tokens of the cold prefill (throughput)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request (throughput)")
     p.add_argument("--concurrent", type=int, default=8, help="concurrent decode requests (throughput)")
+    p.add_argument("--throughput-repeats", type=int, default=3, help="medians of this many rounds (throughput)")
     p.add_argument("--turns", type=int, default=None)
     p.add_argument("--target-tokens", type=int, default=None, help="prompt tokens at the last turn")
     p.add_argument("--final-tokens", type=int, default=None, help="size of the last user message")
@@ -446,16 +447,24 @@ def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
     rng = random.Random(args.seed + 1)
     prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
                for i in range(3 + 2 * args.concurrent)]
+    def rounds(client, llama):
+        """`--throughput-repeats` rounds on fresh prompts each (so no cache serves them); medians."""
+        got = [_measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama)
+               for i in range(args.throughput_repeats)]
+        out = {k: C.median([g[k] for g in got]) if isinstance(got[0][k], float) else got[0][k] for k in got[0]}
+        out["rounds"] = got
+        return out
+
     res = {}
     hy.wait_idle()
-    res["hyserve"] = _measure_server(args, hy_client, name, prompts, llama=False)
+    res["hyserve"] = rounds(hy_client, llama=False)
     hy.wait_idle()
     res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
     ctx = args.concurrent * (args.cold_tokens + args.decode_tokens + 256)
     with LlamaServer(binary, gguf, name, ctx, args.threads, log_path.with_suffix(".throughput.log"),
                      ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]) as llama:
         client = OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-        res["llama"] = _measure_server(args, client, name, prompts, llama=True)
+        res["llama"] = rounds(client, llama=True)
         res["llama"]["memory_mib"] = _rss_mib(llama.proc.pid)
         res["llama_command"] = llama.cmd
     for k in ("hyserve", "llama"):
