@@ -217,3 +217,10 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluste
         assert time.time() < deadline, (names, status)
         time.sleep(1)
     assert chat(cluster, conversation(100)).status_code == 200
+
+
+def test_replicas_that_cannot_fit_the_cluster_are_refused_before_deploying(cluster, model_dirs):
+    """2 CPUs in the cluster: 3 replicas of one CPU each would wait for resources forever; refused at once."""
+    with pytest.raises(RuntimeError, match="need 3 CPUs"):
+        launch.start(config(model_dirs["qwen3_5"]), 3, "127.0.0.1", free_port(), replica_cpus=1.0, threads=1)
+    assert cluster.get("/health").status_code == 200  # the running deployment is untouched

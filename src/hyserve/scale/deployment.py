@@ -361,11 +361,12 @@ def _merged(expositions: dict[str, str]) -> bytes:
 # -- the application ------------------------------------------------------------------------------------
 def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, threads: int = 1,
               router: str = ROUTER, router_kwargs: dict | None = None, stats_period: float = 1.0,
-              ingress_cpus: float = 0.1, prefill_tokens_per_s: float = 1000.0, transfer_bytes_per_s: float = 500e6):
+              ingress_cpus: float = 0.0, prefill_tokens_per_s: float = 1000.0, transfer_bytes_per_s: float = 500e6):
     """The Serve application: `replicas` engine replicas behind one ingress. `router`: the request router
     class (import path) of the engine deployment: hyserve's by default (the benchmark compares others).
     A replica fetches a checkpoint from another rather than prefilling its tokens when its bytes at
-    `transfer_bytes_per_s` take less time than its tokens at `prefill_tokens_per_s`."""
+    `transfer_bytes_per_s` take less time than its tokens at `prefill_tokens_per_s`. The ingress reserves no CPU by
+    default: it only routes, and N replicas of one CPU each must fit on an N-CPU machine."""
     max_ongoing = config.max_running + config.max_waiting + 2  # the engine's own queue answers 429 first
     engine = serve.deployment(
         EngineReplica, name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing,

@@ -25,6 +25,10 @@ def start(config: ServiceConfig, replicas: int, host: str, port: int, ray_addres
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=log.isEnabledFor(logging.DEBUG))
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if replicas * replica_cpus > cpus + 1e-9:
+        raise RuntimeError(f"{replicas} replicas of {replica_cpus:g} CPU each need {replicas * replica_cpus:g} CPUs; "
+                           f"the Ray cluster has {cpus:g} (lower --replica-cpus or --replicas)")
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config, replicas, replica_cpus=replica_cpus, threads=threads, **app_options),
               name=APP_NAME, route_prefix="/", blocking=False)

@@ -20,7 +20,8 @@ import torch
 from ..cache.fingerprint import fingerprint
 from ..cache.serialize import checksum, from_tensors, to_tensors
 from ..parsers.registry import template_text
-from ..state import Snapshot, cache_nbytes, token_hash
+from ..kv_chain import adopt, standalone
+from ..state import token_hash
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Transfers:
             if match is None or match.length <= deeper_than:
                 return None
             snap = match.snapshot  # never changed once stored: packed outside the lock
-        tensors, layout = to_tensors(snap.cache)
+        tensors, layout = to_tensors(standalone(snap))  # a KV chain joined, as the disk tier writes it
         package = Package(salt, snap.num_tokens, snap.prefix_hash, self.fingerprint, layout, "", tensors)
         if max_bytes is not None and package.nbytes > max_bytes(snap.num_tokens - deeper_than):
             return None
@@ -87,7 +88,7 @@ class Transfers:
             try:
                 tensors = {k: t.clone() for k, t in package.tensors.items()}  # own memory, not the transport's
                 state = from_tensors(adapter.new_state().cache, tensors, package.layout, adapter.model.device)
-                snap = Snapshot(state, package.num_tokens, package.prefix_hash, cache_nbytes(state))
+                snap = adopt(state, package.num_tokens, package.prefix_hash)  # its KV a chain of one
             except (ValueError, KeyError, TypeError, AttributeError):
                 problem = "layout_mismatch"
         base = dict(request_id=request_id, checkpoint_tokens=package.num_tokens, bytes=package.nbytes)
