@@ -156,16 +156,25 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Go on."}]
     long = {"model": MODEL, "max_tokens": 800, "min_tokens": 800, "temperature": 0}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    def routed_to_holder_since(t0: float) -> int:
+        events = cluster.get("/v1/routing/events", params={"limit": 200}, headers=admin).json()["events"]
+        return sum(e.get("event") == "routed" and e.get("replica") == holder and e["ts"] >= t0 for e in events)
+
+    t0 = time.time()
     with ThreadPoolExecutor(4) as pool:
         # four long requests extending the conversation: they go to the holder, 4 more in flight than elsewhere
         busy = [pool.submit(cluster.post, "/v1/chat/completions",
                             json={**long, "messages": messages + [{"role": "user", "content": f"v{i}"}]})
                 for i in range(4)]
-        time.sleep(0.3)
+        deadline = time.time() + 60
+        while routed_to_holder_since(t0) < 4:  # the router has sent all four (a fixed sleep raced on a busy CI)
+            assert time.time() < deadline and not any(f.done() for f in busy)
+            time.sleep(0.05)
         moved = chat(cluster, messages)
         assert all(f.result(timeout=120).headers["x-hyserve-replica"] == holder for f in busy)
-    events = cluster.get("/v1/routing/events", params={"limit": 10},
-                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["events"]
+    events = cluster.get("/v1/routing/events", params={"limit": 10}, headers=admin).json()["events"]
     assert moved.headers["x-hyserve-replica"] != holder, events
     assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fetched checkpoint
     assert any(e.get("overloaded") == holder for e in events)
