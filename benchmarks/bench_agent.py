@@ -38,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "chat_templates" / "Qwen3.5-4B.jinja"
+TEMPLATE = C.QWEN35_TEMPLATE
 TOOLS = [
     {"type": "function", "function": {
         "name": name, "description": desc,
@@ -65,12 +65,7 @@ def parse_args(argv=None):
 
 
 def build_model(size: str) -> Path:
-    from hyserve.tiny import make_tiny_model
-
-    out = C.MODELS_DIR / f"{size}-qwen3_5-qwen3.5-template"
-    if not C._complete(out):
-        make_tiny_model(out, "qwen3_5", size=size, chat_template=TEMPLATE, force=True)
-    return out
+    return C.ensure_model("qwen3_5", size, TEMPLATE)
 
 
 def tool_call_text(rng: random.Random, round_: int) -> str:

@@ -40,9 +40,13 @@ def setup_torch(threads: int = 2) -> int:
     return torch.get_num_threads()
 
 
-def ensure_model(arch: str, size: str) -> Path:
-    """Path of a random-init `arch` model of `size` ("tiny" | "bench"), built once and reused."""
-    out = MODELS_DIR / f"{size}-{arch}"
+QWEN35_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "chat_templates" / "Qwen3.5-4B.jinja"
+
+
+def ensure_model(arch: str, size: str, template: Path | None = None) -> Path:
+    """Path of a random-init `arch` model of `size` ("tiny" | "bench" | a real size), built once and reused;
+    with `template` (the real Qwen3.5 one) its tokenizer carries that chat template."""
+    out = MODELS_DIR / (f"{size}-{arch}" + ("-qwen3.5-template" if template else ""))
     if _complete(out):
         return out
     from hyserve.tiny import make_tiny_model
@@ -51,7 +55,7 @@ def ensure_model(arch: str, size: str) -> Path:
     tmp = MODELS_DIR / f".tmp-{size}-{arch}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"building random-init {size} {arch} model in {out} ...", file=sys.stderr, flush=True)
-    make_tiny_model(tmp, arch, size=size)
+    make_tiny_model(tmp, arch, size=size, chat_template=template)
     if _complete(out):  # another benchmark process finished the same folder first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
         return out

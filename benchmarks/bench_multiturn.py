@@ -89,13 +89,15 @@ def parse_args(argv=None):
 
 
 def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: int, seed: int,
-                       final_tokens: int | None = None):
+                       final_tokens: int | None = None, user_tokens: int | None = None):
     rng = random.Random(seed)
     system = C.text_of_tokens(tokenizer, rng, 48)
     system = "You are a helpful assistant. " + system
     sys_tokens = len(tokenizer.encode(system))
     overhead = 12  # chat-template tokens per user+assistant pair, roughly
-    if final_tokens:
+    if user_tokens:
+        sizes = [user_tokens] * turns
+    elif final_tokens:
         per_turn = max(16, (target_tokens - sys_tokens - final_tokens) // max(1, turns - 1) - max_tokens - overhead)
         sizes = [per_turn] * (turns - 1) + [final_tokens]
     else:
@@ -105,11 +107,14 @@ def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: in
     return system, users
 
 
-def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
+                template_kwargs: dict | None = None) -> dict:
+    """One streamed greedy request: TTFT (first generated text, answer or reasoning), the answer, usage."""
     t0 = time.perf_counter()
+    extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body=extra,
     )
     ttft, parts, usage = None, [], None
     for chunk in stream:
@@ -118,7 +123,9 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> di
         for choice in chunk.choices:
             d = choice.delta
             # the first chunk only announces the role; the next one carries the first generated token
-            first = (d is not None and d.role is None and d.content is not None) or choice.finish_reason
+            text = None if d is None else (d.content if d.content is not None
+                                           else (d.model_extra or {}).get("reasoning_content"))
+            first = (d is not None and d.role is None and text is not None) or choice.finish_reason
             if ttft is None and first:
                 ttft = time.perf_counter() - t0
             if d is not None and d.content:

@@ -27,6 +27,9 @@ idle-time work is waited for before llama-server is timed, and the order alterna
     python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --growing --throughput
                                                     # 0.75B Qwen3.5 in bf16 on both sides: the chat, then cold
                                                     # prefill, decode of 1 and 8 concurrent requests, memory
+    python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --template qwen3.5 --no-thinking \
+        --growing --user-tokens 200 --max-tokens 256  # the same model with the real Qwen3.5 template: a chat
+                                                    # whose earlier replies render without their think block
 
 Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
 
@@ -93,6 +96,13 @@ def parse_args(argv=None):
     p.add_argument("--target-tokens", type=int, default=None, help="prompt tokens at the last turn")
     p.add_argument("--final-tokens", type=int, default=None, help="size of the last user message")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
+    p.add_argument("--user-tokens", type=int, default=None,
+                   help="tokens per user message (default: what reaches --target-tokens at the last turn)")
+    p.add_argument("--template", choices=["chatml", "qwen3.5"], default="chatml",
+                   help="the model's chat template: ChatML, or the real Qwen3.5 one (../shared fixtures), which "
+                        "renders earlier replies without their thinking block")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="chat_template_kwargs enable_thinking=false on both servers (replies are answer text)")
     p.add_argument("--repeats", type=int, default=1,
                    help="replays of the conversation (fresh llama-server, hyserve cache cleared); medians")
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama-server -t/-tb")
@@ -114,6 +124,8 @@ def parse_args(argv=None):
     else:
         defaults = (3, 4200, 64)
     a.turns = a.turns or defaults[0]
+    if a.user_tokens and not a.target_tokens:  # system prompt, then per turn: message, reply, template tokens
+        a.target_tokens = 64 + a.turns * (a.user_tokens + a.max_tokens + 12)
     a.target_tokens = a.target_tokens or defaults[1]
     a.final_tokens = a.final_tokens if a.final_tokens is not None else defaults[2]
     a.wait_quiet = (0.0 if a.quick else 30.0) if a.wait_quiet is None else a.wait_quiet
@@ -340,6 +352,10 @@ def warm_up(client, name: str, users: list[str]) -> None:
     stream_chat(client, name, msgs, 4)
 
 
+def template_kwargs(args) -> dict | None:
+    return {"enable_thinking": False} if args.no_thinking else None
+
+
 def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_client, llama: LlamaServer,
                      t_start) -> list[dict]:
     from openai import OpenAI
@@ -360,7 +376,8 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
             msgs[k].append({"role": "user", "content": users[t]})
             time.sleep(0.2)  # let the other server's threads go to sleep
             mon = OthersCpu(llama.proc.pid if k == "llama" else None)
-            r = stream_chat(ll_client if k == "llama" else hy_client, name, msgs[k], args.max_tokens)
+            r = stream_chat(ll_client if k == "llama" else hy_client, name, msgs[k], args.max_tokens,
+                            template_kwargs(args))
             r["others_busy"] = mon.stop()
             if k == "llama":
                 r["timings"] = ll_client.timings
@@ -371,7 +388,9 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
             msgs[k].append({"role": "assistant", "content": r["text"]})
             row[k] = r
         for k in ("hyserve", "llama"):  # the history in front of the new user message (same tokenizer for both)
-            row[k]["prior_history_tokens"] = len(rt.render_chat(msgs[k][:-2], False)) if t else 0
+            row[k]["prior_history_tokens"] = (len(rt.render_next_turn(msgs[k][:-2],
+                                                                      template_kwargs=template_kwargs(args)))
+                                              if t else 0)  # as the next prompt renders it (earlier replies differ)
         rows.append(row)
         h, ll = row["hyserve"], row["llama"]
         tm = ll.get("timings") or {}
@@ -512,8 +531,12 @@ def main(argv=None) -> int:
         print(f"ERROR: {msg}", file=sys.stderr)
         return 2
     size = args.size or ("tiny" if args.quick else "bench")
-    model_dir = C.ensure_model(args.arch, size)
-    name = f"{size}-{args.arch}"
+    template = C.QWEN35_TEMPLATE if args.template == "qwen3.5" else None
+    if template is not None and not template.is_file():
+        print(f"ERROR: the real Qwen3.5 template is not at {template}", file=sys.stderr)
+        return 2
+    model_dir = C.ensure_model(args.arch, size, template)
+    name = model_dir.name
     outtype = {"float32": "f32", "bfloat16": "bf16"}[args.dtype]
     try:
         gguf = ensure_gguf(model_dir, args.llama_cpp_src, outtype)
@@ -536,7 +559,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: the prompts' token counts
     system, users = build_conversation(rt.tokenizer, args.turns, args.target_tokens, args.max_tokens,
-                                       args.seed, args.final_tokens)
+                                       args.seed, args.final_tokens, args.user_tokens)
     info = C.machine_info()
     info["torch_threads"] = threads
     version = server_version(binary)

@@ -237,6 +237,7 @@ REPORTS = {
     "peers": ("peers.json", peers),
     "peers-growing": ("peers-growing.json", peers),
     "peers-real": ("peers-real.json", peers_real),
+    "peers-real-chat": ("peers-real-chat.json", peers_real),
     "speculative": ("speculative.json", speculative),
     "load": ("load.json", load),
     "memory": ("memory.json", memory),

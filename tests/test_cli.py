@@ -242,3 +242,25 @@ def test_serve_refuses_a_device_torch_cannot_use(model_dirs):
 def test_serve_refuses_fewer_than_one_replica(model_dirs):
     r = run("serve", str(model_dirs["qwen3"]), "--port", "0", "--replicas", "0")
     assert r.returncode == 2 and "--replicas must be at least 1" in r.stderr and "loading" not in r.stderr
+
+
+def test_ids_the_tokenizer_lacks_are_never_picked_by_a_real_size_model():
+    """A real-size model keeps the real vocabulary over the small tokenizer: the rows of ids the tokenizer has no
+    text for are zeroed, so greedy replies are text. Checked on a tiny qwen3 with a 4x vocabulary (tied and not)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyserve.tiny import model_config, silence_unknown_ids, train_tokenizer
+
+    tokenizer = train_tokenizer()
+    known = len(tokenizer)
+    config, _ = model_config("qwen3", "tiny", tokenizer)
+    for tied in (True, False):
+        config.vocab_size, config.tie_word_embeddings = 4 * known, tied
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        ids = torch.randint(0, known, (4, 24))
+        assert (model(ids).logits.argmax(-1) >= known).any()  # random rows: ids without text win
+        silence_unknown_ids(model, known)
+        assert (model(ids).logits.argmax(-1) < known).all()
+        assert model.get_output_embeddings().weight[:known].abs().sum() > 0

@@ -322,6 +322,21 @@ def model_config(arch: str, size: str, tokenizer: "PreTrainedTokenizerFast"):
     return config, save_dtype
 
 
+def silence_unknown_ids(model, known: int) -> None:
+    """Zero the embedding and head rows of ids at or above `known` (the tokenizer's size).
+
+    A real-size model keeps the real vocabulary (248k rows: the head's work per token is the real one) over
+    a tokenizer of a few hundred tokens. With random rows there, greedy replies pick ids with no text, and a
+    chat's history would carry empty replies. A zero head row gives logit 0, below the best of the random
+    logits of the known ids, so replies are text; the shapes, and so the work per token, stay the same."""
+    import torch
+
+    with torch.no_grad():
+        for emb in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+            if emb is not None and emb.weight.shape[0] > known:
+                emb.weight[known:].zero_()
+
+
 def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path | None = None) -> None:
     import torch  # here, not at import: `hyserve --help` needs only ARCHS from this module
     from transformers import AutoModelForCausalLM
@@ -337,6 +352,7 @@ def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path
     def build() -> None:  # random init runs torch ops: on the model thread, like all model work
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)
+        silence_unknown_ids(model, len(tokenizer))
         log.info("random-init %s: %s parameters; saving", config.model_type,
                  human_count(sum(p.numel() for p in model.parameters())))
         model.generation_config.eos_token_id = config.eos_token_id
