@@ -141,6 +141,18 @@ def micro(rounds: int = 30) -> list[dict]:
                      "reference_ms": ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125,
                                                                                enable_gqa=True)),
                      "hyserve_ms": ms(lambda: kernels.grouped_attention(q, k, v, mask, 0.125)), "max_abs_diff": diff})
+        # a decode step's attention: 8 rows of ~540 tokens at Qwen3.5-0.8B's heads (8 q / 2 KV x 256), bfloat16,
+        # left padding masked per row; transformers hands SDPA the grouped heads (enable_gqa)
+        qd = torch.randn(8, 8, 1, 256, generator=g).bfloat16()
+        kd, vd = (torch.randn(8, 2, 540, 256, generator=g).bfloat16() for _ in range(2))
+        md = torch.ones(8, 1, 1, 540, dtype=torch.bool)
+        for i in range(8):
+            md[i, ..., : 7 * i] = False
+        gqa = lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md, scale=0.0625, enable_gqa=True)  # noqa: E731
+        dec = lambda: kernels.attention.decode_attention(qd, kd, vd, md, 0.0625)  # noqa: E731
+        rows.append({"piece": "decode attention, 8 rows x 540 keys, bfloat16", "reference": "SDPA flash (enable_gqa)",
+                     "reference_ms": ms(gqa), "hyserve_ms": ms(dec),
+                     "max_abs_diff": (dec().float() - gqa().transpose(1, 2).float()).abs().max().item()})
         chunked = modeling_qwen3_5.torch_chunk_gated_delta_rule
         chunked = getattr(chunked, "_hyserve_reference", chunked)
         r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731

@@ -101,10 +101,12 @@ def _check_attention(dtype) -> str | None:
         num_key_value_groups, is_causal = 4, True
 
     g = torch.Generator().manual_seed(0)
-    for queries, keys in ((7, 40), (9, attention.SHORT_MIN_KEYS + 5)):
-        q = torch.randn(1, 8, queries, 32, generator=g).to(dtype)
-        k, v = (torch.randn(1, 2, keys, 32, generator=g).to(dtype) for _ in range(2))
-        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None]
+    for rows, queries, keys in ((1, 7, 40), (1, 9, attention.SHORT_MIN_KEYS + 5), (3, 1, 40)):
+        q = torch.randn(rows, 8, queries, 32, generator=g).to(dtype)
+        k, v = (torch.randn(rows, 2, keys, 32, generator=g).to(dtype) for _ in range(2))
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None].repeat(rows, 1, 1, 1)
+        for r in range(rows):  # a decode batch's rows are left-padded to the longest
+            mask[r, ..., : 5 * r] = False
         got = gqa_sdpa_attention(Layer(), q, k, v, mask, scaling=0.2)
         with reference_only():
             want = sdpa_attention_forward(Layer(), q, k, v, mask, scaling=0.2)
