@@ -325,3 +325,49 @@ def test_mamba2_takes_the_conv_kernels(make_service):
         assert svc.runtime.adapter.kernels.on(name), svc.runtime.adapter.kernels.status
         hooked = _slot(svc, name)
         assert hasattr(getattr(hooked, "forward", hooked), "reference"), name
+
+
+def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(model_dirs):
+    """bfloat16 qwen3_5: each Gated DeltaNet layer's four input projections, attention's q/k/v and the MLP's
+    gate/up run as one stacked product per group; decode logits are bit for bit those of the layers apart,
+    a member called on another input computes its own product, and the members' own packed copies are freed."""
+    from hyserve.kernels import linear
+    from hyserve.runtime import ModelRuntime
+
+    rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
+    grouped = [m for m in rt.model.modules() if linear.GROUP in m.__dict__]
+    if not grouped:
+        pytest.skip("no oneDNN bfloat16 products on this CPU")
+    names = {n.rsplit(".", 1)[-1] for n, m in rt.model.named_modules() if linear.GROUP in m.__dict__}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "gate_proj", "up_proj", "q_proj", "k_proj",
+            "v_proj"} <= names
+    assert not any(linear.PACKED in m.__dict__ for m in grouped)
+    ad = rt.adapter
+
+    def decode_logits():
+        states = [ad.new_state(), ad.new_state()]
+        ad.forward(states[0], list(range(5, 40)))
+        ad.forward(states[1], list(range(50, 61)))
+        out = [ad.forward_batch(states, [7, 9]) for _ in range(3)]
+        ad.drop_batch()
+        return torch.stack(out)
+
+    with_groups = model_thread.run(decode_logits)
+    saved = {id(m): m.__dict__.pop(linear.GROUP) for m in grouped}
+    for m in grouped:  # apart: each member's own packed product
+        linear.pack(m)
+    apart = model_thread.run(decode_logits)
+    for m in grouped:
+        m.__dict__[linear.GROUP] = saved[id(m)]
+    assert torch.equal(with_groups, apart)
+
+    layer = next(m for n, m in rt.model.named_modules() if n.endswith("mlp"))
+    x, y = (torch.randn(1, 1, layer.gate_proj.in_features, generator=torch.Generator().manual_seed(s)).bfloat16()
+            for s in (0, 1))
+
+    def mixed():
+        return layer.gate_proj(x), layer.up_proj(y)
+
+    gate, up = model_thread.run(mixed)
+    assert torch.equal(gate, torch.nn.functional.linear(x, layer.gate_proj.weight))
+    assert torch.equal(up, torch.nn.functional.linear(y, layer.up_proj.weight))

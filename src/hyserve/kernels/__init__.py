@@ -131,10 +131,33 @@ def _install_linear(model, report: KernelReport) -> None:
     if why is None:
         for module in layers:
             module.forward = types.MethodType(linear_forward, module)
+        why = _group_siblings(model)
     else:
         for module in packed:
             linear.unpack(module)
     report.set("linear", why is None, why or "")
+
+
+def _group_siblings(model) -> str | None:
+    """Stack sibling projections (`linear.group`) when the first group's stacked product equals its members'
+    own products bit for bit, for a decode row and for a prefill piece; else leave them apart."""
+    groups = linear.group(model)
+    if not groups:
+        return None
+    members = [m for m in model.modules() if m.__dict__.get(linear.GROUP) is groups[0]]
+    for rows in (1, 8, 100):
+        x = linear.probe(members[0])[:1].repeat(rows, 1).view(rows, 1, -1)
+        x = x + torch.arange(rows, dtype=x.dtype).view(rows, 1, 1) / 64  # distinct rows
+        with torch.inference_mode():
+            want = [torch.ops.mkldnn._linear_pointwise(x, m.__dict__[linear.PACKED], None, "none", [], "")
+                    for m in members]
+            got = [linear_forward(m, x) for m in members]
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            linear.ungroup(model)
+            log.info("sibling projections left apart: their stacked product differs from their own")
+            return None
+    linear.settle(model)
+    return None
 
 
 def _install_function(model, kernel, report: KernelReport) -> None:

@@ -39,11 +39,85 @@ def pack(module: torch.nn.Linear) -> bool:
 
 def unpack(module: torch.nn.Linear) -> None:
     module.__dict__.pop(PACKED, None)
+    module.__dict__.pop(GROUP, None)
+
+
+# Linear layers of one module that every model calls on the same input, one after the other (a Gated DeltaNet
+# layer's input projections, attention's q/k/v, an MLP's gate and up).
+SIBLINGS = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("in_proj_qkvz", "in_proj_ba"),
+            ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUP = "_hyserve_group"
+
+
+class SiblingGroup:
+    """Packed linear layers that read the same input, as one product over their weights stacked (`group`).
+
+    A decode step's products are one row against each weight: a Qwen3.5 Gated DeltaNet layer ran four, two of
+    them 16 x 1024, each paying a call's fixed cost and streaming its weight at a fraction of the bandwidth a
+    larger one reaches. The first member called with an input runs the stacked product and keeps it until
+    every member has read its columns of it (a view); a member called with another tensor runs the stacked
+    product for that one. (The models call the siblings back to back on one input that nothing changes in
+    between; inference tensors keep no version counter to check that by.) Each column is the same dot
+    product either way: the load-time check requires the stacked result to equal the members' own, bit for
+    bit."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        weight = torch.cat([m.weight.detach() for m in members])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.columns, start = {}, 0
+        for m in members:
+            self.columns[id(m)] = (start, start + m.out_features)
+            start += m.out_features
+        self.size = len(members)
+        self._last = None  # [input, stacked output, reads left]
+
+    def output(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is None or last[0] is not x:
+            last = [x, torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], ""), self.size]
+        last[2] -= 1
+        self._last = last if last[2] else None  # the last member's read lets the input and output go
+        a, b = self.columns[id(module)]
+        return last[1][..., a:b]
+
+
+def group(model) -> list[SiblingGroup]:
+    """Stack the packed, bias-free sibling layers (`SIBLINGS`) of every module of `model` into groups
+    (none with `HYSERVE_GROUPED_LINEAR=0`)."""
+    made = []
+    if os.environ.get("HYSERVE_GROUPED_LINEAR", "1") == "0":
+        return made
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if (not all(type(m) is torch.nn.Linear and PACKED in m.__dict__ and m.bias is None for m in members)
+                    or len({m.in_features for m in members}) != 1):
+                continue
+            g = SiblingGroup(members)
+            for m in members:
+                m.__dict__[GROUP] = g
+            made.append(g)
+    return made
+
+
+def settle(model) -> None:
+    """Grouped members no longer need their own packed weights (the group's stack holds them): free them."""
+    for module in model.modules():
+        if GROUP in module.__dict__:
+            module.__dict__.pop(PACKED, None)
+
+
+def ungroup(model) -> None:
+    for module in model.modules():
+        module.__dict__.pop(GROUP, None)
 
 
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`nn.Linear.forward`, except on the model thread: a packed bfloat16 weight (`pack`) runs its product
     without reordering, and a skinny float32 CPU input takes the faster product order."""
+    siblings = self.__dict__.get(GROUP)
+    if siblings is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and active():
+        return siblings.output(self, x)
     packed = self.__dict__.get(PACKED)
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and active():
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
