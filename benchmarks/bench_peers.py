@@ -455,7 +455,7 @@ def _measure_server(args, client, name: str, prompts: list[str], llama: bool) ->
 
 
 def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
-    """Both servers, one after the other, on the same prompts (distinct ones, so no cache serves them): see
+    """Both servers, round by round in turn, on the same prompts (distinct ones, so no cache serves them): see
     `_measure_server`. llama-server runs with
     `--concurrent` slots (its KV unified across them), hyserve as configured (it decodes up to --max-running
     requests together)."""
@@ -466,24 +466,29 @@ def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
     rng = random.Random(args.seed + 1)
     prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
                for i in range(3 + 2 * args.concurrent)]
-    def rounds(client, llama):
-        """`--throughput-repeats` rounds on fresh prompts each (so no cache serves them); medians."""
-        got = [_measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama)
-               for i in range(args.throughput_repeats)]
+    def one_round(i, client, llama):
+        return _measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama)
+
+    def medians(got):
         out = {k: C.median([g[k] for g in got]) if isinstance(got[0][k], float) else got[0][k] for k in got[0]}
         out["rounds"] = got
         return out
 
-    res = {}
-    hy.wait_idle()
-    res["hyserve"] = rounds(hy_client, llama=False)
-    hy.wait_idle()
-    res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
+    # The rounds alternate between the servers (both loaded, the idle one asleep): this machine's speed drifts
+    # over minutes, and a drift then shows in both columns instead of in their ratio.
+    res, got = {}, {"hyserve": [], "llama": []}
     ctx = args.concurrent * (args.cold_tokens + args.decode_tokens + 256)
     with LlamaServer(binary, gguf, name, ctx, args.threads, log_path.with_suffix(".throughput.log"),
                      ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]) as llama:
         client = OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-        res["llama"] = rounds(client, llama=True)
+        for i in range(args.throughput_repeats):
+            hy.wait_idle()
+            got["hyserve"].append(one_round(i, hy_client, llama=False))
+            hy.wait_idle()
+            time.sleep(0.5)
+            got["llama"].append(one_round(i, client, llama=True))
+        res["hyserve"], res["llama"] = medians(got["hyserve"]), medians(got["llama"])
+        res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
         res["llama"]["memory_mib"] = _rss_mib(llama.proc.pid)
         res["llama_command"] = llama.cmd
     for k in ("hyserve", "llama"):
