@@ -426,19 +426,25 @@ def _rss_mib(pid: int) -> dict:
     return out
 
 
-def _measure_server(args, client, name: str, prompts: list[str], llama: bool) -> dict:
+def _measure_server(args, client, name: str, prompts: list[str], llama: bool, settle=lambda: None) -> dict:
     """Cold prefill (a prompt no cache holds, one output token); decode tokens/s of one request from the
     difference between N tokens and 1 token on two distinct prompts of the same length; the same for
-    `--concurrent` requests at once (all N tokens against all 1 token)."""
+    `--concurrent` requests at once (all N tokens against all 1 token). `settle()` runs before each timed
+    request: hyserve's idle-time work (the checkpoints a finished request deferred, its reply re-rendered) is
+    waited for, so that it does not land in the next request's time."""
     import concurrent.futures as cf
 
     n, k = args.decode_tokens, args.concurrent
     _timed_request(client, name, "warm-up " + prompts[0][:200], 4, llama)
+    settle()
     cold = _timed_request(client, name, prompts[0], 1, llama)
+    settle()
     one_1 = _timed_request(client, name, prompts[1], 1, llama)
+    settle()
     one_n = _timed_request(client, name, prompts[2], n, llama)
 
     def together(batch, tokens):
+        settle()
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(len(batch)) as pool:
             res = list(pool.map(lambda p: _timed_request(client, name, p, tokens, llama), batch))
@@ -467,7 +473,8 @@ def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
     prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
                for i in range(3 + 2 * args.concurrent)]
     def one_round(i, client, llama):
-        return _measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama)
+        return _measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama,
+                               (lambda: None) if llama else hy.wait_idle)
 
     def medians(got):
         out = {k: C.median([g[k] for g in got]) if isinstance(got[0][k], float) else got[0][k] for k in got[0]}

@@ -295,3 +295,27 @@ def test_a_busy_engine_takes_history_checkpoints_mid_prefill(make_service):
     assert not any(e["event"] == "deferred" for e in events)
     assert sum(e["event"] == "recorded" and e["kind"] == "history" for e in events) == 2
     assert len(pieces) == 2  # the boundaries were captured inside each prompt's one pass, not split there
+
+
+def test_idle_time_work_runs_in_short_pieces(make_service):
+    """A job of several hundred tokens runs in pieces of at most `background.PIECE` tokens, one per lock hold, so a
+    request that arrives meanwhile waits for one piece, not a whole prefill chunk; its checkpoint is recorded."""
+    from hyserve.cache.policy import Boundary
+    from hyserve.engine import background
+    from hyserve.engine.run import Job
+
+    svc = make_service("qwen3_5", prefill_chunk=512)
+    ad, pieces = svc.runtime.adapter, []
+    inner = ad.forward
+
+    def spy(state, ids, *args, **kwargs):
+        if svc.engine._rebuilding:
+            pieces.append(len(ids))
+        return inner(state, ids, *args, **kwargs)
+
+    ad.forward = spy
+    tokens = [(7 * i) % 400 + 10 for i in range(450)]
+    svc.engine.scheduler.add_background(Job(tokens, [Boundary(len(tokens), "history")], "", "job-1"))
+    wait_idle(svc)
+    assert sum(pieces) == len(tokens) and max(pieces) <= background.PIECE < 512
+    assert svc.cache.has(tokens, "")
