@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="PyTorch profiler: top operators per phase")
     p.add_argument("--ab-env", action="append", default=[], metavar="VAR=VALUE",
                    help="also measure each dtype in a child process with this environment (a column each)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with several columns: measure them round by round this many times; medians")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -179,12 +181,16 @@ def run(args) -> dict:
     # every column in a process of its own when there are several (a bfloat16 model measured after a float32 one
     # in the same process ran its prefill ~30 % slower than in a fresh one); experts columns share their model
     isolate = (len(dtypes) > 1 or args.ab_env) and not args.experts and not args.profile
+    if isolate:  # round by round over the columns, so that a drift of the machine's speed hits every column alike
+        columns = [(dtype, env) for dtype in dtypes for env in ["", *args.ab_env]]
+        got: dict = {c: [] for c in columns}
+        for _ in range(args.rounds):
+            for dtype, env in columns:
+                got[dtype, env].append(_child_row(getattr(args, "argv", []), dtype, env))
+        for (dtype, env), runs in got.items():
+            rows[f"{dtype}, {env}" if env else dtype] = _median_row(runs)
+        dtypes = []
     for dtype in dtypes:
-        if isolate:
-            rows[dtype] = _child_row(getattr(args, "argv", []), dtype, "")
-            for env in args.ab_env:
-                rows[f"{dtype}, {env}"] = _child_row(getattr(args, "argv", []), dtype, env)
-            continue
         rt = ModelRuntime.load(d, dtype=dtype, device=args.device)
         for impl in args.experts.split(",") if args.experts else [None]:
             if impl is not None:
@@ -205,6 +211,15 @@ def run(args) -> dict:
     return result
 
 
+def _median_row(runs: list[dict]) -> dict:
+    """Each number's median over the rounds of one column (other fields from the first round)."""
+    out = dict(runs[0], rounds=len(runs))
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = C.median([r[k] for r in runs])
+    return out
+
+
 def _child_row(argv, dtype: str, env: str) -> dict:
     """The same measurement of `dtype` in a child process whose environment adds `env` (VAR=VALUE, or "")."""
     import os
@@ -214,12 +229,12 @@ def _child_row(argv, dtype: str, env: str) -> dict:
     var, _, value = env.partition("=")
     extra = {var: value} if var else {}
     rest, skip = [], False
-    for a in argv:  # drop --json/--ab-env/--dtypes and their values
+    for a in argv:  # drop --json/--ab-env/--dtypes/--rounds and their values
         if skip:
             skip = False
-        elif a in ("--json", "--ab-env", "--dtypes"):
+        elif a in ("--json", "--ab-env", "--dtypes", "--rounds"):
             skip = True
-        elif not a.startswith(("--json=", "--ab-env=", "--dtypes=")):
+        elif not a.startswith(("--json=", "--ab-env=", "--dtypes=", "--rounds=")):
             rest.append(a)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"

@@ -225,6 +225,7 @@ def gpu(result: dict) -> str:
 
 REPORTS = {
     "real": ("real.json", real),
+    "real-ab": ("real-ab.json", real),
     "real-moe": ("real-moe.json", real),
     "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),
