@@ -25,12 +25,12 @@ class _Requests:
         self.batched = [_solo(self.ad, p)[0] for p in prompts]
         self.solo = [_solo(self.ad, p)[0] for p in prompts]
 
-    def step(self, members, toks=None):
-        """One batched pass over `members` (indices); every row must equal decoding alone. Returns the batch's
-        width."""
+    def step(self, members, toks=None, room=0):
+        """One batched pass over `members` (indices), `room` more requests about to join; every row must equal
+        decoding alone. Returns the batch's width."""
         if toks is None:
             toks = [3 + (7 * i + len(self.solo[i].tokens)) % 50 for i in members]
-        got = self.ad.forward_batch([self.batched[i] for i in members], toks)
+        got = self.ad.forward_batch([self.batched[i] for i in members], toks, room=room)
         for row, (i, t) in enumerate(zip(members, toks)):
             want = self.ad.forward(self.solo[i], [t])
             assert torch.allclose(got[row], want, atol=1e-4), (self.arch, members, row)
@@ -85,6 +85,24 @@ def test_requests_join_and_leave_without_gathering_everyone(runtimes, arch, monk
     step([0, 2, 6])  # 6 has more tokens than the batch is wide: gathered afresh
     step([0, 2, 6])
     assert len(gathers) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
+def test_a_batch_keeps_free_rows_for_requests_still_in_prefill(runtimes, arch, monkeypatch):
+    """Requests that start together finish their prefills a few at a time. A batch gathered while others are
+    still in prefill keeps free rows for them (zero states, all padding), and each joins into one: no
+    gathering of everyone per join, and every row still equals decoding alone."""
+    r = _Requests(runtimes, arch, (20, 24, 22, 21, 26), monkeypatch)
+    gathers, step = r.gathers, r.step
+    r.ad.drop_batch()  # (as the engine does when nothing runs) not an earlier test's batch
+    step([0, 1], room=3)  # two decode, three still prefill: rows for all five
+    assert len(r.ad._batch.owners) == 5
+    step([0, 1, 2, 3], room=1)
+    step([0, 1, 2, 3, 4])
+    step([0, 1, 2, 3, 4])
+    assert len(gathers) == 1
+    step([0, 1], room=0)  # three finished... alive: gathered afresh
+    assert len(gathers) == 2 and len(r.ad._batch.owners) == 2
 
 
 def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):

@@ -88,13 +88,14 @@ class DecodeBatch:
 
     _serials = itertools.count(1)
 
-    def __init__(self, cache: DynamicCache, states: Sequence[LiveState], pads: list[int]):
+    def __init__(self, cache: DynamicCache, states: Sequence[LiveState], pads: list[int], free: int = 0):
         self.cache = cache
         self.serial = next(self._serials)
         # The state in each row. Weak: a finished request's state goes at once, and its row is then free.
-        self.owners: list[weakref.ref | None] = [weakref.ref(s) for s in states]
+        self.owners: list[weakref.ref | None] = [weakref.ref(s) for s in states] + [None] * free
         self.pads = pads  # left padding of each row in the attention KV
-        self.positions = [s.position for s in states]  # tokens in each row (a free row's keep counting)
+        # tokens in each row (a free row's keep counting; one gathered free holds none, all padding)
+        self.positions = [s.position for s in states] + [0] * free
 
     @property
     def width(self) -> int:
@@ -111,8 +112,10 @@ class DecodeBatch:
         return mask, positions
 
 
-def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
-    """A batched cache of `states` (copies; the states are left as they are)."""
+def gather(states: Sequence[LiveState], config, device, room: int = 0) -> DecodeBatch:
+    """A batched cache of `states` (copies; the states are left as they are), with `room` free rows more (zero
+    states, all padding) for requests that are about to join: each then copies only its own state into one
+    (`place`), where a batch gathered without them would be gathered afresh as each joins."""
     lengths = [s.position for s in states]
     longest = max(lengths)
     batch = DynamicCache(config=config)
@@ -120,7 +123,7 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
         rows = [s.cache.layers[li] for s in states]
         k = kind(rows[0])
         if k.kv:
-            keys, values = _left_padded(rows, "keys", longest), _left_padded(rows, "values", longest)
+            keys, values = _left_padded(rows, "keys", longest, room), _left_padded(rows, "values", longest, room)
             layer = (_GrowingHybridLayer(keys, values, longest, rows[0].number_of_states) if k.state
                      else _GrowingLayer(keys, values, longest))
             batch.layers[li] = layer
@@ -128,22 +131,25 @@ def gather(states: Sequence[LiveState], config, device) -> DecodeBatch:
             continue
         for idx in range(layer.number_of_states):
             if rows[0].conv_states[idx] is not None:
-                conv = torch.cat([r.conv_states[idx] for r in rows])
+                first = rows[0].conv_states[idx]
+                conv = torch.cat([r.conv_states[idx] for r in rows] + [first.new_zeros(first.shape)] * room)
                 layer.lazy_initialization(conv_states=conv, state_idx=idx)
                 layer.conv_states[idx] = conv
             if rows[0].recurrent_states[idx] is not None:
-                rec = torch.cat([r.recurrent_states[idx] for r in rows])
+                first = rows[0].recurrent_states[idx]
+                rec = torch.cat([r.recurrent_states[idx] for r in rows] + [first.new_zeros(first.shape)] * room)
                 layer.lazy_initialization(recurrent_states=rec, state_idx=idx)
                 layer.recurrent_states[idx] = rec
             layer.has_previous_state[idx] = rows[0].has_previous_state[idx]
-    return DecodeBatch(batch, states, [longest - n for n in lengths])
+    return DecodeBatch(batch, states, [longest - n for n in lengths] + [longest] * room, free=room)
 
 
-def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
-    """Rows' KV tensors [1, heads, n_i, d] as one [rows, heads, longest + SPARE, d], right-aligned at
-    `longest`: one copy."""
+def _left_padded(rows, name: str, longest: int, room: int = 0) -> torch.Tensor:
+    """Rows' KV tensors [1, heads, n_i, d] as one [rows + room, heads, longest + SPARE, d], right-aligned at
+    `longest` (the `room` rows all zero: padding): one copy."""
     first = getattr(rows[0], name)
-    out = first.new_empty((len(rows), first.shape[1], longest + SPARE, first.shape[3]))
+    out = first.new_empty((len(rows) + room, first.shape[1], longest + SPARE, first.shape[3]))
+    out[len(rows):, :, :longest].zero_()
     for i, r in enumerate(rows):
         t = getattr(r, name)
         n = t.shape[-2]
@@ -152,7 +158,7 @@ def _left_padded(rows, name: str, longest: int) -> torch.Tensor:
     return out
 
 
-def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
+def place(batch: DecodeBatch, states: Sequence[LiveState], room: int = 0) -> list[int] | None:
     """The row of each of `states` in `batch`, or None when the batch should be gathered afresh instead.
 
     A state untouched since the last pass keeps its row. One that ran a pass of its own (speculation) is
@@ -161,7 +167,7 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
     finished). Gathered afresh when a state still alive is not among `states` (a pass updates every
     row's conv and recurrent states in place, which that state may view), when a joining request's KV
     is longer than the batch is wide or no row is free for it, when more than a quarter of the rows
-    would idle, or when more than a third of the batch's width (and more than SPARE columns) is left
+    would idle (beyond `room`, the rows kept for requests about to join), or when more than a third of the batch's width (and more than SPARE columns) is left
     padding in every row. Every row is right-aligned at the width, which grows by one column a pass, so
     under a steady load, where requests keep joining the rows of finished ones and the batch is never
     gathered for another reason, the width would grow without end: the batch's memory and every pass's
@@ -181,7 +187,7 @@ def place(batch: DecodeBatch, states: Sequence[LiveState]) -> list[int] | None:
                 back[i] = r
     joining = [i for i, r in enumerate(rows) if r is None]
     free = [r for r, o in enumerate(owners) if o is None]
-    if len(joining) - len(back) > len(free) or len(owners) - len(states) > len(states) // 4:
+    if len(joining) - len(back) > len(free) or len(owners) - len(states) > max(len(states) // 4, room):
         return None
     attention = any(isinstance(layer, _GrowingKV) for layer in batch.cache.layers)
     width = batch.width

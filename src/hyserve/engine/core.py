@@ -227,4 +227,4 @@ class Engine:
         self.admission.fork_all(guard)
         decoding = [r for r in sched.running if r.decoding]
         if decoding:
-            self.decode.run(decoding, guard)
+            self.decode.run(decoding, guard, joining=len(sched.running) - len(decoding))

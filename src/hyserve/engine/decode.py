@@ -32,10 +32,10 @@ class Decode:
         self.outbox = outbox  # flushed before each pass that follows emits
         self.prefill_chunk = prefill_chunk
 
-    def run(self, runs: list[Run], guard: Callable) -> None:
+    def run(self, runs: list[Run], guard: Callable, joining: int = 0) -> None:
         """Sample one token per request; verify speculative runs alone, batch the rest in one pass. Each
         request's own work runs in its own `guard(runs, fn, *args)`, so a request whose sampling, output or
-        verify pass raises fails alone."""
+        verify pass raises fails alone. `joining`: requests still in prefill, which will join the batch."""
         batch, tokens = [], []
         for run in runs:
             token = guard([run], self.next_token, run)
@@ -44,7 +44,7 @@ class Decode:
                 tokens.append(token)
         self.outbox.flush()  # the tokens just sampled reach their streams before the next pass, not after it
         if batch:
-            self.forward_batch(batch, tokens, guard)
+            self.forward_batch(batch, tokens, guard, joining)
 
     def next_token(self, run: Run) -> int | None:
         """Sample and emit the request's next token; with proposals, verify them in a pass of its own.
@@ -82,7 +82,7 @@ class Decode:
             self.finish(run, reason)
         return None
 
-    def forward_batch(self, batch: list[Run], tokens: list[int], guard: Callable) -> None:
+    def forward_batch(self, batch: list[Run], tokens: list[int], guard: Callable, joining: int = 0) -> None:
         """One batched pass: each request keeps its row's logits. When the pass raises, it may already have
         updated some layers' recurrent state in place, in rows that the requests' states view, so no state in
         it is trusted: each request is rebuilt alone (`rebuild`, in its own guard). A request whose own token
@@ -91,7 +91,7 @@ class Decode:
         adapter, t0 = self.runtime.adapter, time.perf_counter()
         gathers = adapter.gathers
         try:
-            logits = adapter.forward_batch([r.state for r in batch], tokens)
+            logits = adapter.forward_batch([r.state for r in batch], tokens, room=joining)
         except Exception:
             log.exception("batched decode pass over %d requests failed: rebuilding each one alone", len(batch))
             for run in batch:

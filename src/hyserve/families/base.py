@@ -86,16 +86,17 @@ class FamilyAdapter:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int]) -> torch.Tensor:
+    def forward_batch(self, states: Sequence[LiveState], tokens: Sequence[int], room: int = 0) -> torch.Tensor:
         """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
+        `room`: requests about to join (in prefill): a batch gathered afresh keeps free rows for them.
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
         whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
         from ..batching import gather, place, scatter
 
         batch = self._batch
-        rows = place(batch, states) if batch is not None else None
+        rows = place(batch, states, room) if batch is not None else None
         if rows is None:
-            self._batch = batch = gather(states, self.model.config, self.model.device)
+            self._batch = batch = gather(states, self.model.config, self.model.device, room)
             self.gathers += 1
             rows = list(range(len(states)))
         mask, positions = batch.inputs(self.model.device)
