@@ -108,7 +108,14 @@ def peers_real(r: dict) -> str:
 
     out = []
     if r.get("throughput"):
-        out += [bench_peers.throughput_table(r["throughput"]), ""]
+        t = r["throughput"]
+        out += [bench_peers.throughput_table(t), ""]
+        pairs = list(zip(t["hyserve"].get("rounds", []), t["llama"].get("rounds", [])))
+        if len(pairs) > 1:
+            per = "; ".join(f"{label} " + ", ".join(f"{h[k] / ll[k]:.2f}" for h, ll in pairs)
+                            for label, k in (("cold prefill", "cold_tok_s"), ("decode 1", "decode_tok_s"),
+                                             ("decode concurrent", "concurrent_tok_s")))
+            out += [f"hyserve / llama in each of the {len(pairs)} rounds: {per}.", ""]
     if r.get("turns"):
         out += [peers(r)]
         warm = [t for t in r["turns"][1:] if t.get("llama_over_hyserve")]
