@@ -6,6 +6,7 @@ benchmarks/.models/ (gitignored) and reused on later runs.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -73,6 +74,15 @@ def ensure_model(arch: str, size: str, template: Path | None = None) -> Path:
 def _complete(d: Path) -> bool:
     return all((d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json",
                                           "tokenizer_config.json"))
+
+
+def write_result(path: str, script: str, result: dict) -> None:
+    """`result` as JSON at `path`, with the command that reruns it (`script` and this process's arguments) and
+    the machine it ran on."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "python " + " ".join([f"benchmarks/{script}"] + sys.argv[1:]),
+                               "machine": machine_info(), **result}, indent=2))
 
 
 def machine_info() -> dict:

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -160,10 +159,7 @@ def main() -> None:
     result = measure(model_dir, *((4, 60, 8, 3) if args.quick else (8, 1000, 32, 5)))
     print(tables(result))
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_kv_sharing.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), **result}, indent=2))
+        C.write_result(args.json_out, "bench_kv_sharing.py", result)
 
 
 if __name__ == "__main__":

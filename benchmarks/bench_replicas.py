@@ -290,10 +290,7 @@ def main() -> None:
               "simulated": simulated(args.quick)}
     print(tables(result))
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_replicas.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), **result}, indent=2))
+        C.write_result(args.json_out, "bench_replicas.py", result)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class Background(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
                  scheduler: Scheduler, prefill_chunk: int):
         super().__init__(runtime, cache, policy, metrics, scheduler)
-        self.prefill_chunk = min(prefill_chunk, PIECE)
+        self.piece = min(prefill_chunk, PIECE)
 
     def queue_for(self, run: Run, rebuild: list[int] | None) -> None:
         """Jobs for the checkpoints a finished request deferred and for a re-rendered reply: one job when
@@ -63,7 +63,7 @@ class Background(Phase):
                     self.scheduler.add_background(Job(tokens, stops, job.salt, rid))
                     return
                 with rt.lock:
-                    end = min(stops[0].length, state.position + self.prefill_chunk)
+                    end = min(stops[0].length, state.position + self.piece)
                     rt.adapter.forward(state, tokens[state.position : end])
                     if end == stops[0].length:
                         b = stops.pop(0)
