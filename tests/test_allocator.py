@@ -13,7 +13,7 @@ glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not ctypes.ut
 @glibc
 def test_trims_at_most_once_per_interval(monkeypatch):
     calls = []
-    t = allocator.Trimmer(interval=10.0)
+    t = allocator.Trimmer(interval=10.0, keep=0)
     assert t.available
     monkeypatch.setattr(t, "_trim", lambda pad: calls.append(pad) or 1)
     clock = [1000.0]
@@ -29,7 +29,7 @@ def test_trims_at_most_once_per_interval(monkeypatch):
 
 @glibc
 def test_real_trim_runs():
-    t = allocator.Trimmer(interval=0.0)
+    t = allocator.Trimmer(interval=0.0, keep=0)
     junk = [bytearray(1 << 16) for _ in range(200)]  # some freed heap memory to hand back
     del junk
     took = t.maybe()
@@ -66,3 +66,61 @@ def test_freed_activation_memory_stays_mapped_for_the_next_pass():
 def test_keep_freed_memory_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("HYSERVE_MALLOC_KEEP", "0")
     assert allocator.keep_freed_memory() is False
+
+
+@glibc
+def test_free_memory_below_the_bound_is_kept(monkeypatch):
+    """A trim is due but the heap's free chunks hold less than `keep`: nothing is handed back (the next
+    passes reuse it); above `keep` it trims."""
+    calls = []
+    t = allocator.Trimmer(interval=0.0, keep=1 << 30)
+    monkeypatch.setattr(t, "_trim", lambda pad: calls.append(pad) or 1)
+    monkeypatch.setattr(allocator, "free_heap_bytes", lambda: 512 << 20)
+    assert t.maybe() is None and calls == []
+    monkeypatch.setattr(allocator, "free_heap_bytes", lambda: 2 << 30)
+    assert t.maybe() is not None and calls == [0]
+
+
+@glibc
+def test_free_heap_bytes_counts_freed_blocks():
+    before = allocator.free_heap_bytes()
+    junk = [bytearray(1 << 16) for _ in range(400)]  # 25 MiB from the heap, then freed
+    del junk
+    assert before is not None and allocator.free_heap_bytes() >= (16 << 20)
+
+
+_THREAD_SCRIPT = """
+import sys, threading
+import torch
+from hyserve import allocator
+allocator.keep_freed_memory()
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+out = {}
+def work():
+    blocks = [torch.ones(8 << 20, dtype=torch.uint8) for _ in range(24)]  # 192 MiB, written
+    out["held"] = rss()
+    del blocks
+    out["freed"] = rss()
+t = threading.Thread(target=work)
+t.start(); t.join()
+print(out["held"] - out["freed"])
+"""
+
+
+@glibc
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_a_threads_freed_blocks_stay_mapped(keep):
+    """8 MiB blocks a thread other than the main one allocates and frees (the model thread's decode batches):
+    with `keep_freed_memory` they come from the main arena and stay resident for the next batch; without
+    it, glibc's per-thread arena unmaps them as its heaps empty."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HYSERVE_MALLOC_KEEP": keep}
+    handed_back = int(subprocess.run([sys.executable, "-c", _THREAD_SCRIPT], env=env, capture_output=True,
+                                     text=True, check=True).stdout)
+    if keep == "1":
+        assert handed_back < (32 << 20)
+    else:
+        assert handed_back > (128 << 20)  # what the setting changes: freed at once otherwise

@@ -6,8 +6,9 @@ large blocks freed) from its heaps, and a heap only shrinks from its top: free m
 blocks stays resident. Snapshots, the long-lived part, live outside the heap (`state.packed_clones`),
 so the heap stops growing; `malloc_trim(0)` then hands back the free pages inside it. The pages are
 faulted in again when reused, so this runs at most once per `interval` seconds, between engine steps,
-never under the runtime lock, and only while several requests run (their allocations interleave; a
-lone request's do not, and a chat's warm turn should not fault its pages in again).
+never under the runtime lock, only while several requests run (their allocations interleave; a lone
+request's do not, and a chat's warm turn should not fault its pages in again), and only when the heap's
+free chunks hold more than `KEEP_FREE` (less is what the next passes reuse).
 `benchmarks/bench_load.py`'s soak counts the trims and their time.
 
 A no-op where the C library has no `malloc_trim` (musl, macOS, Windows) or `HYSERVE_MALLOC_TRIM=0`.
@@ -38,37 +39,58 @@ def _malloc_trim():
     return fn
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt parameters (malloc.h)
 KEEP_BELOW = 256 << 20  # blocks up to this size come from the heap, not from a fresh mapping each time
 TRIM_ABOVE = 1 << 30  # free memory at the heap's top is handed back on free() only beyond this
+KEEP_FREE = 1 << 30  # `Trimmer` hands free heap memory back only when there is more than this
 
 
 def keep_freed_memory() -> bool:
     """Keep freed activation memory for the next pass instead of handing it to the OS on every free().
 
     A forward pass at real model sizes allocates and frees blocks of several MB per layer (projections,
-    the delta rule's chunk tensors). glibc maps blocks above its (dynamic) mmap threshold afresh and trims
-    the heap's top whenever its free part passes the trim threshold, so the next pass faults the same pages
-    in again, and a page fault costs several microseconds in a virtual machine. With a fixed mmap threshold
-    of `KEEP_BELOW` and a trim threshold of `TRIM_ABOVE` the pages stay mapped between passes; `Trimmer`
-    still hands the heap's free pages back under sustained load. `benchmarks/bench_real.py --ab-env
-    HYSERVE_MALLOC_KEEP=0` measures both. A no-op without glibc's `mallopt` or with `HYSERVE_MALLOC_KEEP=0`;
-    returns whether it applied."""
+    the delta rule's chunk tensors), and a decode batch is gathered afresh (hundreds of MB) as requests come
+    and go. glibc maps blocks above its (dynamic) mmap threshold afresh and trims the heap's top whenever
+    its free part passes the trim threshold, so the next pass faults the same pages in again, and a page
+    fault costs several microseconds in a virtual machine. With a fixed mmap threshold of `KEEP_BELOW` and
+    a trim threshold of `TRIM_ABOVE` the pages stay mapped between passes; `Trimmer` still hands the heap's
+    free pages back when they pile up. Every thread allocates from the one main arena: glibc gives a thread
+    an arena of its own, made of 64 MiB heaps that it unmaps as soon as one is entirely free, whatever the
+    trim threshold, and the model thread's decode batches and prefill pieces are mostly such heaps. Call
+    it before the model thread starts (a thread that has allocated keeps its arena).
+    `benchmarks/bench_real.py --ab-env HYSERVE_MALLOC_KEEP=0` measures it. A no-op without glibc's
+    `mallopt` or with `HYSERVE_MALLOC_KEEP=0`; returns whether it applied."""
     if os.environ.get("HYSERVE_MALLOC_KEEP", "1") == "0":
         return False
     fn = libc_function("mallopt")
     if fn is None:
         return False
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(fn(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(fn(M_TRIM_THRESHOLD, TRIM_ABOVE))
+    return all([fn(M_MMAP_THRESHOLD, KEEP_BELOW), fn(M_TRIM_THRESHOLD, TRIM_ABOVE), fn(M_ARENA_MAX, 1)])
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes in the C heap's free chunks (glibc's `mallinfo2`), resident or not; None without it."""
+    fn = libc_function("mallinfo2")
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [], _MallInfo2
+    return int(fn().fordblks)
 
 
 class Trimmer:
-    """`maybe()`: trim if `interval` seconds have passed since the last trim; returns the seconds it took,
-    or None when it did not run."""
+    """`maybe()`: trim if `interval` seconds have passed since the last trim and the heap's free chunks hold
+    more than `keep` bytes; returns the seconds it took, or None when it did not run. Below `keep` the free
+    memory is what the next passes and decode batches reuse: handed back, each of its pages was faulted in
+    again (at 8 concurrent requests, a trim every 10 s made the decode passes about a quarter slower)."""
 
-    def __init__(self, interval: float = TRIM_EVERY):
-        self.interval = interval
+    def __init__(self, interval: float = TRIM_EVERY, keep: int = KEEP_FREE):
+        self.interval, self.keep = interval, keep
         self._trim = _malloc_trim()
         self._last = time.monotonic()
 
@@ -79,6 +101,10 @@ class Trimmer:
     def maybe(self) -> float | None:
         now = time.monotonic()
         if self._trim is None or now - self._last < self.interval:
+            return None
+        free = free_heap_bytes()
+        if free is not None and free <= self.keep:
+            self._last = now
             return None
         self._trim(0)
         self._last = time.monotonic()

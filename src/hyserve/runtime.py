@@ -70,6 +70,7 @@ class ModelRuntime:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
         """Load on the model thread, where all later model work runs (see `model_thread`)."""
+        keep_freed_memory()  # before the model thread's first allocation
         return model_thread.run(cls._load, model_dir, dtype, device)
 
     @classmethod
@@ -84,7 +85,6 @@ class ModelRuntime:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         device = resolve_device(device)
-        keep_freed_memory()
         start = time.perf_counter()
         weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
         log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
