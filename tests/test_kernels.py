@@ -371,3 +371,60 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
     gate, up = model_thread.run(mixed)
     assert torch.equal(gate, torch.nn.functional.linear(x, layer.gate_proj.weight))
     assert torch.equal(up, torch.nn.functional.linear(y, layer.up_proj.weight))
+
+
+def _norms():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return {modeling_qwen3_5.Qwen3_5RMSNorm: "zero_centered", modeling_qwen3_5.Qwen3_5RMSNormGated: "gated",
+            Qwen3RMSNorm: "weight_after_cast"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_norm_class_takes_the_form_that_equals_its_own_forward_bit_for_bit(dtype):
+    from hyserve.kernels import norm
+
+    g = torch.Generator().manual_seed(3)
+    for cls, name in _norms().items():
+        module = cls(96, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(torch.randn(96, generator=g))
+        form = norm.matching_form(module, dtype)
+        assert form is not None and form.__name__ == name
+        norm._prepare(module, form)
+        x = (torch.randn(3, 5, 96, generator=g) * 4).to(dtype)  # other shapes than the load-time probes
+        args = (x, torch.randn(3, 5, 96, generator=g).to(dtype)) if form is norm.gated else (x,)
+        assert torch.equal(form(module, *args), cls.forward(module, *args))
+
+
+def test_a_norm_no_form_reproduces_keeps_its_own_forward():
+    from hyserve.kernels import norm
+
+    class ShiftedRMSNorm(modeling_qwen3_5.Qwen3_5RMSNorm):
+        def forward(self, x):
+            return super().forward(x) + 1e-3
+
+    assert norm.matching_form(ShiftedRMSNorm(64), torch.float32) is None
+
+
+def test_the_model_thread_runs_the_norm_forms(make_service, monkeypatch):
+    """The served tiny qwen3_5 has every norm on a form, and its logits equal transformers' own norms'."""
+    from hyserve.kernels import norm
+
+    rt = make_service("qwen3_5").runtime
+    assert rt.kernels.on("norm")
+    forms = {type(m).__name__: m.forward.form.__name__ for m in rt.model.modules()
+             if getattr(m.__dict__.get("forward"), "form", None) is not None}
+    assert forms == {"Qwen3_5RMSNorm": "zero_centered", "Qwen3_5RMSNormGated": "gated"}
+
+    def logits():
+        ad = rt.adapter
+        return ad.forward(ad.new_state(), list(range(3, 40)), all_logits=True)
+
+    got = model_thread.run(logits)
+    model_thread.run(norm.uninstall, rt.model)
+    try:
+        want = model_thread.run(logits)
+    finally:
+        model_thread.run(norm.install, rt.model, rt.model.dtype)
+    assert torch.equal(got, want)

@@ -5,6 +5,7 @@
 - `delta_rule`: the Gated DeltaNet decode step and chunked prefill.
 - `conv`: the depthwise causal conv1d of Gated DeltaNet and Mamba2 layers.
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
+- `norm`: RMSNorm layers in fewer operations.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -22,7 +23,7 @@ import types
 
 import torch
 
-from . import attention, conv, delta_rule, linear, seam, verify
+from . import attention, conv, delta_rule, linear, norm, seam, verify
 from .attention import gqa_sdpa_attention, grouped_attention
 from .capture import PieceCapture, capture
 from .conv import conv_prefill, conv_step
@@ -33,7 +34,7 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "linear", *(k.name for k in FUNCTIONS), "capture")
+ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "capture")
 
 __all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
            "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
@@ -63,6 +64,8 @@ def install(model, adapter, vocab: int) -> KernelReport:
     dtype = next(model.parameters()).dtype
     _install_attention(model, report, dtype)
     _install_linear(model, report)
+    if norm.install(model, dtype):
+        report.set("norm", True)
     for kernel in FUNCTIONS:
         _install_function(model, kernel, report)
     hooked = [k for k in ALL if report.on(k)]
@@ -191,6 +194,7 @@ def _uninstall(model) -> None:
     """Put transformers' own functions back everywhere in `model`."""
     if getattr(model.config, "_attn_implementation", None) == attention.NAME:
         model.set_attn_implementation("sdpa")
+    norm.uninstall(model)
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__dict__.pop("forward", None)

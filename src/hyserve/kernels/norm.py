@@ -1,0 +1,123 @@
+"""RMSNorm layers in fewer operations: PyTorch's one `rms_norm` where transformers writes the norm as six
+(`to`, `pow`, `mean`, `add`, `rsqrt`, `mul`), and the weight's float32 form computed once instead of every call.
+
+A decode step of a Qwen3.5 model runs some 80 norms of a few rows each: about a third of the step's operator
+calls, each costing its dispatch whatever its size. The families write the same norm in a few ways (the
+weight applied after the cast back, as Llama; `1 + weight` applied before it, zero-centered, as Qwen3.5 and
+Gemma; a gated one after Gated DeltaNet's delta rule); each `FORMS` entry is one of them. A norm class gets
+the first form that equals its own `forward` bit for bit on probes of its width (`matching_form`), checked
+once per class at load; a class no form matches keeps its own forward. `HYSERVE_RMS_NORM=0` keeps them all.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .seam import active
+
+SCALE = "_hyserve_norm_scale"  # a zero-centered norm's `1 + weight` in float32
+
+
+def _eps(module) -> float | None:
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def weight_after_cast(self, hidden_states):
+    """Llama's: weight * normed.to(input dtype)."""
+    return self.weight * _rms(hidden_states.float(), self.__dict__["_hyserve_eps"]).to(hidden_states.dtype)
+
+
+def zero_centered(self, hidden_states):
+    """Qwen3.5's and Gemma's: (normed * (1 + weight)).to(input dtype), in float32."""
+    return (_rms(hidden_states.float(), self.__dict__["_hyserve_eps"]) * self.__dict__[SCALE]).type_as(hidden_states)
+
+
+def gated(self, hidden_states, gate):
+    """Gated DeltaNet's: (weight * normed.to(input dtype) * silu(gate in float32)).to(input dtype)."""
+    dtype = hidden_states.dtype
+    normed = self.weight * _rms(hidden_states.float(), self.__dict__["_hyserve_eps"]).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
+FORMS = (weight_after_cast, zero_centered, gated)
+
+
+def _prepare(module, form) -> None:
+    module.__dict__["_hyserve_eps"] = _eps(module)
+    if form is zero_centered:
+        module.__dict__[SCALE] = 1.0 + module.weight.detach().float()
+
+
+def _probes(module, dtype, form):
+    g = torch.Generator().manual_seed(0)
+    width = module.weight.shape[-1]
+    for rows in (1, 8, 100):
+        x = (torch.randn(rows, 1, width, generator=g) * 3).to(dtype)
+        yield (x, (torch.randn(rows, 1, width, generator=g) * 3).to(dtype)) if form is gated else (x,)
+
+
+def matching_form(module, dtype):
+    """The first of `FORMS` that gives `module`'s own forward bit for bit on probes, or None."""
+    if _eps(module) is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
+        return None
+    own = type(module).forward
+    for form in FORMS:
+        _prepare(module, form)
+        try:
+            with torch.inference_mode():
+                if all(torch.equal(form(module, *args), own(module, *args)) for args in _probes(module, dtype, form)):
+                    return form
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        finally:
+            module.__dict__.pop(SCALE, None)
+    return None
+
+
+def install(model, dtype) -> int:
+    """Give every norm of `model` whose class a form matches that form (on the model thread; elsewhere its own
+    forward runs). Returns how many modules took one."""
+    chosen: dict[type, object] = {}
+    done = 0
+    if os.environ.get("HYSERVE_RMS_NORM", "1") == "0":
+        return done
+    for module in model.modules():
+        cls = type(module)
+        if "RMSNorm" not in cls.__name__ or not hasattr(cls, "forward"):
+            continue
+        if cls not in chosen:
+            chosen[cls] = matching_form(module, dtype)
+        form = chosen[cls]
+        if form is None:
+            continue
+        _prepare(module, form)
+        module.forward = types.MethodType(_dispatch(form, cls.forward), module)
+        done += 1
+    return done
+
+
+def _dispatch(form, own):
+    arity = 2 if form is gated else 1  # a call with other arguments (Mamba2's norm given a gate) is its own
+
+    def forward(self, *args, **kwargs):
+        if kwargs or len(args) != arity or not active():
+            return own(self, *args, **kwargs)
+        return form(self, *args)
+    forward.form = form
+    return forward
+
+
+def uninstall(model) -> None:
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "form", None) is not None:
+            for key in ("forward", SCALE, "_hyserve_eps"):
+                module.__dict__.pop(key, None)
