@@ -113,3 +113,30 @@ def test_each_decision_is_a_metric_and_an_event():
     assert value("hyserve_route_requests_total", {"reason": "checkpoint"}) == 1
     assert value("hyserve_route_requests_total", {"reason": "load"}) == 1
     assert value("hyserve_route_checkpoint_tokens_sum") == 60
+
+
+def test_a_request_sent_away_from_its_overloaded_holder_is_never_offered_back_to_it():
+    """Ray Serve tries the ranks `choose_replicas` returns in order and moves on when a replica's queue-length
+    probe fails (a busy machine): the overloaded holder must not be among them, or the request lands there."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray.serve")
+    from hyserve.scale.request_router import CheckpointRequestRouter
+    from hyserve.scale.routed import Routed
+
+    router = object.__new__(CheckpointRequestRouter)  # its state only: no Ray controller here
+    router.initialize_state(imbalance=4)
+    for name, lengths in (("a", (60,)), ("b", ()), ("c", ())):
+        router.policy.update(name, held("", PROMPT, *lengths))
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n)) for n in "abc"]
+
+    def ranks(inflight):
+        router.inflight.clear()
+        router.inflight.update(inflight)
+        pending = SimpleNamespace(args=[Routed("r", "", PROMPT)], metadata=SimpleNamespace(internal_request_id="i"))
+        got = asyncio.run(router.choose_replicas(replicas, pending))
+        return [[r.replica_id.unique_id for r in rank] for rank in got]
+
+    assert ranks({"a": 6, "b": 0, "c": 1}) == [["b"], ["c"]]  # a overloaded: b, then c, never a
+    assert ranks({"a": 2, "b": 0, "c": 1}) == [["a"], ["b", "c"]]  # within the imbalance: the holder first

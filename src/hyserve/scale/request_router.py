@@ -59,7 +59,9 @@ class CheckpointRequestRouter(RequestRouter):
             key.fetch_from, key.fetch_tokens = holder, route.depths[holder]
         else:
             key.fetch_from, key.fetch_tokens = None, 0
-        rest = sorted((r for r in by_id if r != route.replica), key=lambda r: self.inflight[r])
+        # Ray tries the ranks in order and moves on when a replica's queue-length probe fails (as it may on a busy
+        # machine): a request sent away from its overloaded holder keeps to its replica, never back to the holder.
+        rest = sorted((r for r in by_id if r not in (route.replica, holder)), key=lambda r: self.inflight[r])
         return [[by_id[route.replica]]] + ([[by_id[r] for r in rest]] if rest else [])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
