@@ -14,7 +14,9 @@ load-time check):
 - a snapshot of that state (its bytes);
 - a warm turn: restore the snapshot and prefill `--new` tokens (what a chat's next turn costs);
 - decode: `--decode` steps of one request (batched-decode path, one row), and of `--batch` requests decoding
-  together (each restored from the snapshot; tokens/s over all of them).
+  together (each restored from the snapshot; tokens/s over all of them);
+- a gather of those `--batch` states into a decode batch, as the engine builds one when requests join or leave
+  (the mean of 4, each while the one before is alive).
 
 `--profile` adds PyTorch's profiler table of the top operators (self CPU time) for each phase. Numbers are
 only comparable within one run on a quiet machine (two CPU-bound jobs on two cores slow each other far
@@ -150,6 +152,17 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
         ad.drop_batch()
 
     timed("decode_batch_s", batch_steps)
+
+    from hyserve.batching import gather
+
+    def gathers():  # as the engine regathers while the last batch is still alive: each into memory of its own
+        batch = None
+        for _ in range(4):
+            batch = gather(rows, rt.model.config, rt.model.device)  # noqa: F841 (the last one is freed after)
+        return batch
+
+    timed("gather_s", gathers)
+    out["gather_s"] /= 4
     out.update(prompt_tokens=prompt, new_tokens=args.new, decode_steps=decode, batch=args.batch,
                cold_tok_s=prompt / out["cold_prefill_s"], decode_tok_s=decode / out["decode_s"],
                decode_batch_tok_s=decode * args.batch / out["decode_batch_s"],
@@ -256,6 +269,7 @@ def table(result: dict) -> str:
         (f"decode, {r0.get('batch')} requests together (tokens/s)", "decode_batch_tok_s", lambda x: f"{x:.1f}"),
         (f"snapshot at {r0['prompt_tokens']} tokens (MB)", "snapshot_mb", lambda x: f"{x:.1f}"),
         ("snapshot copy (s)", "snapshot_s", C.fmt_s),
+        (f"gather of {r0.get('batch')} requests into a decode batch (s)", "gather_s", C.fmt_s),
     ]
     spec = [row for row in spec if row[1] in r0]  # (results measured before a row was added lack it)
     return C.table(["", *names], [[label, *(fmt(rows[n][key]) for n in names)] for label, key, fmt in spec])
