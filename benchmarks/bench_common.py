@@ -17,8 +17,6 @@ import time
 import warnings
 from pathlib import Path
 
-import hyserve  # noqa: F401  (before anything imports torch: its OpenMP settings, hyserve.openmp)
-
 BENCH_DIR = Path(__file__).resolve().parent
 MODELS_DIR = BENCH_DIR / ".models"
 RESULTS_DIR = BENCH_DIR / "results"

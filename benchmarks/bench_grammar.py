@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-import hyserve  # noqa: F401  (before torch: its OpenMP settings, hyserve.openmp)
 import torch
 
 SCHEMA = {
