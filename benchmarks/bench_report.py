@@ -233,6 +233,7 @@ def gpu(result: dict) -> str:
 REPORTS = {
     "real": ("real.json", real),
     "real-ab": ("real-ab.json", real),
+    "real-ab2": ("real-ab2.json", real),
     "real-moe": ("real-moe.json", real),
     "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),
@@ -246,6 +247,7 @@ REPORTS = {
     "peers-growing": ("peers-growing.json", peers),
     "peers-real": ("peers-real.json", peers_real),
     "peers-real-chat": ("peers-real-chat.json", peers_real),
+    "peers-real-malloc-keep-0": ("peers-real-malloc-keep-0.json", peers_real),
     "speculative": ("speculative.json", speculative),
     "load": ("load.json", load),
     "memory": ("memory.json", memory),
