@@ -21,7 +21,6 @@ prefix cache) on an engine in this process, without HTTP, so it can also count w
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -36,20 +35,13 @@ import bench_common as C  # noqa: E402
 from bench_load import Conversation  # noqa: E402
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def glibc_heap() -> dict | None:
     """glibc's own account of its allocations (all arenas), or None on another C library."""
-    from hyserve.allocator import libc_function
+    from hyserve.allocator import mallinfo2
 
-    fn = libc_function("mallinfo2")
-    if fn is None:
+    m = mallinfo2()
+    if m is None:
         return None
-    fn.restype = _MallInfo2
-    m = fn()
     return {"heap": m.arena, "in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
 
 

@@ -69,18 +69,26 @@ def keep_freed_memory() -> bool:
     return all([fn(M_MMAP_THRESHOLD, KEEP_BELOW), fn(M_TRIM_THRESHOLD, TRIM_ABOVE), fn(M_ARENA_MAX, 1)])
 
 
-class _MallInfo2(ctypes.Structure):
+class MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2`: its own account of its allocations, over all arenas."""
+
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def free_heap_bytes() -> int | None:
-    """Bytes in the C heap's free chunks (glibc's `mallinfo2`), resident or not; None without it."""
+def mallinfo2() -> MallInfo2 | None:
+    """glibc's `mallinfo2()`, or None on another C library (or a glibc older than 2.33)."""
     fn = libc_function("mallinfo2")
     if fn is None:
         return None
-    fn.argtypes, fn.restype = [], _MallInfo2
-    return int(fn().fordblks)
+    fn.argtypes, fn.restype = [], MallInfo2
+    return fn()
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes in the C heap's free chunks (`fordblks`), resident or not; None without `mallinfo2`."""
+    info = mallinfo2()
+    return None if info is None else int(info.fordblks)
 
 
 class Trimmer:
