@@ -112,8 +112,8 @@ print(out["held"] - out["freed"])
 @pytest.mark.parametrize("keep", ["1", "0"])
 def test_a_threads_freed_blocks_stay_mapped(keep):
     """8 MiB blocks a thread other than the main one allocates and frees (the model thread's decode batches):
-    with `keep_freed_memory` they come from the main arena and stay resident for the next batch; without
-    it, glibc's per-thread arena unmaps them as its heaps empty."""
+    with `keep_freed_memory` they stay resident for the next batch; without it glibc maps each above its
+    (dynamic) mmap threshold afresh and unmaps it on free."""
     import os
     import subprocess
 
@@ -124,3 +124,32 @@ def test_a_threads_freed_blocks_stay_mapped(keep):
         assert handed_back < (32 << 20)
     else:
         assert handed_back > (128 << 20)  # what the setting changes: freed at once otherwise
+
+
+_ARENA_SCRIPT = """
+import ctypes, threading
+import torch
+from hyserve import allocator
+allocator.keep_freed_memory()
+held = []
+def work():
+    held.extend(torch.ones(1 << 20, dtype=torch.uint8) for _ in range(16))  # 16 MiB, kept while stats print
+t = threading.Thread(target=work)
+t.start(); t.join()
+ctypes.CDLL("libc.so.6").malloc_stats()
+"""
+
+
+@glibc
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_another_threads_allocations_come_from_the_main_arena(keep):
+    """glibc would give the thread an arena of its own (`Arena 1` in `malloc_stats`), whose heaps it unmaps as
+    they empty whatever the trim threshold; with `keep_freed_memory` there is only the main arena."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HYSERVE_MALLOC_KEEP": keep}
+    stats = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT], env=env, capture_output=True, text=True,
+                           check=True).stderr
+    assert "Arena 0:" in stats
+    assert ("Arena 1:" in stats) == (keep == "0")
