@@ -94,8 +94,8 @@ def free_heap_bytes() -> int | None:
 class Trimmer:
     """`maybe()`: trim if `interval` seconds have passed since the last trim and the heap's free chunks hold
     more than `keep` bytes; returns the seconds it took, or None when it did not run. Below `keep` the free
-    memory is what the next passes and decode batches reuse: handed back, each of its pages was faulted in
-    again (at 8 concurrent requests, a trim every 10 s made the decode passes about a quarter slower)."""
+    memory is what the next passes and decode batches reuse: handed back, each of its pages is faulted in
+    again, and under steady load that is every pass's memory (`benchmarks/bench_real.py`'s gather row)."""
 
     def __init__(self, interval: float = TRIM_EVERY, keep: int = KEEP_FREE):
         self.interval, self.keep = interval, keep
