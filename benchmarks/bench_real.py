@@ -158,7 +158,7 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
     def gathers(n):  # as the engine regathers while the last batch is still alive: each into memory of its own
         batch = None
         for _ in range(n):
-            batch = gather(rows, rt.model.config, rt.model.device)  # noqa: F841 (the last one is freed after)
+            batch = gather(rows, rt.model.config, rt.model.device)
         return batch
 
     gathers(2)  # the first two fault their memory in; later ones reuse what the one before last freed

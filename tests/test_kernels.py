@@ -407,7 +407,7 @@ def test_a_norm_no_form_reproduces_keeps_its_own_forward():
     assert norm.matching_form(ShiftedRMSNorm(64), torch.float32) is None
 
 
-def test_the_model_thread_runs_the_norm_forms(make_service, monkeypatch):
+def test_the_model_thread_runs_the_norm_forms(make_service):
     """The served tiny qwen3_5 has every norm on a form, and its logits equal transformers' own norms'."""
     from hyserve.kernels import norm
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .seam import active
 
 SCALE = "_hyserve_norm_scale"  # a zero-centered norm's `1 + weight` in float32
+EPS = "_hyserve_norm_eps"  # the norm's epsilon, whichever attribute its class keeps it in
 
 
 def _eps(module) -> float | None:
@@ -33,18 +34,18 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def weight_after_cast(self, hidden_states):
     """Llama's: weight * normed.to(input dtype)."""
-    return self.weight * _rms(hidden_states.float(), self.__dict__["_hyserve_eps"]).to(hidden_states.dtype)
+    return self.weight * _rms(hidden_states.float(), self.__dict__[EPS]).to(hidden_states.dtype)
 
 
 def zero_centered(self, hidden_states):
     """Qwen3.5's and Gemma's: (normed * (1 + weight)).to(input dtype), in float32."""
-    return (_rms(hidden_states.float(), self.__dict__["_hyserve_eps"]) * self.__dict__[SCALE]).type_as(hidden_states)
+    return (_rms(hidden_states.float(), self.__dict__[EPS]) * self.__dict__[SCALE]).type_as(hidden_states)
 
 
 def gated(self, hidden_states, gate):
     """Gated DeltaNet's: (weight * normed.to(input dtype) * silu(gate in float32)).to(input dtype)."""
     dtype = hidden_states.dtype
-    normed = self.weight * _rms(hidden_states.float(), self.__dict__["_hyserve_eps"]).to(dtype)
+    normed = self.weight * _rms(hidden_states.float(), self.__dict__[EPS]).to(dtype)
     return (normed * F.silu(gate.float())).to(dtype)
 
 
@@ -52,7 +53,7 @@ FORMS = (weight_after_cast, zero_centered, gated)
 
 
 def _prepare(module, form) -> None:
-    module.__dict__["_hyserve_eps"] = _eps(module)
+    module.__dict__[EPS] = _eps(module)
     if form is zero_centered:
         module.__dict__[SCALE] = 1.0 + module.weight.detach().float()
 
@@ -119,5 +120,5 @@ def _dispatch(form, own):
 def uninstall(model) -> None:
     for module in model.modules():
         if getattr(module.__dict__.get("forward"), "form", None) is not None:
-            for key in ("forward", SCALE, "_hyserve_eps"):
+            for key in ("forward", SCALE, EPS):
                 module.__dict__.pop(key, None)
