@@ -6,6 +6,7 @@
 - `conv`: the depthwise causal conv1d of Gated DeltaNet and Mamba2 layers.
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
 - `norm`: RMSNorm layers in fewer operations.
+- `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -23,7 +24,7 @@ import types
 
 import torch
 
-from . import attention, conv, delta_rule, linear, norm, seam, verify
+from . import attention, conv, decode_layer, delta_rule, linear, norm, seam, verify
 from .attention import gqa_sdpa_attention, grouped_attention
 from .capture import PieceCapture, capture
 from .conv import conv_prefill, conv_step
@@ -34,7 +35,7 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "capture")
+ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer", "capture")
 
 __all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
            "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
@@ -68,6 +69,9 @@ def install(model, adapter, vocab: int) -> KernelReport:
         report.set("norm", True)
     for kernel in FUNCTIONS:
         _install_function(model, kernel, report)
+    fast = {k.name: k.fast for k in FUNCTIONS if report.on(k.name)}  # the decode layer runs these
+    if decode_layer.install(model, fast.get(conv.STEP.name), fast.get(delta_rule.RECURRENT.name)):
+        report.set("decode_layer", True)
     hooked = [k for k in ALL if report.on(k)]
     if hooked and (why := verify.check_model(adapter, vocab, dtype)):
         _uninstall(model)
@@ -194,6 +198,7 @@ def _uninstall(model) -> None:
     """Put transformers' own functions back everywhere in `model`."""
     if getattr(model.config, "_attn_implementation", None) == attention.NAME:
         model.set_attn_implementation("sdpa")
+    decode_layer.uninstall(model)
     norm.uninstall(model)
     for module in model.modules():
         if type(module) is torch.nn.Linear:

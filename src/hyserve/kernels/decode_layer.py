@@ -1,0 +1,171 @@
+"""Qwen3.5's decoder layers (Gated DeltaNet or full attention, then the MLP) for one decode token, without
+the module dispatch around their operations.
+
+A decode step is bound by streaming the weights through the products, and everything between the products
+is the overhead the step adds to that: per layer transformers' decoder layer calls a dozen submodules
+through `nn.Module.__call__`, each wrapped in its decorators, and recomputes constants of the layer
+(the Gated DeltaNet's decay rate, its conv taps in float32) on every token. For one token per row, this
+forward (`decode_forward`) runs the same operations in the same order on the same kernels (the grouped
+products, `conv_step`, `recurrent_step`, the norms' forms) straight from the layer's parts, with those
+constants taken once at load (`Parts`). Anything else (a prefill piece, no cache, a cache that records its
+past, another keyword) runs the layer's own forward, as does every call off the model thread. The
+load-time model check covers it like every kernel; `benchmarks/bench_real.py --ab-env
+HYSERVE_DECODE_LAYER=0` measures the step with and without it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+from . import linear
+from .seam import active
+
+PARTS = "_hyserve_decode_parts"
+_GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj", "norm", "A_log", "dt_bias")
+
+
+class Stack:
+    """Linear layers that read the same input, as the one stacked product `linear.group` made of them for a
+    bfloat16 input (each member's columns a view of it), else each member's own forward."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        self.members = members
+        group = members[0].__dict__.get(linear.GROUP)
+        grouped = group is not None and group.size == len(members) and all(
+            m.__dict__.get(linear.GROUP) is group for m in members)
+        self.packed = group.packed if grouped else None
+        self.columns = [group.columns[id(m)] for m in members] if grouped else None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return [y[..., a:b] for a, b in self.columns]
+        return [m.forward(x) for m in self.members]
+
+
+class Parts:
+    """What `decode_forward` takes from one decoder layer, gathered once: its norms' and products' forwards,
+    and for a Gated DeltaNet its constants in float32."""
+
+    def __init__(self, layer, conv_step, recurrent_step):
+        self.conv_step, self.recurrent_step = conv_step, recurrent_step
+        self.norm_in, self.norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        mlp = layer.mlp
+        self.mlp = None
+        if all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
+            self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, mlp.down_proj.forward)
+        self.gdn = None
+        gdn = getattr(layer, "linear_attn", None)
+        self.index = (gdn if gdn is not None else layer.self_attn).layer_idx
+        if gdn is not None:
+            self.gdn = gdn
+            self.in_proj = Stack([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
+            self.neg_a = -gdn.A_log.detach().float().exp()  # as transformers: -A_log.float().exp()
+            self.dt_bias = gdn.dt_bias.detach().float()  # a.float() + dt_bias promotes it to float32 anyway
+            self.taps = gdn.conv1d.weight.detach().squeeze(1).float()  # conv_step's products run in float32
+            self.conv_bias = gdn.conv1d.bias
+            self.dims = (gdn.key_dim, gdn.value_dim, gdn.num_k_heads, gdn.head_k_dim, gdn.num_v_heads, gdn.head_v_dim)
+            self.out_proj, self.gated_norm = gdn.out_proj.forward, gdn.norm.forward
+
+
+def fits(layer) -> bool:
+    """Whether `layer` is a decoder layer of the shape `decode_forward` is written for: Qwen3.5's (dense or
+    MoE), a Gated DeltaNet with separate q/k/v, z, b and a projections or a full-attention block, then an MLP,
+    with no hooks on any part (offloading's would be skipped)."""
+    block = getattr(layer, "block_type", None)
+    if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        return False
+    if block == "linear_attention":
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is None or not all(hasattr(gdn, n) for n in _GDN) or gdn.activation not in ("silu", "swish"):
+            return False
+    elif block != "full_attention" or not hasattr(layer, "self_attn"):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules())
+
+
+def _mixer_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
+    """The Gated DeltaNet for one token per row, as transformers' forward runs it with hyserve's kernels;
+    None where that forward takes another path (no state yet)."""
+    gdn = p.gdn
+    idx = gdn.layer_idx
+    conv_state = cache.get_conv_state(idx, state_idx=0)
+    recurrent = cache.get_recurrent_state(idx, state_idx=0)
+    if conv_state is None or recurrent is None:
+        return None
+    key_dim, value_dim, hk, dk, hv, dv = p.dims
+    rows = x.shape[0]
+    mixed, z, b, a = p.in_proj(x)
+    mixed = p.conv_step(None, mixed.transpose(1, 2), conv_state, p.taps, p.conv_bias, activation="silu").transpose(1, 2)
+    if hasattr(cache, "increase_count"):  # transformers >= 5.25 counts the tokens of an in-place conv step
+        cache.increase_count(idx, 0)
+    q = mixed[..., :key_dim].reshape(rows, 1, hk, dk)
+    k = mixed[..., key_dim : 2 * key_dim].reshape(rows, 1, hk, dk)
+    v = mixed[..., 2 * key_dim :].reshape(rows, 1, hv, dv)
+    g = p.neg_a * F.softplus(a.float() + p.dt_bias)
+    out, state = p.recurrent_step(None, q, k, v, g, b.sigmoid(), initial_state=recurrent, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+    if state is not recurrent:  # updated in place when it could be; else handed to the cache as transformers does
+        cache.update_recurrent_state(state, idx)
+    out = p.gated_norm(out.reshape(-1, dv), z.reshape(-1, dv))
+    return p.out_proj(out.reshape(rows, 1, value_dim))
+
+
+def decode_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                   cache=None, **kwargs):
+    """The decoder layer's forward: for one token per row on the model thread, the lean path; else its own."""
+    p = self.__dict__[PARTS]
+    own = type(self).forward
+    if (hidden_states.shape[1] != 1 or cache is None or "past_key_values" in kwargs or not active()
+            or cache.is_recording_past(p.index)):
+        return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                   position_ids=position_ids, cache=cache, **kwargs)
+    x = p.norm_in(hidden_states)
+    if p.gdn is not None:
+        if attention_mask is not None:  # transformers' apply_mask_to_padding_states
+            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        mixed = _mixer_step(p, x, cache)
+        if mixed is None:
+            return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                       position_ids=position_ids, cache=cache, **kwargs)
+    else:
+        mixed, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, position_embeddings=position_embeddings, **kwargs)
+    hidden_states = hidden_states + mixed
+    x = p.norm_post(hidden_states)
+    if p.mlp is not None:
+        (gate, up), act, down = p.mlp[0](x), p.mlp[1], p.mlp[2]
+        x = down(act(gate) * up)
+    else:
+        x = self.mlp(x)
+        if isinstance(x, tuple):  # an MoE block's (output, router logits)
+            x = x[0]
+    return hidden_states + x
+
+
+def install(model, conv_step=None, recurrent_step=None) -> int:
+    """Give every decoder layer of `model` that `fits` the lean decode forward (on the model thread only;
+    `HYSERVE_DECODE_LAYER=0` leaves them). Call after the linear and norm kernels are in place: it takes the
+    forwards they installed. `conv_step`, `recurrent_step`: the `fast` functions of the conv-step and
+    recurrent-step kernels that passed their checks (a Gated DeltaNet layer takes the lean forward only
+    with both). Returns how many layers took it."""
+    if os.environ.get("HYSERVE_DECODE_LAYER", "1") == "0":
+        return 0
+    done = 0
+    for module in model.modules():
+        if "DecoderLayer" in type(module).__name__ and fits(module) and (
+                (conv_step and recurrent_step) or getattr(module, "block_type", None) != "linear_attention"):
+            module.__dict__[PARTS] = Parts(module, conv_step, recurrent_step)
+            module.forward = types.MethodType(decode_forward, module)
+            done += 1
+    return done
+
+
+def uninstall(model) -> None:
+    for module in model.modules():
+        if module.__dict__.pop(PARTS, None) is not None:
+            module.__dict__.pop("forward", None)
