@@ -42,12 +42,13 @@ def test_the_lean_decode_layer_gives_the_layers_own_logits_bit_for_bit(model_dir
     assert torch.equal(lean, reference)
 
 
-def test_decode_steps_skip_the_gated_deltanet_and_mlp_modules(model_dirs, monkeypatch):
-    """On the model thread a decode step never enters the Gated DeltaNet's or the MLP's own forward (a prefill
-    piece does): the lean path is what runs, not a silent fallback."""
+def test_decode_steps_skip_the_mixer_and_mlp_modules(model_dirs, monkeypatch):
+    """On the model thread a decode step never enters the Gated DeltaNet's, the attention's or the MLP's own
+    forward (a prefill piece does): the lean path is what runs, not a silent fallback."""
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     ad = rt.adapter
     layer = next(m for m in _lean_layers(rt) if m.block_type == "linear_attention")
+    attention = next(m for m in _lean_layers(rt) if m.block_type == "full_attention")
     state = ad.new_state()
     model_thread.run(ad.forward, state, list(range(5, 30)))
 
@@ -56,6 +57,7 @@ def test_decode_steps_skip_the_gated_deltanet_and_mlp_modules(model_dirs, monkey
 
     monkeypatch.setattr(type(layer.linear_attn), "forward", refuse)
     monkeypatch.setattr(type(layer.mlp), "forward", refuse)
+    monkeypatch.setattr(type(attention.self_attn), "forward", refuse)
     logits = model_thread.run(lambda: [ad.forward_batch([state], [t]) for t in (3, 4)])
     assert all(torch.isfinite(x).all() for x in logits)
     with pytest.raises(AssertionError, match="own forward"):

@@ -15,7 +15,9 @@ HYSERVE_DECODE_LAYER=0` measures the step with and without it.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import types
 
 import torch
@@ -25,43 +27,58 @@ from . import linear
 from .seam import active
 
 PARTS = "_hyserve_decode_parts"
-_GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj", "norm", "A_log", "dt_bias")
+# The mixers whose forward `decode_forward` reproduces, by class: another class with the same parts may do
+# other math (Qwen3-Next orders its projections otherwise), so it keeps its own forward.
+GATED_DELTANET = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
 class Stack:
-    """Linear layers that read the same input, as the one stacked product `linear.group` made of them for a
-    bfloat16 input (each member's columns a view of it), else each member's own forward."""
+    """Linear layers that read the same input, as one product: the stacked weight `linear.group` made of
+    them, or a lone layer's packed weight (`linear.pack`), for a bfloat16 input (each member's columns a
+    view of it); else each member's own forward."""
 
     def __init__(self, members: list[torch.nn.Linear]):
         self.members = members
         group = members[0].__dict__.get(linear.GROUP)
-        grouped = group is not None and group.size == len(members) and all(
-            m.__dict__.get(linear.GROUP) is group for m in members)
-        self.packed = group.packed if grouped else None
-        self.columns = [group.columns[id(m)] for m in members] if grouped else None
+        self.packed, self.columns, self.bias = None, None, None
+        if group is not None and group.size == len(members) and all(
+                m.__dict__.get(linear.GROUP) is group for m in members):
+            self.packed, self.columns = group.packed, [group.columns[id(m)] for m in members]
+        elif len(members) == 1 and linear.PACKED in members[0].__dict__:
+            self.packed, self.bias = members[0].__dict__[linear.PACKED], members[0].bias
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is not None and x.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-            return [y[..., a:b] for a, b in self.columns]
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return [y[..., a:b] for a, b in self.columns] if self.columns else [y]
         return [m.forward(x) for m in self.members]
+
+    def one(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)[0]
+
+
+def _norm(module):
+    """A norm's form (`norm.install`) bound to it, else its forward."""
+    form = getattr(module.__dict__.get("forward"), "form", None)
+    return functools.partial(form, module) if form is not None else module.forward
 
 
 class Parts:
     """What `decode_forward` takes from one decoder layer, gathered once: its norms' and products' forwards,
-    and for a Gated DeltaNet its constants in float32."""
+    for a Gated DeltaNet its constants in float32, for attention the functions its modeling file uses."""
 
     def __init__(self, layer, conv_step, recurrent_step):
         self.conv_step, self.recurrent_step = conv_step, recurrent_step
-        self.norm_in, self.norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
         mlp = layer.mlp
         self.mlp = None
         if all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
-            self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, mlp.down_proj.forward)
-        self.gdn = None
-        gdn = getattr(layer, "linear_attn", None)
-        self.index = (gdn if gdn is not None else layer.self_attn).layer_idx
-        if gdn is not None:
+            self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, Stack([mlp.down_proj]).one)
+        self.gdn = self.attn = None
+        gdn, attn = getattr(layer, "linear_attn", None), getattr(layer, "self_attn", None)
+        self.index = (gdn if gdn is not None else attn).layer_idx
+        if type(gdn).__name__ in GATED_DELTANET and conv_step is not None and recurrent_step is not None:
             self.gdn = gdn
             self.in_proj = Stack([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
             self.neg_a = -gdn.A_log.detach().float().exp()  # as transformers: -A_log.float().exp()
@@ -69,26 +86,30 @@ class Parts:
             self.taps = gdn.conv1d.weight.detach().squeeze(1).float()  # conv_step's products run in float32
             self.conv_bias = gdn.conv1d.bias
             self.dims = (gdn.key_dim, gdn.value_dim, gdn.num_k_heads, gdn.head_k_dim, gdn.num_v_heads, gdn.head_v_dim)
-            self.out_proj, self.gated_norm = gdn.out_proj.forward, gdn.norm.forward
+            self.out_proj, self.gated_norm = Stack([gdn.out_proj]).one, _norm(gdn.norm)
+        home = sys.modules.get(type(attn).__module__)
+        if type(attn).__name__ in ATTENTION and all(
+                hasattr(home, n) for n in ("ALL_ATTENTION_FUNCTIONS", "apply_rotary_pos_emb", "eager_attention_forward")):
+            self.attn = attn
+            self.qkv = Stack([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.q_norm, self.k_norm, self.o_proj = _norm(attn.q_norm), _norm(attn.k_norm), Stack([attn.o_proj]).one
+            self.rotary, self.interfaces = home.apply_rotary_pos_emb, home.ALL_ATTENTION_FUNCTIONS
+            self.eager = home.eager_attention_forward
 
 
 def fits(layer) -> bool:
-    """Whether `layer` is a decoder layer of the shape `decode_forward` is written for: Qwen3.5's (dense or
-    MoE), a Gated DeltaNet with separate q/k/v, z, b and a projections or a full-attention block, then an MLP,
-    with no hooks on any part (offloading's would be skipped)."""
-    block = getattr(layer, "block_type", None)
+    """Whether `layer` is a decoder layer of the shape `decode_forward` is written for (Qwen3.5's, dense or
+    MoE: a Gated DeltaNet or full-attention block, then an MLP or MoE block) with no hooks on any part
+    (offloading's would be skipped)."""
     if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
         return False
-    if block == "linear_attention":
-        gdn = getattr(layer, "linear_attn", None)
-        if gdn is None or not all(hasattr(gdn, n) for n in _GDN) or gdn.activation not in ("silu", "swish"):
-            return False
-    elif block != "full_attention" or not hasattr(layer, "self_attn"):
+    mixer = {"linear_attention": "linear_attn", "full_attention": "self_attn"}.get(getattr(layer, "block_type", None))
+    if mixer is None or not hasattr(layer, mixer):
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules())
 
 
-def _mixer_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
+def _gdn_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
     """The Gated DeltaNet for one token per row, as transformers' forward runs it with hyserve's kernels;
     None where that forward takes another path (no state yet)."""
     gdn = p.gdn
@@ -115,23 +136,47 @@ def _mixer_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
     return p.out_proj(out.reshape(rows, 1, value_dim))
 
 
+def _attention_step(p: Parts, x, position_embeddings, attention_mask, cache, kwargs) -> torch.Tensor:
+    """Qwen3.5's gated full attention for one token per row, as its forward runs it."""
+    attn = p.attn
+    rows, head_dim = x.shape[0], attn.head_dim
+    query, key, value = p.qkv(x)
+    query, gate = torch.chunk(query.view(rows, 1, -1, head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(rows, 1, -1)
+    query = p.q_norm(query.view(rows, 1, -1, head_dim)).transpose(1, 2)
+    key = p.k_norm(key.view(rows, 1, -1, head_dim)).transpose(1, 2)
+    value = value.view(rows, 1, -1, head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = p.rotary(query, key, cos, sin)
+    key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+    interface = p.interfaces.get_interface(attn.config._attn_implementation, p.eager)
+    out, _ = interface(attn, query, key, value, attention_mask,
+                       dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+    out = out.reshape(rows, 1, -1).contiguous()
+    out = out * torch.sigmoid(gate)
+    return p.o_proj(out)
+
+
 def decode_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
                    cache=None, **kwargs):
     """The decoder layer's forward: for one token per row on the model thread, the lean path; else its own."""
     p = self.__dict__[PARTS]
     own = type(self).forward
+    linear_attention = self.block_type == "linear_attention"
     if (hidden_states.shape[1] != 1 or cache is None or "past_key_values" in kwargs or not active()
-            or cache.is_recording_past(p.index)):
+            or (linear_attention and p.gdn is None) or cache.is_recording_past(p.index)):
         return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                    position_ids=position_ids, cache=cache, **kwargs)
     x = p.norm_in(hidden_states)
-    if p.gdn is not None:
+    if linear_attention:
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states
             x = (x * attention_mask[:, :, None]).to(x.dtype)
-        mixed = _mixer_step(p, x, cache)
+        mixed = _gdn_step(p, x, cache)
         if mixed is None:
             return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                        position_ids=position_ids, cache=cache, **kwargs)
+    elif p.attn is not None:
+        mixed = _attention_step(p, x, position_embeddings, attention_mask, cache, kwargs)
     else:
         mixed, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, position_embeddings=position_embeddings, **kwargs)
@@ -151,14 +196,13 @@ def install(model, conv_step=None, recurrent_step=None) -> int:
     """Give every decoder layer of `model` that `fits` the lean decode forward (on the model thread only;
     `HYSERVE_DECODE_LAYER=0` leaves them). Call after the linear and norm kernels are in place: it takes the
     forwards they installed. `conv_step`, `recurrent_step`: the `fast` functions of the conv-step and
-    recurrent-step kernels that passed their checks (a Gated DeltaNet layer takes the lean forward only
-    with both). Returns how many layers took it."""
+    recurrent-step kernels that passed their checks (without both, Gated DeltaNet layers keep their own
+    forward). Returns how many layers took it."""
     if os.environ.get("HYSERVE_DECODE_LAYER", "1") == "0":
         return 0
     done = 0
     for module in model.modules():
-        if "DecoderLayer" in type(module).__name__ and fits(module) and (
-                (conv_step and recurrent_step) or getattr(module, "block_type", None) != "linear_attention"):
+        if "DecoderLayer" in type(module).__name__ and fits(module):
             module.__dict__[PARTS] = Parts(module, conv_step, recurrent_step)
             module.forward = types.MethodType(decode_forward, module)
             done += 1
