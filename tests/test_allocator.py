@@ -153,3 +153,37 @@ def test_another_threads_allocations_come_from_the_main_arena(keep):
                            check=True).stderr
     assert "Arena 0:" in stats
     assert ("Arena 1:" in stats) == (keep == "0")
+
+
+_HUGE_SCRIPT = """
+from hyserve import allocator
+import torch
+t = torch.empty(64 << 20, dtype=torch.uint8)
+t.fill_(1)  # faulted in: on huge pages where PyTorch asked for them
+print(allocator.huge_page_bytes())
+"""
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_importing_hyserve_puts_torchs_large_allocations_on_huge_pages(asked):
+    """hyserve asks PyTorch for transparent huge pages before torch is imported: a 64 MiB tensor then lies on
+    them; with HYSERVE_HUGE_PAGES=0 (and the kernel giving huge pages only to who asks) it does not."""
+    import os
+    import subprocess
+
+    mode = _thp_mode()
+    if mode not in ("always", "madvise") or (not asked and mode != "madvise"):
+        pytest.skip(f"transparent huge pages are {mode!r} here")
+    env = {k: v for k, v in os.environ.items() if k != allocator.THP_ENV}
+    env["HYSERVE_HUGE_PAGES"] = "1" if asked else "0"
+    huge = int(subprocess.run([sys.executable, "-c", _HUGE_SCRIPT], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()[-1])
+    assert (huge >= 32 << 20) if asked else huge == 0, huge

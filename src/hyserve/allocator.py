@@ -69,6 +69,35 @@ def keep_freed_memory() -> bool:
     return all([fn(M_MMAP_THRESHOLD, KEEP_BELOW), fn(M_TRIM_THRESHOLD, TRIM_ABOVE), fn(M_ARENA_MAX, 1)])
 
 
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch for transparent huge pages under its CPU allocations
+
+
+def request_huge_pages() -> None:
+    """Ask PyTorch to put its CPU allocations of 2 MiB and more (the weights, attention KV, recurrent states) on
+    transparent huge pages, where the kernel allows them (`/sys/kernel/mm/transparent_hugepage/enabled`
+    `always` or `madvise`). A decode step streams every weight once; on 4 KiB pages that is a TLB miss every
+    4 KiB, and the bfloat16 products of a 0.75B model read their weights markedly slower
+    (`benchmarks/bench_real.py --ab-env HYSERVE_HUGE_PAGES=0`). PyTorch reads `THP_MEM_ALLOC_ENABLE` once,
+    at its first allocation, so this runs when hyserve is imported, before anything imports torch; in a
+    process that imported torch first it comes too late (set THP_MEM_ALLOC_ENABLE=1 there yourself).
+    An explicit THP_MEM_ALLOC_ENABLE is left as it is; `HYSERVE_HUGE_PAGES=0` sets nothing."""
+    if os.environ.get("HYSERVE_HUGE_PAGES", "1") != "0":
+        os.environ.setdefault(THP_ENV, "1")
+
+
+def huge_page_bytes() -> int | None:
+    """This process's anonymous memory on transparent huge pages (`AnonHugePages`), or None where Linux's
+    /proc does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class MallInfo2(ctypes.Structure):
     """glibc's `struct mallinfo2`: its own account of its allocations, over all arenas."""
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from . import experts, kernels, model_thread, next_turn
-from .allocator import keep_freed_memory
+from .allocator import huge_page_bytes, keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
@@ -103,6 +103,9 @@ class ModelRuntime:
         log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),
                  len(adapter.kernels.status), "" if len(on) == len(adapter.kernels.status) else
                  " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)")
+        if device == "cpu" and (huge := huge_page_bytes()) is not None:
+            log.info("weights and buffers on transparent huge pages: %s%s", human_bytes(huge), "" if huge else
+                     " (none: torch was imported before hyserve, or the kernel's transparent_hugepage is 'never')")
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
         try:
