@@ -17,6 +17,8 @@ import time
 import warnings
 from pathlib import Path
 
+import hyserve  # noqa: F401  (before torch, as in the server: its allocator settings, `allocator.request_huge_pages`)
+
 BENCH_DIR = Path(__file__).resolve().parent
 MODELS_DIR = BENCH_DIR / ".models"
 RESULTS_DIR = BENCH_DIR / "results"

@@ -182,7 +182,7 @@ def test_importing_hyserve_puts_torchs_large_allocations_on_huge_pages(asked):
     mode = _thp_mode()
     if mode not in ("always", "madvise") or (not asked and mode != "madvise"):
         pytest.skip(f"transparent huge pages are {mode!r} here")
-    env = {k: v for k, v in os.environ.items() if k != allocator.THP_ENV}
+    env = {**os.environ, allocator.THP_ENV: "1"}  # as a child of a process that imported hyserve inherits it
     env["HYSERVE_HUGE_PAGES"] = "1" if asked else "0"
     huge = int(subprocess.run([sys.executable, "-c", _HUGE_SCRIPT], env=env, capture_output=True, text=True,
                               check=True).stdout.split()[-1])

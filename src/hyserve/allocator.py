@@ -80,8 +80,11 @@ def request_huge_pages() -> None:
     (`benchmarks/bench_real.py --ab-env HYSERVE_HUGE_PAGES=0`). PyTorch reads `THP_MEM_ALLOC_ENABLE` once,
     at its first allocation, so this runs when hyserve is imported, before anything imports torch; in a
     process that imported torch first it comes too late (set THP_MEM_ALLOC_ENABLE=1 there yourself).
-    An explicit THP_MEM_ALLOC_ENABLE is left as it is; `HYSERVE_HUGE_PAGES=0` sets nothing."""
-    if os.environ.get("HYSERVE_HUGE_PAGES", "1") != "0":
+    An explicit THP_MEM_ALLOC_ENABLE is left as it is; `HYSERVE_HUGE_PAGES=0` removes it instead (one
+    inherited from a parent that imported hyserve included), so PyTorch keeps 4 KiB pages."""
+    if os.environ.get("HYSERVE_HUGE_PAGES", "1") == "0":
+        os.environ.pop(THP_ENV, None)
+    else:
         os.environ.setdefault(THP_ENV, "1")
 
 
