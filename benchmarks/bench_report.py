@@ -223,6 +223,12 @@ def real(result: dict) -> str:
     return bench_real.table(result)
 
 
+def decode_step(result: dict) -> str:
+    import bench_decode_step
+
+    return bench_decode_step.table(result)
+
+
 def gpu(result: dict) -> str:
     import bench_real
 
@@ -234,6 +240,7 @@ REPORTS = {
     "real": ("real.json", real),
     "real-ab": ("real-ab.json", real),
     "real-ab2": ("real-ab2.json", real),
+    "decode-step": ("decode-step.json", decode_step),
     "real-moe": ("real-moe.json", real),
     "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),

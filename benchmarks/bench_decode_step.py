@@ -1,0 +1,158 @@
+"""A decode step with and without each of its two latest optimizations, measured in one process, interleaved.
+
+This machine's speed drifts by tens of percent within a minute, more than either change is worth, so
+columns measured in processes of their own (`bench_real.py --ab-env`) do not resolve them. Here both sides
+run in the same process, block by block in turn, and the result is the median of the per-block ratios:
+
+- the lean decoder layers (`kernels/decode_layer.py`) against the layers' own forward (the same kernels
+  inside): one request decoding after a 1,088-token prompt, blocks of `--steps` decode steps;
+- transparent huge pages (`allocator.request_huge_pages`) against 4 KiB pages: a weight of the size of the
+  real-0.8b model's head (248,320 x 1,024 in bfloat16, 508 MB) placed on each with `madvise`, read through by
+  a one-row bfloat16 product (PyTorch's own, which reads the weight where it lies; the packed copy a decode
+  step uses is allocated by oneDNN's reorder, out of reach of `madvise` before its first touch).
+
+    python benchmarks/bench_decode_step.py --json benchmarks/results/decode-step.json
+    python benchmarks/bench_decode_step.py --quick      # tiny model, a few blocks (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as C  # noqa: E402
+
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15  # madvise advice (linux/mman.h)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the tiny model, short prompt, few blocks")
+    p.add_argument("--blocks", type=int, default=12, help="blocks per side (default 12)")
+    p.add_argument("--steps", type=int, default=6, help="decode steps per block (default 6)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", help="write the result here")
+    return p.parse_args(argv)
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return C.median([y / x for x, y in zip(a, b)])
+
+
+def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
+    """Seconds per decode step, lean layers and the layers' own forward, alternating block by block."""
+    from hyserve.kernels import decode_layer
+
+    layers = [m for m in rt.model.modules() if decode_layer.PARTS in m.__dict__]
+    if not layers:
+        return {"skipped": "no layer took the lean forward"}
+    lean = {id(m): m.__dict__["forward"] for m in layers}
+    ad = rt.adapter
+    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+    state = ad.new_state()
+    ad.forward(state, [(17 * i + 3) % vocab for i in range(prompt)])
+    ad.forward_batch([state], [1])
+    times: dict[str, list[float]] = {"lean": [], "own": []}
+    try:
+        for b in range(blocks):
+            for side in ("lean", "own"):
+                for m in layers:
+                    if side == "lean":
+                        m.__dict__["forward"] = lean[id(m)]
+                    else:
+                        m.__dict__.pop("forward", None)
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    ad.forward_batch([state], [(b + i) % vocab])
+                times[side].append((time.perf_counter() - t0) / steps)
+    finally:
+        for m in layers:
+            m.__dict__["forward"] = lean[id(m)]
+        ad.drop_batch()
+    return {"lean_step_s": C.median(times["lean"]), "own_step_s": C.median(times["own"]),
+            "own_over_lean": _median_ratio(times["lean"], times["own"]), "layers": len(layers),
+            "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
+
+
+def _on_pages(nbytes: int, advice: int):
+    """A bfloat16 [rows, 1024] tensor inside a buffer whose 2 MiB-aligned span got `advice` before first touch."""
+    import torch
+
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    raw = torch.empty(nbytes + (4 << 20), dtype=torch.uint8)
+    start = (raw.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    if libc.madvise(start, nbytes, advice) != 0:
+        return None
+    off = start - raw.data_ptr()
+    return raw[off : off + nbytes].view(torch.bfloat16).view(-1, 1024)
+
+
+def huge_pages(rows: int, blocks: int) -> dict:
+    """Seconds of a one-row product over a [rows, 1024] bfloat16 weight on huge pages and on 4 KiB pages,
+    alternating (oneDNN off, so that the product reads the weight in place)."""
+    import torch
+
+    from hyserve import allocator
+
+    nbytes = rows * 1024 * 2
+    huge, small = _on_pages(nbytes, MADV_HUGEPAGE), _on_pages(nbytes, MADV_NOHUGEPAGE)
+    if huge is None or small is None:
+        return {"skipped": "madvise refused"}
+    g = torch.Generator().manual_seed(0)
+    for w in (huge, small):
+        w.copy_((torch.randn(rows, 1024, generator=g) * 0.02).to(torch.bfloat16))
+    x = torch.randn(1, 1024, generator=g).to(torch.bfloat16)
+    times: dict[str, list[float]] = {"huge": [], "small": []}
+    with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=False):
+        for _ in range(blocks):
+            for side, w in (("huge", huge), ("small", small)):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                times[side].append(time.perf_counter() - t0)
+    return {"huge_s": C.median(times["huge"]), "small_s": C.median(times["small"]),
+            "small_over_huge": _median_ratio(times["huge"], times["small"]), "bytes": nbytes,
+            "huge_page_bytes": allocator.huge_page_bytes()}
+
+
+def table(result: dict) -> str:
+    rows = []
+    d = result["decode_layers"]
+    if "skipped" not in d:
+        rows.append([f"decode step, one request after {d['prompt_tokens']} tokens (ms)", f"{d['lean_step_s'] * 1e3:.1f}",
+                     f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+    h = result["huge_pages"]
+    if "skipped" not in h:
+        rows.append([f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights (ms)", f"{h['huge_s'] * 1e3:.1f}",
+                     f"{h['small_s'] * 1e3:.1f}", f"{h['small_over_huge']:.3f}x"])
+    return C.table(["", "with", "without", "without / with (median of per-block ratios)"], rows) + (
+        "\n\nwith / without: the lean decoder layers / the layers' own forward; huge pages / 4 KiB pages.")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    C.setup_torch(args.threads)
+    from hyserve import model_thread
+    from hyserve.runtime import ModelRuntime
+
+    size = "tiny" if args.quick else "real-0.8b"
+    blocks = 3 if args.quick else args.blocks
+    rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
+    result = {"machine": C.machine_info(), "args": vars(args), "model": size,
+              "decode_layers": model_thread.run(decode_layers, rt, 64 if args.quick else 1088, blocks, args.steps)}
+    del rt
+    result["huge_pages"] = huge_pages(4096 if args.quick else 248320, blocks * (1 if args.quick else 3))
+    print(table(result))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
