@@ -9,8 +9,8 @@ forward (`decode_forward`) runs the same operations in the same order on the sam
 products, `conv_step`, `recurrent_step`, the norms' forms) straight from the layer's parts, with those
 constants taken once at load (`Parts`). Anything else (a prefill piece, no cache, a cache that records its
 past, another keyword) runs the layer's own forward, as does every call off the model thread. The
-load-time model check covers it like every kernel; `benchmarks/bench_real.py --ab-env
-HYSERVE_DECODE_LAYER=0` measures the step with and without it.
+load-time model check covers it like every kernel; `benchmarks/bench_decode_step.py` measures a step with
+it and with the layers' own forward, in one process; `HYSERVE_DECODE_LAYER=0` switches it off.
 """
 
 from __future__ import annotations
