@@ -75,9 +75,10 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch for transparent huge pages 
 def request_huge_pages() -> None:
     """Ask PyTorch to put its CPU allocations of 2 MiB and more (the weights, attention KV, recurrent states) on
     transparent huge pages, where the kernel allows them (`/sys/kernel/mm/transparent_hugepage/enabled`
-    `always` or `madvise`). A decode step streams every weight once; on 4 KiB pages that is a TLB miss every
-    4 KiB, and the bfloat16 products of a 0.75B model read their weights markedly slower
-    (`benchmarks/bench_real.py --ab-env HYSERVE_HUGE_PAGES=0`). PyTorch reads `THP_MEM_ALLOC_ENABLE` once,
+    `always` or `madvise`). A block touched for the first time (a decode batch gathered afresh, a prefill
+    piece's activations, the weights at load) then costs a page fault per 2 MiB instead of per 4 KiB, and a
+    page fault costs microseconds in a virtual machine. A weight already mapped is read at the same speed on
+    either (`benchmarks/bench_decode_step.py` measures a product over each). PyTorch reads `THP_MEM_ALLOC_ENABLE` once,
     at its first allocation, so this runs when hyserve is imported, before anything imports torch; in a
     process that imported torch first it comes too late (set THP_MEM_ALLOC_ENABLE=1 there yourself).
     An explicit THP_MEM_ALLOC_ENABLE is left as it is; `HYSERVE_HUGE_PAGES=0` removes it instead (one
