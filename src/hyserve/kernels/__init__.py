@@ -156,8 +156,7 @@ def _group_siblings(model) -> str | None:
         x = linear.probe(members[0])[:1].repeat(rows, 1).view(rows, 1, -1)
         x = x + torch.arange(rows, dtype=x.dtype).view(rows, 1, 1) / 64  # distinct rows
         with torch.inference_mode():
-            want = [torch.ops.mkldnn._linear_pointwise(x, m.__dict__[linear.PACKED], None, "none", [], "")
-                    for m in members]
+            want = [linear.packed_product(x, m.__dict__[linear.PACKED]) for m in members]
             got = [linear_forward(m, x) for m in members]
         if not all(torch.equal(a, b) for a, b in zip(got, want)):
             linear.ungroup(model)

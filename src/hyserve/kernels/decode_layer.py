@@ -50,7 +50,7 @@ class Stack:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is not None and x.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = linear.packed_product(x, self.packed, self.bias)
             return [y[..., a:b] for a, b in self.columns] if self.columns else [y]
         return [m.forward(x) for m in self.members]
 
@@ -160,33 +160,42 @@ def _attention_step(p: Parts, x, position_embeddings, attention_mask, cache, kwa
 def decode_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
                    cache=None, **kwargs):
     """The decoder layer's forward: for one token per row on the model thread, the lean path; else its own."""
-    p = self.__dict__[PARTS]
-    own = type(self).forward
-    linear_attention = self.block_type == "linear_attention"
-    if (hidden_states.shape[1] != 1 or cache is None or "past_key_values" in kwargs or not active()
-            or (linear_attention and p.gdn is None) or cache.is_recording_past(p.index)):
-        return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                   position_ids=position_ids, cache=cache, **kwargs)
+    out = None
+    if hidden_states.shape[1] == 1 and cache is not None and "past_key_values" not in kwargs and active():
+        out = _lean(self, self.__dict__[PARTS], hidden_states, position_embeddings, attention_mask, position_ids,
+                    cache, kwargs)
+    if out is None:
+        out = type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                 attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
+    return out
+
+
+def _lean(layer, p: Parts, hidden_states, position_embeddings, attention_mask, position_ids, cache, kwargs):
+    """The layer for one token per row, or None (nothing changed yet) where its own forward must run: a Gated
+    DeltaNet without its kernels or without a state yet, a cache that records its past."""
+    linear_attention = layer.block_type == "linear_attention"
+    if (linear_attention and p.gdn is None) or cache.is_recording_past(p.index):
+        return None
     x = p.norm_in(hidden_states)
     if linear_attention:
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         mixed = _gdn_step(p, x, cache)
         if mixed is None:
-            return own(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                       position_ids=position_ids, cache=cache, **kwargs)
+            return None
     elif p.attn is not None:
         mixed = _attention_step(p, x, position_embeddings, attention_mask, cache, kwargs)
     else:
-        mixed, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, position_embeddings=position_embeddings, **kwargs)
+        mixed, _ = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, position_embeddings=position_embeddings, **kwargs)
     hidden_states = hidden_states + mixed
     x = p.norm_post(hidden_states)
     if p.mlp is not None:
-        (gate, up), act, down = p.mlp[0](x), p.mlp[1], p.mlp[2]
+        stack, act, down = p.mlp
+        gate, up = stack(x)
         x = down(act(gate) * up)
     else:
-        x = self.mlp(x)
+        x = layer.mlp(x)
         if isinstance(x, tuple):  # an MoE block's (output, router logits)
             x = x[0]
     return hidden_states + x

@@ -37,6 +37,11 @@ def pack(module: torch.nn.Linear) -> bool:
     return True
 
 
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) over a weight `pack` reordered for oneDNN: bit for bit `F.linear`'s result."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def unpack(module: torch.nn.Linear) -> None:
     module.__dict__.pop(PACKED, None)
     module.__dict__.pop(GROUP, None)
@@ -74,7 +79,7 @@ class SiblingGroup:
     def output(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         last = self._last
         if last is None or last[0] is not x:
-            last = [x, torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], ""), self.size]
+            last = [x, packed_product(x, self.packed), self.size]
         last[2] -= 1
         self._last = last if last[2] else None  # the last member's read lets the input and output go
         a, b = self.columns[id(module)]
@@ -120,7 +125,7 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return siblings.output(self, x)
     packed = self.__dict__.get(PACKED)
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and active():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return packed_product(x, packed, self.bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows in SKINNY_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and active():
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
