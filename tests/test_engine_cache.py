@@ -319,3 +319,28 @@ def test_idle_time_work_runs_in_short_pieces(make_service):
     wait_idle(svc)
     assert sum(pieces) == len(tokens) and max(pieces) <= background.PIECE < 512
     assert svc.cache.has(tokens, "")
+
+
+def test_reply_goes_out_before_its_post_decode_checkpoint_and_the_next_turn_finds_it(make_service):
+    """The final item is emitted before the post-decode checkpoint is copied (the client does not wait for the
+    copy), yet the next turn, submitted the moment the reply arrives, restores from that checkpoint. (A request
+    that keeps its final state, as the Responses API's `store` does: random replies do not re-render.)"""
+    import threading
+
+    from hyserve.engine.api import Finished
+
+    svc = make_service("qwen3_5")
+    prompt = svc.runtime.render_chat([{"role": "user", "content": "Hello " + LONG}], True)
+    seen, nxt, done = [], [], threading.Event()
+
+    def emit(item):
+        if isinstance(item, Finished):  # on the model thread, the moment the reply is emitted
+            seen.append([e["kind"] for e in svc.cache.telemetry.recent if e["event"] == "recorded"])
+            follow = GenerationRequest(prompt=prompt + item.token_ids + prompt[:5], max_tokens=2, sampling=GREEDY)
+            svc.engine.submit(follow, lambda it: (nxt.append(it), done.set()) if isinstance(it, Finished) else None)
+
+    svc.engine.submit(GenerationRequest(prompt=prompt, max_tokens=6, sampling=GREEDY, keep_final=True), emit)
+    assert done.wait(60)
+    assert "post_decode" not in seen[0]
+    assert any(e["event"] == "recorded" and e["kind"] == "post_decode" for e in svc.cache.telemetry.recent)
+    assert nxt[0].cached_tokens == len(prompt) + 6

@@ -10,8 +10,8 @@ A step reads, phase by phase (one module each):
    boundaries;
 4. decode (`decode`): one sampled token for every request past prefill, in one batched pass (or a
    speculative verify pass for a request that has proposals);
-5. finishing (`finishing`): a finished request records its post-decode checkpoint, queues idle-time jobs
-   and frees its state at once.
+5. finishing (`finishing`): a finished request sends its reply, then records its post-decode checkpoint,
+   queues idle-time jobs and frees its state.
 
 When no request is waiting or running, a step runs an idle-time job instead (`background`). The HTTP
 layer only calls `submit`/`stream`; stream items reach their event loops through the `outbox`.
@@ -64,7 +64,7 @@ class Engine:
         self.outbox = Outbox()
         self.admission = Admission(runtime, cache, policy, metrics, self.scheduler)
         self.background = Background(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
-        self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background)
+        self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background, self.outbox)
         self.prefill = Prefill(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
         self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.outbox, prefill_chunk)
         if speculative:
@@ -101,8 +101,9 @@ class Engine:
         self.scheduler.add(Run(req, emit))
 
     def generate(self, req: GenerationRequest) -> Finished:
-        """Blocking: run `req` to completion (benchmarks and tests without HTTP). The policy's renders run
-        here, on the caller's thread, as the HTTP layer's do, not on the model thread."""
+        """Blocking: run `req` to completion (benchmarks and tests without HTTP), its post-decode checkpoint
+        included. The policy's renders run here, on the caller's thread, as the HTTP layer's do, not on the
+        model thread."""
         if req.chat is None and req.messages is not None and self.cache.enabled:
             req.chat = ChatPrompt(req.prompt, *self.admission.boundaries(req))
         done, out = threading.Event(), []
@@ -112,10 +113,12 @@ class Engine:
                 out.append(item)
                 done.set()
 
-        self.submit(req, emit)
+        run = Run(req, emit)
+        self.scheduler.add(run)
         done.wait()
         if isinstance(out[0], Failed):
             raise RuntimeError(out[0].message)
+        run.released.wait()  # its reply comes before its post-decode checkpoint: return once that is taken too
         return out[0]
 
     def stream(self, req: GenerationRequest) -> AsyncIterator[object]:

@@ -2,6 +2,10 @@
 policy says the next turn will start from it) and idle-time jobs for what it deferred. Its live state and
 its pin on the cache go at once, so the slot is free for the next step.
 
+The final item goes out first: the client has its reply while the checkpoint is copied (fresh pages, tens
+of milliseconds at real sizes) and the next turn rendered. Its next turn still finds the checkpoint, since
+that turn is admitted by a later step of the same thread.
+
 A request also leaves when it is cancelled or times out (`reap`), and when any phase's work on it raises
 (`guard`): it fails alone with a `Failed` item, and the cache only ever holds verified snapshots.
 """
@@ -19,6 +23,7 @@ from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
 from .api import Failed, Finished, expired
 from .background import Background
+from .outbox import Outbox
 from .phase import Phase
 from .run import Run
 
@@ -27,9 +32,10 @@ log = logging.getLogger("hyserve.engine")
 
 class Finishing(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler, background: Background):
+                 scheduler: Scheduler, background: Background, outbox: Outbox):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         self.background = background
+        self.outbox = outbox
 
     def reap(self) -> None:
         """Finish the running requests that were cancelled or timed out (their slots free for this step)."""
@@ -41,48 +47,54 @@ class Finishing(Phase):
                 self.guard([run], self.finish, run, "timeout")
 
     def finish(self, run: Run, reason: str) -> None:
-        req, rt = run.req, self.runtime
+        req = run.req
         text = run.out.close(reason)
-        generated = run.out.generated
+        cached = run.restored.cached_tokens if run.restored is not None else 0
+        run.end(Finished(reason, text, run.out.generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
+        self.outbox.flush()  # the reply is on its way while the checkpoint below is taken
         rebuild = None
-        if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
-            self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
-        elif req.keep_final:
-            if self.cache.enabled and self.policy.post_decode:
-                self.record_final(run)
-        else:
-            state = run.state
-            render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt,
-                                            template_kwargs=req.template_kwargs)
-            reply = req.reply_message(text) if req.reply_message else {"role": "assistant", "content": text}
-            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, reply, render_next,
-                                                          rt.has_recurrent_layers)
-            if why.startswith("rerender_mismatch") and self.cache.enabled:
-                self.metrics.rerender_mismatch.inc()
-            if ok:
-                run.snapshots += self.cache.record(rt.adapter, state, "post_decode",
-                                                   len(req.prompt) + len(generated) - 1, req.request_id,
-                                                   req.cache_salt)
-            elif self.cache.enabled:
-                self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
-                                          tokens=state.position)
+        try:
+            rebuild = self.record_post_decode(run, reason, text)
+        except Exception:  # the reply is out: a failure here costs the next turn its cache hit, nothing more
+            log.exception("request %s: recording its post-decode checkpoint failed", req.request_id)
         if self.cache.enabled:
             self.background.queue_for(run, rebuild)
-        cached = run.restored.cached_tokens if run.restored is not None else 0
         self.metrics.snapshots_per_request.observe(run.snapshots)
         self.release(run)
-        run.end(Finished(reason, text, generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
+
+    def record_post_decode(self, run: Run, reason: str, text: str) -> list[int] | None:
+        """The finished request's post-decode checkpoint, where the policy says its next turn starts from it.
+        Returns the tokens of its re-rendered history for an idle-time rebuild, or None."""
+        req, rt, generated = run.req, self.runtime, run.out.generated
+        if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
+            self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
+            return None
+        if req.keep_final:
+            if self.cache.enabled and self.policy.post_decode:
+                self.record_final(run)
+            return None
+        state = run.state
+        render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt, template_kwargs=req.template_kwargs)
+        reply = req.reply_message(text) if req.reply_message else {"role": "assistant", "content": text}
+        ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, reply, render_next,
+                                                      rt.has_recurrent_layers)
+        if why.startswith("rerender_mismatch") and self.cache.enabled:
+            self.metrics.rerender_mismatch.inc()
+        if ok:
+            run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
+                                               req.request_id, req.cache_salt)
+        elif self.cache.enabled:
+            self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
+                                      tokens=state.position)
+        return rebuild
 
     def record_final(self, run: Run) -> None:
         """Feed the last generated token (the state holds prompt + generated[:-1]) and record the state of
-        prompt + every generated token. A failure here costs the next turn its cache hit, never this reply."""
+        prompt + every generated token."""
         req, rt, generated = run.req, self.runtime, run.out.generated
-        try:
-            rt.adapter.forward(run.state, [generated[-1]])
-            run.snapshots += self.cache.record(rt.adapter, run.state, "post_decode", len(req.prompt) + len(generated),
-                                               req.request_id, req.cache_salt)
-        except Exception:
-            log.exception("request %s: recording its final state failed", req.request_id)
+        rt.adapter.forward(run.state, [generated[-1]])
+        run.snapshots += self.cache.record(rt.adapter, run.state, "post_decode", len(req.prompt) + len(generated),
+                                           req.request_id, req.cache_salt)
 
     def guard(self, runs: list[Run], fn, *args):
         """`fn(*args)`, or None after failing `runs` if it raised: each one leaves with a `Failed` item (unless
@@ -105,6 +117,7 @@ class Finishing(Phase):
     def release(self, run: Run) -> None:
         """Free the live state and unpin its checkpoint: the slot is free for the next step. Idempotent."""
         self.scheduler.remove(run)
+        run.released.set()
         restored, run.restored = run.restored, None
         if restored is not None:
             self.metrics.running.dec()

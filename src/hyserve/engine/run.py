@@ -38,6 +38,7 @@ class Run:
     spec_misses: int = 0  # verify passes in a row that accepted nothing
     spec_cooldown: int = 0  # decode steps to wait before proposing again
     ended: bool = False  # its final item (Finished or Failed) was emitted
+    released: threading.Event = field(default_factory=threading.Event)  # its state and slot are given back
 
     def end(self, item) -> None:
         """Emit the final item, once: a request that already ended (a watchdog failed it, a cancel raced a
