@@ -321,26 +321,36 @@ def test_idle_time_work_runs_in_short_pieces(make_service):
     assert svc.cache.has(tokens, "")
 
 
-def test_reply_goes_out_before_its_post_decode_checkpoint_and_the_next_turn_finds_it(make_service):
-    """The final item is emitted before the post-decode checkpoint is copied (the client does not wait for the
-    copy), yet the next turn, submitted the moment the reply arrives, restores from that checkpoint. (A request
-    that keeps its final state, as the Responses API's `store` does: random replies do not re-render.)"""
+def test_replies_go_out_before_their_post_decode_checkpoints_and_the_next_turn_finds_them(make_service):
+    """Two requests finishing in one step both emit their final item before either post-decode checkpoint is
+    copied (no reply waits for a copy), yet a next turn, submitted the moment its reply arrives, restores
+    from its checkpoint. (Requests that keep their final state, as the Responses API's `store` does: random
+    replies do not re-render.)"""
     import threading
 
     from hyserve.engine.api import Finished
 
     svc = make_service("qwen3_5")
-    prompt = svc.runtime.render_chat([{"role": "user", "content": "Hello " + LONG}], True)
+    prompts = [svc.runtime.render_chat([{"role": "user", "content": f"Hello {i} " + LONG}], True) for i in (1, 2)]
     seen, nxt, done = [], [], threading.Event()
 
-    def emit(item):
-        if isinstance(item, Finished):  # on the model thread, the moment the reply is emitted
-            seen.append([e["kind"] for e in svc.cache.telemetry.recent if e["event"] == "recorded"])
-            follow = GenerationRequest(prompt=prompt + item.token_ids + prompt[:5], max_tokens=2, sampling=GREEDY)
-            svc.engine.submit(follow, lambda it: (nxt.append(it), done.set()) if isinstance(it, Finished) else None)
+    def recorded():
+        return sum(e["event"] == "recorded" and e["kind"] == "post_decode" for e in svc.cache.telemetry.recent)
 
-    svc.engine.submit(GenerationRequest(prompt=prompt, max_tokens=6, sampling=GREEDY, keep_final=True), emit)
+    def emit_for(prompt):
+        def emit(item):
+            if isinstance(item, Finished):  # on the model thread, the moment the reply is emitted
+                seen.append(recorded())
+                follow = GenerationRequest(prompt=prompt + item.token_ids + prompt[:5], max_tokens=2, sampling=GREEDY)
+                svc.engine.submit(follow, lambda it: (nxt.append(it), len(nxt) == 2 and done.set())
+                                  if isinstance(it, Finished) else None)
+        return emit
+
+    with svc.runtime.lock:  # both are queued before the engine's first step: they decode and finish together
+        for prompt in prompts:
+            svc.engine.submit(GenerationRequest(prompt=prompt, max_tokens=6, sampling=GREEDY, keep_final=True),
+                              emit_for(prompt))
     assert done.wait(60)
-    assert "post_decode" not in seen[0]
-    assert any(e["event"] == "recorded" and e["kind"] == "post_decode" for e in svc.cache.telemetry.recent)
-    assert nxt[0].cached_tokens == len(prompt) + 6
+    assert seen == [0, 0]
+    assert recorded() == 2
+    assert sorted(f.cached_tokens for f in nxt) == sorted(len(p) + 6 for p in prompts)

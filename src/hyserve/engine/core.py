@@ -66,7 +66,8 @@ class Engine:
         self.background = Background(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
         self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background, self.outbox)
         self.prefill = Prefill(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
-        self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.outbox, prefill_chunk)
+        self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.finishing.settle, self.outbox,
+                             prefill_chunk)
         if speculative:
             self.make_proposer = lambda prompt: PromptLookup(speculative, prompt)
         self._stopping = False
@@ -231,3 +232,4 @@ class Engine:
         decoding = [r for r in sched.running if r.decoding]
         if decoding:
             self.decode.run(decoding, guard, joining=len(sched.running) - len(decoding))
+        self.finishing.settle()  # (decode settles before its pass; this catches any finish after it)

@@ -24,11 +24,12 @@ log = logging.getLogger("hyserve.engine")
 
 class Decode:
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, metrics: Metrics,
-                 finish: Callable[[Run, str], None], outbox: Outbox, prefill_chunk: int):
+                 finish: Callable[[Run, str], None], settle: Callable[[], None], outbox: Outbox, prefill_chunk: int):
         self.runtime = runtime
         self.cache = cache
         self.metrics = metrics
         self.finish = finish
+        self.settle = settle  # records the finished requests' checkpoints before the pass can touch their rows
         self.outbox = outbox  # flushed before each pass that follows emits
         self.prefill_chunk = prefill_chunk
 
@@ -42,6 +43,7 @@ class Decode:
             if token is not None:
                 batch.append(run)
                 tokens.append(token)
+        self.settle()  # replies out, then the finished requests' checkpoints, before the pass
         self.outbox.flush()  # the tokens just sampled reach their streams before the next pass, not after it
         if batch:
             self.forward_batch(batch, tokens, guard, joining)

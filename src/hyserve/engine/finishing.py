@@ -2,9 +2,11 @@
 policy says the next turn will start from it) and idle-time jobs for what it deferred. Its live state and
 its pin on the cache go at once, so the slot is free for the next step.
 
-The final item goes out first: the client has its reply while the checkpoint is copied (fresh pages, tens
-of milliseconds at real sizes) and the next turn rendered. Its next turn still finds the checkpoint, since
-that turn is admitted by a later step of the same thread.
+Replies go out first: `finish` emits the final item and `settle` (before the step's next forward pass, and
+at the end of the step) delivers every reply of the step in one flush, then copies their checkpoints (fresh
+pages, tens of milliseconds each at real sizes) and frees their states. Requests finishing together do
+not wait for each other's copies, and a next turn still finds its checkpoint: it is admitted by a later
+step of the same thread.
 
 A request also leaves when it is cancelled or times out (`reap`), and when any phase's work on it raises
 (`guard`): it fails alone with a `Failed` item, and the cache only ever holds verified snapshots.
@@ -36,6 +38,7 @@ class Finishing(Phase):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         self.background = background
         self.outbox = outbox
+        self.ending: list[tuple[Run, str, str]] = []  # finished this step, checkpoints not yet recorded
 
     def reap(self) -> None:
         """Finish the running requests that were cancelled or timed out (their slots free for this step)."""
@@ -45,22 +48,34 @@ class Finishing(Phase):
                 self.guard([run], self.finish, run, "cancelled")
             elif expired(run.req, now):
                 self.guard([run], self.finish, run, "timeout")
+        self.settle()
 
     def finish(self, run: Run, reason: str) -> None:
+        """Emit the request's final item; `settle` records its checkpoint and frees its state. Until then its
+        state must not take part in any forward pass (it has left the decode batch: it samples no token)."""
         req = run.req
         text = run.out.close(reason)
         cached = run.restored.cached_tokens if run.restored is not None else 0
         run.end(Finished(reason, text, run.out.generated, len(req.prompt), cached, run.out.ttft, run.out.logprobs))
-        self.outbox.flush()  # the reply is on its way while the checkpoint below is taken
-        rebuild = None
-        try:
-            rebuild = self.record_post_decode(run, reason, text)
-        except Exception:  # the reply is out: a failure here costs the next turn its cache hit, nothing more
-            log.exception("request %s: recording its post-decode checkpoint failed", req.request_id)
-        if self.cache.enabled:
-            self.background.queue_for(run, rebuild)
-        self.metrics.snapshots_per_request.observe(run.snapshots)
-        self.release(run)
+        self.ending.append((run, reason, text))
+
+    def settle(self) -> None:
+        """Deliver the replies `finish` emitted, then, request by request, record the post-decode checkpoint,
+        queue idle-time jobs and free the state. A failure costs that request's next turn its cache hit."""
+        self.outbox.flush()
+        ending, self.ending = self.ending, []
+        for run, reason, text in ending:
+            try:
+                rebuild = None
+                try:
+                    rebuild = self.record_post_decode(run, reason, text)
+                except Exception:  # the reply is out: the next turn just misses this checkpoint
+                    log.exception("request %s: recording its post-decode checkpoint failed", run.req.request_id)
+                if self.cache.enabled:
+                    self.background.queue_for(run, rebuild)
+                self.metrics.snapshots_per_request.observe(run.snapshots)
+            finally:
+                self.guard([run], self.release, run)
 
     def record_post_decode(self, run: Run, reason: str, text: str) -> list[int] | None:
         """The finished request's post-decode checkpoint, where the policy says its next turn starts from it.
