@@ -277,3 +277,29 @@ def test_concurrent_sessions_with_bad_requests_mixed_in_equal_a_run_without_them
     for params, final in finals:  # NaN temperature and a seed the sampler refuses fail; 1e-39 is greedy
         assert isinstance(final, Failed if params is not bad[2] else Finished), (params, final)
     _clean(svc)
+
+
+def test_a_post_decode_checkpoint_that_fails_costs_only_that_checkpoint(make_service):
+    """The reply is out before its post-decode checkpoint is copied: a copy that raises leaves that reply a
+    `Finished` one, the requests finishing beside it get theirs and their checkpoints, and nothing is left
+    running or pinned."""
+    svc = make_service("qwen3_5")
+    solo = [svc.engine.generate(_req(svc, i, max_tokens=8)).token_ids for i in range(3)]
+    cache, record = svc.cache, svc.cache.record
+    bad_id = "req-bad-record"
+
+    def record_or_raise(adapter, state, kind, expected, request_id="", salt=""):
+        if kind == "post_decode" and request_id == bad_id:
+            raise RuntimeError("copy failed")
+        return record(adapter, state, kind, expected, request_id, salt)
+
+    cache.record = record_or_raise
+    reqs = [_req(svc, i, max_tokens=8, keep_final=True) for i in range(3)]
+    reqs[1].request_id = bad_id
+    outs = _together(svc, reqs)
+    finals = [o.final for o in outs]
+    assert all(isinstance(f, Finished) for f in finals), finals
+    assert [f.token_ids for f in finals] == solo
+    _clean(svc)  # (the checkpoints are copied after the replies: wait for the step to end)
+    kept = {e["request_id"] for e in cache.telemetry.recent if e["event"] == "recorded" and e["kind"] == "post_decode"}
+    assert bad_id not in kept and {reqs[0].request_id, reqs[2].request_id} <= kept

@@ -65,6 +65,8 @@ class Finishing(Phase):
         self.outbox.flush()
         ending, self.ending = self.ending, []
         for run, reason, text in ending:
+            if run.released.is_set():  # failed since (a step that kept raising): nothing left to record
+                continue
             try:
                 rebuild = None
                 try:
