@@ -17,8 +17,9 @@ Then, on the model thread of this process, the pieces alone at the warm turn's s
 only these): SDPA's flash kernel against `grouped_attention` (79 queries over 4.2k keys), transformers'
 chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), and exp against
 `safe_exp` on inputs whose exp underflows, (the machine's state) a 32 MB copy into fresh pages
-against one into a kept buffer, and a snapshot's copy into heap clones against one into a block mapped
-for it alone (`state.packed_clones`, slower: the price of keeping snapshots out of the heap).
+against one into a kept buffer, a snapshot's copy into heap clones against one into a block mapped for it
+alone (`state.packed_clones`), and that copy into a block mapped afresh against one into a block an evicted
+snapshot freed (`snapshot_blocks`).
 
     python benchmarks/bench_kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
     python benchmarks/bench_kernels.py --quick         # tiny qwen3_5, 1 round, a smoke test
@@ -114,6 +115,7 @@ def micro(rounds: int = 30) -> list[dict]:
     import torch.nn.functional as F
 
     from hyserve import kernels, model_thread
+    from hyserve.snapshot_blocks import BLOCKS
     from hyserve.state import packed_clones
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -211,6 +213,14 @@ def micro(rounds: int = 30) -> list[dict]:
         rows.append({"piece": f"snapshot copy of {mib:.1f} MiB", "reference": "heap clones (tensor.clone)",
                      "reference_ms": ms(lambda: [t.clone() for t in state]),
                      "hyserve_ms": ms(lambda: packed_clones(state)),
+                     "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state))})
+        # the same copy into a block mapped afresh (every page faulted in), against one an evicted snapshot freed
+        # (snapshot_blocks.BLOCKS: each copy above and below is dropped at once, so its block comes back)
+        keep, BLOCKS.keep = BLOCKS.keep, 0
+        afresh = ms(lambda: packed_clones(state))
+        BLOCKS.keep = keep
+        rows.append({"piece": f"snapshot copy of {mib:.1f} MiB", "reference": "into a block mapped afresh",
+                     "reference_ms": afresh, "hyserve_ms": ms(lambda: packed_clones(state)),
                      "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state))})
         return rows
 

@@ -223,6 +223,12 @@ def real(result: dict) -> str:
     return bench_real.table(result)
 
 
+def snapshot_copy(result: dict) -> str:
+    import bench_snapshot_copy
+
+    return bench_snapshot_copy.table(result)
+
+
 def decode_step(result: dict) -> str:
     import bench_decode_step
 
@@ -241,6 +247,7 @@ REPORTS = {
     "real-ab": ("real-ab.json", real),
     "real-ab2": ("real-ab2.json", real),
     "decode-step": ("decode-step.json", decode_step),
+    "snapshot-copy": ("snapshot-copy.json", snapshot_copy),
     "real-moe": ("real-moe.json", real),
     "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .snapshot_blocks import BLOCKS
+
 if TYPE_CHECKING:
     from .kv_chain import KVSegment
 
@@ -57,16 +59,16 @@ def packed_clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     the last of them goes). A snapshot lives long and comes in many sizes; in the allocator's heap, among
     short-lived activations, snapshots evicted in LRU order left holes that new ones did not fit, and the
     heap grew for as long as a load lasted (`benchmarks/bench_memory.py`). A block of its own per snapshot
-    returns to the OS whole when it is evicted. The price is fresh pages for every copy, which fault in
-    one by one as it is written (`benchmarks/bench_kernels.py --micro` times it against heap clones)."""
+    returns to the OS whole when it is evicted, unless `snapshot_blocks.BLOCKS` keeps it for the next
+    snapshot of its size: a block mapped afresh faults its pages in one by one as it is written
+    (`benchmarks/bench_kernels.py --micro` times both against heap clones)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     if total == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows: plain clones)
         return [t.clone() for t in tensors]
-    block = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(block, dtype=torch.uint8)  # keeps `block` alive while any view of it lives
+    raw = torch.frombuffer(BLOCKS.take(total), dtype=torch.uint8)  # keeps the block while any view of it lives
     out = []
     for t, off in zip(tensors, offsets):
         copy_ = raw[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

@@ -43,6 +43,7 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_agent.py", "--json", "agent.json"),
     ("benchmarks/bench_real.py", "--json", "real.json"),
     ("benchmarks/bench_decode_step.py", "--json", "decode-step.json"),
+    ("benchmarks/bench_snapshot_copy.py", "--json", "snapshot-copy.json"),
     ("benchmarks/bench_disk.py", "--json", "disk.json"),
     ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json"),
     ("benchmarks/bench_replicas.py", "--json", "replicas.json")])

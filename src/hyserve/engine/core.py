@@ -31,6 +31,7 @@ from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
+from ..snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
 from ..state import cache_nbytes
 from .admission import Admission
@@ -166,6 +167,8 @@ class Engine:
                 if took is not None:
                     self.metrics.malloc_trim.observe(took)
             self._sample_live_bytes()
+            if self.scheduler.idle and self.cache.enabled:
+                BLOCKS.top_up()  # one spare snapshot block per idle tick, so the next copy faults no page in
 
     def _recover(self) -> None:
         """Steps keep raising: fail every request they involve (the running ones, else the waiting ones)
