@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 from pathlib import Path
@@ -143,14 +142,13 @@ def main(argv=None) -> int:
     size = "tiny" if args.quick else "real-0.8b"
     blocks = 3 if args.quick else args.blocks
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
-    result = {"machine": C.machine_info(), "args": vars(args), "model": size,
+    result = {"args": vars(args), "model": size,
               "decode_layers": model_thread.run(decode_layers, rt, 64 if args.quick else 1088, blocks, args.steps)}
     del rt
     result["huge_pages"] = huge_pages(4096 if args.quick else 248320, blocks * (1 if args.quick else 3))
     print(table(result))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        C.write_result(args.json_out, "bench_decode_step.py", result)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -65,9 +64,10 @@ def copies(rt, prompt: int, blocks: int) -> dict:
 
 def table(result: dict) -> str:
     c = result["copies"]
-    return C.table(["", "block mapped afresh", "recycled block", "afresh / recycled (median of per-block ratios)"],
-                   [[f"snapshot of {c['prompt_tokens']} tokens, {c['snapshot_bytes'] / 1e6:.1f} MB (ms)",
-                     f"{c['afresh_s'] * 1e3:.1f}", f"{c['recycled_s'] * 1e3:.1f}", f"{c['afresh_over_recycled']:.1f}x"]])
+    row = [f"snapshot of {c['prompt_tokens']} tokens, {c['snapshot_bytes'] / 1e6:.1f} MB (ms)",
+           f"{c['afresh_s'] * 1e3:.1f}", f"{c['recycled_s'] * 1e3:.1f}", f"{c['afresh_over_recycled']:.1f}x"]
+    headers = ["", "block mapped afresh", "recycled block", "afresh / recycled (median of per-block ratios)"]
+    return C.table(headers, [row])
 
 
 def main(argv=None) -> int:
@@ -78,12 +78,11 @@ def main(argv=None) -> int:
 
     size = "tiny" if args.quick else "real-0.8b"
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
-    result = {"machine": C.machine_info(), "args": vars(args), "model": size,
-              "copies": model_thread.run(copies, rt, 64 if args.quick else args.prompt, 3 if args.quick else args.blocks)}
+    prompt, blocks = (64, 3) if args.quick else (args.prompt, args.blocks)
+    result = {"args": vars(args), "model": size, "copies": model_thread.run(copies, rt, prompt, blocks)}
     print(table(result))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        C.write_result(args.json_out, "bench_snapshot_copy.py", result)
     return 0
 
 

@@ -346,11 +346,12 @@ def test_replies_go_out_before_their_post_decode_checkpoints_and_the_next_turn_f
                                   if isinstance(it, Finished) else None)
         return emit
 
+    firsts = [GenerationRequest(prompt=p, max_tokens=6, sampling=GREEDY, keep_final=True) for p in prompts]
     with svc.runtime.lock:  # both are queued before the engine's first step: they decode and finish together
-        for prompt in prompts:
-            svc.engine.submit(GenerationRequest(prompt=prompt, max_tokens=6, sampling=GREEDY, keep_final=True),
-                              emit_for(prompt))
+        for req, prompt in zip(firsts, prompts):
+            svc.engine.submit(req, emit_for(prompt))
     assert done.wait(60)
     assert seen == [0, 0]
-    assert recorded() == 2
+    assert {r.request_id for r in firsts} <= {e["request_id"] for e in svc.cache.telemetry.recent
+                                              if e["event"] == "recorded" and e["kind"] == "post_decode"}
     assert sorted(f.cached_tokens for f in nxt) == sorted(len(p) + 6 for p in prompts)

@@ -8,9 +8,10 @@ already touched (`benchmarks/bench_kernels.py --micro` times both). `BlockPool` 
 blocks of `MIN_BYTES` or more that evicted snapshots freed and hands them out again; their sizes are
 rounded up to a size class (at most 1/8 more), so that a hybrid model's state parts (one size for the
 model) and KV segments of similar lengths find a fitting one. Smaller blocks fault in quickly enough and
-are mapped to their exact size, as before. While the engine idles, `top_up` maps and touches spare blocks of the
-size of the last large snapshot, so that the next one, before the cache is full and evicts, does not
-fault either. What the pool keeps is memory beyond the cache's budget: at most `KEEP` blocks.
+are mapped to their exact size, as before. While the engine idles, `top_up` maps spare blocks of the size
+of the last large snapshot with their pages in place, so that the next snapshot does not fault either
+before the cache is full and evicts. What the pool keeps is memory beyond the cache's budget: at most
+`KEEP` blocks.
 `HYSERVE_SNAPSHOT_BLOCKS=0`: nothing is kept or prepared.
 """
 

@@ -29,8 +29,8 @@ class Decode:
         self.cache = cache
         self.metrics = metrics
         self.finish = finish
-        self.settle = settle  # records the finished requests' checkpoints before the pass can touch their rows
-        self.outbox = outbox  # flushed before each pass that follows emits
+        self.settle = settle  # flushes the outbox, then records the finished requests' checkpoints
+        self.outbox = outbox  # flushed before a verify pass that follows emits (`settle`: before a batched one)
         self.prefill_chunk = prefill_chunk
 
     def run(self, runs: list[Run], guard: Callable, joining: int = 0) -> None:
@@ -43,8 +43,9 @@ class Decode:
             if token is not None:
                 batch.append(run)
                 tokens.append(token)
-        self.settle()  # replies out, then the finished requests' checkpoints, before the pass
-        self.outbox.flush()  # the tokens just sampled reach their streams before the next pass, not after it
+        # The tokens just sampled and the replies reach their streams before the pass, not after it; then the
+        # finished requests' checkpoints are copied, before the pass can touch their rows.
+        self.settle()
         if batch:
             self.forward_batch(batch, tokens, guard, joining)
 

@@ -1,6 +1,6 @@
 """Finishing: a request leaves the running list, with its final item, its post-decode checkpoint (when the
 policy says the next turn will start from it) and idle-time jobs for what it deferred. Its live state and
-its pin on the cache go at once, so the slot is free for the next step.
+its pin on the cache go in the same step, so the slot is free for the next one.
 
 Replies go out first: `finish` emits the final item and `settle` (before the step's next forward pass, and
 at the end of the step) delivers every reply of the step in one flush, then copies their checkpoints (fresh
