@@ -8,15 +8,16 @@ already touched (`benchmarks/bench_kernels.py --micro` times both). `BlockPool` 
 blocks of `MIN_BYTES` or more that evicted snapshots freed and hands them out again; their sizes are
 rounded up to a size class (at most 1/8 more), so that a hybrid model's state parts (one size for the
 model) and KV segments of similar lengths find a fitting one. Smaller blocks fault in quickly enough and
-are mapped to their exact size, as before. While the engine idles, `top_up` maps spare blocks of the size
-of the last large snapshot with their pages in place, so that the next snapshot does not fault either
-before the cache is full and evicts. What the pool keeps is memory beyond the cache's budget: at most
+are mapped to their exact size, as before. While the engine idles, `top_up` prepares spare blocks of the
+size of the last large snapshot, faulting their pages in a chunk at a time, so that the next snapshot does
+not fault either before the cache is full and evicts. What the pool keeps is memory beyond the cache's budget: at most
 `KEEP` blocks.
 `HYSERVE_SNAPSHOT_BLOCKS=0`: nothing is kept or prepared.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -26,6 +27,7 @@ KEEP = 8  # blocks kept for reuse, freed or prepared
 SPARE = 2  # prepared blocks of the last large size that `top_up` keeps ready
 LARGE = 4 << 20  # a snapshot block at least this big is worth preparing in idle time
 MIN_BYTES = 1 << 20  # smaller blocks are neither rounded up nor kept
+CHUNK = 2 << 20  # bytes of a spare block `top_up` faults in a call
 
 
 def size_class(nbytes: int) -> int:
@@ -40,6 +42,7 @@ class BlockPool:
         self._free: list[mmap.mmap] = []  # oldest first
         self._lock = threading.Lock()  # blocks come back on whichever thread drops a snapshot's last tensor
         self._last_large = 0  # size class of the last large block taken: what `top_up` prepares
+        self._preparing: list | None = None  # [block, bytes faulted in so far] of the spare `top_up` is making
         self.reused = 0  # blocks handed out again (a count for tests and benchmarks)
 
     @property
@@ -70,15 +73,26 @@ class BlockPool:
         return view
 
     def top_up(self) -> bool:
-        """Idle time: map and touch one spare block of the last large snapshot's size when fewer than
-        `spare` are kept. Returns whether it made one (call again while it does)."""
+        """Idle time: fault in the next `CHUNK` of a spare block of the last large snapshot's size (written
+        with zeros, outside the GIL), keeping it once whole, until `spare` of that size are kept. One chunk
+        a call, so a request that arrives meanwhile waits for one chunk at most. Returns whether it did any.
+        (Only the engine's worker thread calls this.)"""
         with self._lock:
-            size = self._last_large
-            if (not size or not self.enabled or not hasattr(mmap, "MAP_POPULATE")
-                    or sum(len(b) == size for b in self._free) >= self.spare):
-                return False
-        # every page faulted in now, inside the mmap call (which releases the GIL), not during the next copy
-        self._keep(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE))
+            if self._preparing is None:
+                size = self._last_large
+                if not size or not self.enabled or sum(len(b) == size for b in self._free) >= self.spare:
+                    return False
+                self._preparing = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0]
+            block, offset = self._preparing
+        n = min(CHUNK, len(block) - offset)
+        chunk = (ctypes.c_char * n).from_buffer(block, offset)
+        ctypes.memset(chunk, 0, n)
+        del chunk  # (the block cannot be closed while a view of it lives)
+        if offset + n < len(block):
+            self._preparing[1] = offset + n
+        else:
+            self._preparing = None
+            self._keep(block)
         return True
 
     def _keep(self, block: mmap.mmap) -> None:

@@ -47,6 +47,7 @@ from .watchdog import Watchdog
 log = logging.getLogger("hyserve.engine")
 
 LIVE_BYTES_EVERY = 1.0  # seconds between samples of the running states' bytes (a walk over their tensors)
+SPARE_CHUNKS = 16  # chunks of spare snapshot blocks prepared per idle pass of the worker (`snapshot_blocks`)
 
 
 class Engine:
@@ -167,8 +168,11 @@ class Engine:
                 if took is not None:
                     self.metrics.malloc_trim.observe(took)
             self._sample_live_bytes()
-            if self.scheduler.idle and self.cache.enabled:
-                BLOCKS.top_up()  # one spare snapshot block per idle tick, so the next copy faults no page in
+            # Idle: fault in spare snapshot blocks, so that the next checkpoint's copy does not; a request that
+            # arrives meanwhile waits for one chunk at most.
+            for _ in range(SPARE_CHUNKS):
+                if not (self.scheduler.idle and self.cache.enabled and BLOCKS.top_up()):
+                    break
 
     def _recover(self) -> None:
         """Steps keep raising: fail every request they involve (the running ones, else the waiting ones)
