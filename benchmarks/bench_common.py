@@ -460,6 +460,25 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of b[i] / a[i]: how an interleaved A/B (`interleaved_parser`) reports one side against the
+    other, block by block, so that the machine's drift between blocks cancels."""
+    return median([y / x for x, y in zip(a, b)])
+
+
+def interleaved_parser(doc: str, what: str):
+    """The options of an in-process interleaved A/B benchmark: --quick, --blocks (each `what` per side),
+    --threads, --json. The caller adds its own and parses."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the tiny model, short prompt, few blocks")
+    p.add_argument("--blocks", type=int, default=12, help=f"{what} per side (default 12)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", help="write the result here")
+    return p
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None

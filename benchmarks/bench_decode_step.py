@@ -17,7 +17,6 @@ run in the same process, block by block in turn, and the result is the median of
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import sys
 import time
@@ -30,17 +29,9 @@ MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15  # madvise advice (linux/mman.h)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the tiny model, short prompt, few blocks")
-    p.add_argument("--blocks", type=int, default=12, help="blocks per side (default 12)")
+    p = C.interleaved_parser(__doc__, "blocks")
     p.add_argument("--steps", type=int, default=6, help="decode steps per block (default 6)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", dest="json_out", help="write the result here")
     return p.parse_args(argv)
-
-
-def _median_ratio(a: list[float], b: list[float]) -> float:
-    return C.median([y / x for x, y in zip(a, b)])
 
 
 def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
@@ -74,7 +65,7 @@ def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
             m.__dict__["forward"] = lean[id(m)]
         ad.drop_batch()
     return {"lean_step_s": C.median(times["lean"]), "own_step_s": C.median(times["own"]),
-            "own_over_lean": _median_ratio(times["lean"], times["own"]), "layers": len(layers),
+            "own_over_lean": C.median_ratio(times["lean"], times["own"]), "layers": len(layers),
             "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
 
 
@@ -115,7 +106,7 @@ def huge_pages(rows: int, blocks: int) -> dict:
                 torch.nn.functional.linear(x, w)
                 times[side].append(time.perf_counter() - t0)
     return {"huge_s": C.median(times["huge"]), "small_s": C.median(times["small"]),
-            "small_over_huge": _median_ratio(times["huge"], times["small"]), "bytes": nbytes,
+            "small_over_huge": C.median_ratio(times["huge"], times["small"]), "bytes": nbytes,
             "huge_page_bytes": allocator.huge_page_bytes()}
 
 

@@ -13,7 +13,6 @@ Gated DeltaNet layers and the KV of 6 attention layers) is snapshotted, then dro
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -24,12 +23,8 @@ import bench_common as C  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the tiny model, short prompt, few blocks")
-    p.add_argument("--blocks", type=int, default=12, help="snapshots per side (default 12)")
+    p = C.interleaved_parser(__doc__, "snapshots")
     p.add_argument("--prompt", type=int, default=1088, help="prompt tokens before the snapshot (default 1088)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", dest="json_out", help="write the result here")
     return p.parse_args(argv)
 
 
@@ -58,7 +53,7 @@ def copies(rt, prompt: int, blocks: int) -> dict:
         BLOCKS.keep, BLOCKS.min_bytes = keep, min_bytes
     afresh, recycled = times["afresh"][1:], times["recycled"][1:]
     return {"afresh_s": C.median(afresh), "recycled_s": C.median(recycled),
-            "afresh_over_recycled": C.median([a / r for a, r in zip(afresh, recycled)]),
+            "afresh_over_recycled": C.median_ratio(recycled, afresh),
             "snapshot_bytes": nbytes, "prompt_tokens": prompt, "blocks": blocks}
 
 
