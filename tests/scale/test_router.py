@@ -36,7 +36,7 @@ def test_published_follows_the_tree_through_records_evictions_and_clears():
 
 
 def route_policy(**published):
-    policy = CheckpointRouting(imbalance=2, seed=0)
+    policy = CheckpointRouting(imbalance=2)
     for replica, held in published.items():
         policy.update(replica, held)
     return policy
@@ -85,6 +85,21 @@ def test_no_checkpoint_anywhere_goes_to_the_least_loaded():
     assert policy.choose("", None, {"a": 0, "b": 1}).replica == "a"  # nothing to route by (not a prompt)
     with pytest.raises(ValueError):
         policy.choose("", PROMPT, {})
+
+
+def test_new_conversations_arriving_one_at_a_time_take_turns_across_equally_loaded_replicas():
+    policy = route_policy(a=[], b=[], c=[])
+    picks = []
+    for i in range(6):
+        route = policy.choose("", [i] * 10, {"a": 0, "b": 0, "c": 0})
+        picks.append(route.replica)
+        policy.sent(route.replica)
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    policy.sent("a")  # where a request actually went counts (Ray may send it to its next rank)
+    assert policy.choose("", None, {"a": 0, "b": 0, "c": 0}).replica == "b"
+    assert policy.choose("", None, {"a": 0, "b": 1, "c": 1}).replica == "a"  # load comes first
+    policy.drop("c")
+    assert policy.choose("", None, {"a": 0, "b": 0, "c": 0}).replica == "c"  # a replica that is back starts afresh
 
 
 def test_the_next_turn_follows_its_conversation_before_anything_is_published():

@@ -67,6 +67,7 @@ class CheckpointRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.unique_id
         self.inflight[rid] += 1
+        self.policy.sent(rid)
         route, key = self.routes.pop(pending_request.metadata.internal_request_id, (None, None))
         if route is None:
             return

@@ -4,7 +4,8 @@ A hybrid model's replica only saves prefill where it holds an *exact* recurrent 
 the prompt, so the policy looks for exact keys (`publish.prefix_keys`), not text overlap: the request goes to
 the replica with the deepest one, unless that replica is overloaded (its in-flight requests exceed the
 least-loaded replica's by `imbalance`), then to the deepest holder that is not, else the least loaded.
-No checkpoint anywhere: the least loaded.
+No checkpoint anywhere: the least loaded, and among equally loaded replicas the one sent a request least
+recently, so new conversations arriving one at a time take turns across replicas.
 
 Replicas publish their checkpoints periodically, so turn N+1 often arrives before turn N's checkpoints
 are published. The policy therefore also remembers where it sent each prompt (its key at its full
@@ -13,7 +14,6 @@ and after it, and turn N's prompt is a prefix of turn N+1's."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import Counter as Tally, OrderedDict, deque
@@ -41,13 +41,14 @@ class Route:
 
 
 class CheckpointRouting:
-    def __init__(self, imbalance: int = 4, remember: int = 65536, seed: int | None = None):
+    def __init__(self, imbalance: int = 4, remember: int = 65536):
         self.imbalance = imbalance
         self.published: dict[str, dict[str, int]] = {}  # replica -> {key: length}
         self.remembered: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (replica, length), LRU
         self.remember_max = remember
         self._lengths: Tally[int] = Tally()  # how many published or remembered keys have each length
-        self._rng = random.Random(seed)
+        self._sent: dict[str, int] = {}  # replica -> number of the last request sent to it
+        self._sends = 0
         self._lock = threading.Lock()
 
     # -- what replicas hold --------------------------------------------------------------------------
@@ -65,9 +66,16 @@ class CheckpointRouting:
         """A replica that is gone: none of its checkpoints or remembered routes count any more."""
         with self._lock:
             self._lengths.subtract(self.published.pop(replica, {}).values())
+            self._sent.pop(replica, None)
             for key in [k for k, (r, _) in self.remembered.items() if r == replica]:
                 self._lengths[self.remembered.pop(key)[1]] -= 1
             self._compact()
+
+    def sent(self, replica: str) -> None:
+        """A request went to `replica`: among equally loaded replicas, it comes last for the next one."""
+        with self._lock:
+            self._sends += 1
+            self._sent[replica] = self._sends
 
     def remember(self, replica: str, salt: str, tokens: Sequence[int]) -> None:
         """`replica` was sent this prompt: it will hold checkpoints of it before they are published."""
@@ -115,8 +123,8 @@ class CheckpointRouting:
         if not loads:
             raise ValueError("no replica to route to")
         least = min(loads.values())
-        idle = [r for r, n in loads.items() if n == least]
-        by_load = self._rng.choice(sorted(idle))
+        with self._lock:
+            by_load = min((r for r, n in loads.items() if n == least), key=lambda r: (self._sent.get(r, 0), r))
         depths = self.depths(salt, tokens, loads) if tokens else dict.fromkeys(loads, 0)
         holders = sorted((r for r in loads if depths[r]), key=lambda r: (-depths[r], loads[r], r))
         if not holders:
