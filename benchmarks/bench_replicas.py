@@ -192,7 +192,7 @@ def simulate(policy: str, replicas: int, sessions: int, turns: int, seed: int = 
     rng = random.Random(seed)
     reps = [SimReplica(f"r{i}", capacity) for i in range(replicas)]
     by_name = {r.name: r for r in reps}
-    routing = CheckpointRouting(imbalance=4, seed=seed)
+    routing = CheckpointRouting(imbalance=4)
     prompts = {s: [rng.randrange(50_000) for _ in range(history0)] for s in range(sessions)}
     events = [(rng.random() * think, 0, "arrive", s, 0) for s in range(sessions)]
     events += [(k * stats_period, 1, "publish", None, None) for k in range(1, 100_000)]
@@ -211,6 +211,7 @@ def simulate(policy: str, replicas: int, sessions: int, turns: int, seed: int = 
             loads = {r.name: r.load for r in reps}
             if policy.startswith("hyserve"):
                 name = routing.choose("", prompt, loads).replica
+                routing.sent(name)
                 if policy == "hyserve":
                     routing.remember(name, "", prompt)
             elif policy == "pow2":
