@@ -1,11 +1,12 @@
-"""A decode step with and without each of its two latest optimizations, measured in one process, interleaved.
+"""A decode step with and without each of its latest optimizations, measured in one process, interleaved.
 
 This machine's speed drifts by tens of percent within a minute, more than either change is worth, so
 columns measured in processes of their own (`bench_real.py --ab-env`) do not resolve them. Here both sides
 run in the same process, block by block in turn, and the result is the median of the per-block ratios:
 
-- the lean decoder layers (`kernels/decode_layer.py`) against the layers' own forward (the same kernels
-  inside): one request decoding after a 1,088-token prompt, blocks of `--steps` decode steps;
+- the C Gated DeltaNet step (`kernels/gdn_step.c`) against the PyTorch operations it replaces, and the lean
+  decoder layers (`kernels/decode_layer.py`) against the layers' own forward (the same kernels inside): one
+  request decoding after a 1,088-token prompt, blocks of `--steps` decode steps, the three in turn;
 - transparent huge pages (`allocator.request_huge_pages`) against 4 KiB pages: a weight of the size of the
   real-0.8b model's head (248,320 x 1,024 in bfloat16, 508 MB) placed on each with `madvise`, read through by
   a one-row bfloat16 product (PyTorch's own, which reads the weight where it lies; the packed copy a decode
@@ -35,27 +36,32 @@ def parse_args(argv=None):
 
 
 def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
-    """Seconds per decode step, lean layers and the layers' own forward, alternating block by block."""
+    """Seconds per decode step, alternating block by block: the lean layers with the C Gated DeltaNet step
+    ("lean", as served), the lean layers with its PyTorch operations ("lean_torch"), the layers' own forward
+    with the same kernels inside ("own")."""
     from hyserve.kernels import decode_layer
 
     layers = [m for m in rt.model.modules() if decode_layer.PARTS in m.__dict__]
     if not layers:
         return {"skipped": "no layer took the lean forward"}
     lean = {id(m): m.__dict__["forward"] for m in layers}
+    native = {id(m): m.__dict__[decode_layer.PARTS].native for m in layers}
     ad = rt.adapter
     vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
     state = ad.new_state()
     ad.forward(state, [(17 * i + 3) % vocab for i in range(prompt)])
     ad.forward_batch([state], [1])
-    times: dict[str, list[float]] = {"lean": [], "own": []}
+    sides = ("lean", "lean_torch", "own") if any(native.values()) else ("lean", "own")
+    times: dict[str, list[float]] = {side: [] for side in sides}
     try:
         for b in range(blocks):
-            for side in ("lean", "own"):
+            for side in sides:
                 for m in layers:
-                    if side == "lean":
-                        m.__dict__["forward"] = lean[id(m)]
-                    else:
+                    m.__dict__[decode_layer.PARTS].native = native[id(m)] if side == "lean" else None
+                    if side == "own":
                         m.__dict__.pop("forward", None)
+                    else:
+                        m.__dict__["forward"] = lean[id(m)]
                 t0 = time.perf_counter()
                 for i in range(steps):
                     ad.forward_batch([state], [(b + i) % vocab])
@@ -63,10 +69,13 @@ def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
     finally:
         for m in layers:
             m.__dict__["forward"] = lean[id(m)]
+            m.__dict__[decode_layer.PARTS].native = native[id(m)]
         ad.drop_batch()
-    return {"lean_step_s": C.median(times["lean"]), "own_step_s": C.median(times["own"]),
-            "own_over_lean": C.median_ratio(times["lean"], times["own"]), "layers": len(layers),
-            "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
+    out = {f"{side}_step_s": C.median(times[side]) for side in sides}
+    out["own_over_lean"] = C.median_ratio(times["lean_torch" if "lean_torch" in times else "lean"], times["own"])
+    if "lean_torch" in times:
+        out["torch_over_native"] = C.median_ratio(times["lean"], times["lean_torch"])
+    return {**out, "layers": len(layers), "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
 
 
 def _on_pages(nbytes: int, advice: int):
@@ -114,14 +123,21 @@ def table(result: dict) -> str:
     rows = []
     d = result["decode_layers"]
     if "skipped" not in d:
-        rows.append([f"decode step, one request after {d['prompt_tokens']} tokens (ms)", f"{d['lean_step_s'] * 1e3:.1f}",
-                     f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+        step = f"decode step, one request after {d['prompt_tokens']} tokens (ms)"
+        if "torch_over_native" in d:
+            rows.append([f"{step}: C Gated DeltaNet step / its PyTorch operations", f"{d['lean_step_s'] * 1e3:.1f}",
+                         f"{d['lean_torch_step_s'] * 1e3:.1f}", f"{d['torch_over_native']:.3f}x"])
+            rows.append([f"{step}: lean layers / their own forward", f"{d['lean_torch_step_s'] * 1e3:.1f}",
+                         f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+        else:
+            rows.append([f"{step}: lean layers / their own forward", f"{d['lean_step_s'] * 1e3:.1f}",
+                         f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
     h = result["huge_pages"]
     if "skipped" not in h:
-        rows.append([f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights (ms)", f"{h['huge_s'] * 1e3:.1f}",
-                     f"{h['small_s'] * 1e3:.1f}", f"{h['small_over_huge']:.3f}x"])
+        rows.append([f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights: huge pages / 4 KiB pages (ms)",
+                     f"{h['huge_s'] * 1e3:.1f}", f"{h['small_s'] * 1e3:.1f}", f"{h['small_over_huge']:.3f}x"])
     return C.table(["", "with", "without", "without / with (median of per-block ratios)"], rows) + (
-        "\n\nwith / without: the lean decoder layers / the layers' own forward; huge pages / 4 KiB pages.")
+        "\n\nThe lean layers' row runs both sides with the Gated DeltaNet's PyTorch operations.")
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
 - `norm`: RMSNorm layers in fewer operations.
 - `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
+- `native`: C kernels built at load (the Gated DeltaNet decode step between its products, `gdn_step.c`).
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -35,7 +36,7 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer", "capture")
+ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer", "native_gdn_step", "capture")
 
 __all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
            "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
@@ -72,6 +73,8 @@ def install(model, adapter, vocab: int) -> KernelReport:
     fast = {k.name: k.fast for k in FUNCTIONS if report.on(k.name)}  # the decode layer runs these
     if decode_layer.install(model, fast.get(conv.STEP.name), fast.get(delta_rule.RECURRENT.name)):
         report.set("decode_layer", True)
+        if (why := decode_layer.install_native(model)) is not None:
+            report.set("native_gdn_step", not why, why)
     hooked = [k for k in ALL if report.on(k)]
     if hooked and (why := verify.check_model(adapter, vocab, dtype)):
         _uninstall(model)

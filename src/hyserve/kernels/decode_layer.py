@@ -23,7 +23,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import linear
+from . import linear, native, verify
 from .seam import active
 
 PARTS = "_hyserve_decode_parts"
@@ -75,7 +75,7 @@ class Parts:
         self.mlp = None
         if all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
             self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, Stack([mlp.down_proj]).one)
-        self.gdn = self.attn = None
+        self.gdn = self.attn = self.native = None
         gdn, attn = getattr(layer, "linear_attn", None), getattr(layer, "self_attn", None)
         self.index = (gdn if gdn is not None else attn).layer_idx
         if type(gdn).__name__ in GATED_DELTANET and conv_step is not None and recurrent_step is not None:
@@ -112,28 +112,37 @@ def fits(layer) -> bool:
 def _gdn_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
     """The Gated DeltaNet for one token per row, as transformers' forward runs it with hyserve's kernels;
     None where that forward takes another path (no state yet)."""
-    gdn = p.gdn
-    idx = gdn.layer_idx
+    idx = p.index
     conv_state = cache.get_conv_state(idx, state_idx=0)
     recurrent = cache.get_recurrent_state(idx, state_idx=0)
     if conv_state is None or recurrent is None:
         return None
-    key_dim, value_dim, hk, dk, hv, dv = p.dims
-    rows = x.shape[0]
     mixed, z, b, a = p.in_proj(x)
-    mixed = p.conv_step(None, mixed.transpose(1, 2), conv_state, p.taps, p.conv_bias, activation="silu").transpose(1, 2)
+    out = p.native(mixed, z, b, a, conv_state, recurrent) if p.native is not None else None
+    if out is None:
+        out, state = gdn_between_products(p, mixed, z, b, a, conv_state, recurrent)
+        if state is not recurrent:  # updated in place when it could be; else handed to the cache as transformers does
+            cache.update_recurrent_state(state, idx)
     if hasattr(cache, "increase_count"):  # transformers >= 5.25 counts the tokens of an in-place conv step
         cache.increase_count(idx, 0)
+    return p.out_proj(out)
+
+
+def gdn_between_products(p: Parts, mixed, z, b, a, conv_state, recurrent):
+    """The Gated DeltaNet's step between its products, in PyTorch operations: the conv step (conv state
+    updated in place), the delta rule, the gated norm. Returns (the out-projection's input [rows, 1, value_dim],
+    the new recurrent state: `recurrent` itself where updated in place)."""
+    key_dim, value_dim, hk, dk, hv, dv = p.dims
+    rows = mixed.shape[0]
+    mixed = p.conv_step(None, mixed.transpose(1, 2), conv_state, p.taps, p.conv_bias, activation="silu").transpose(1, 2)
     q = mixed[..., :key_dim].reshape(rows, 1, hk, dk)
     k = mixed[..., key_dim : 2 * key_dim].reshape(rows, 1, hk, dk)
     v = mixed[..., 2 * key_dim :].reshape(rows, 1, hv, dv)
     g = p.neg_a * F.softplus(a.float() + p.dt_bias)
     out, state = p.recurrent_step(None, q, k, v, g, b.sigmoid(), initial_state=recurrent, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True)
-    if state is not recurrent:  # updated in place when it could be; else handed to the cache as transformers does
-        cache.update_recurrent_state(state, idx)
     out = p.gated_norm(out.reshape(-1, dv), z.reshape(-1, dv))
-    return p.out_proj(out.reshape(rows, 1, value_dim))
+    return out.reshape(rows, 1, value_dim), state
 
 
 def _attention_step(p: Parts, x, position_embeddings, attention_mask, cache, kwargs) -> torch.Tensor:
@@ -216,6 +225,49 @@ def install(model, conv_step=None, recurrent_step=None) -> int:
             module.forward = types.MethodType(decode_forward, module)
             done += 1
     return done
+
+
+def install_native(model) -> str | None:
+    """Give each Gated DeltaNet layer that took the lean forward the C step between its products
+    (`native.GdnStep`), when it matches `gdn_between_products` on probes of the layer's shapes. Returns ""
+    when it did, why not when it did not, None when there is nothing it is written for (no such layer, or
+    not a bfloat16 model: nothing to report)."""
+    parts = [m.__dict__[PARTS] for m in model.modules() if PARTS in m.__dict__]
+    parts = [p for p in parts if p.gdn is not None]
+    if not parts or parts[0].gdn.out_proj.weight.dtype != torch.bfloat16:
+        return None
+    lib, why = native.library()
+    if lib is None:
+        return why
+    steps = [native.GdnStep(lib, p.gdn, p.taps, p.neg_a, p.dt_bias) for p in parts]
+    for rows in (1, 3):
+        if why := _native_mismatch(parts[0], steps[0], rows):
+            return why
+    for p, step in zip(parts, steps):
+        p.native = step
+    return ""
+
+
+def _native_mismatch(p: Parts, step, rows: int) -> str | None:
+    """The C step against `gdn_between_products` on inputs of the layer's shapes (the in-projection's parts as
+    views of one product, as served; every third row's gate decays strongly)."""
+    key_dim, value_dim, hk, dk, hv, dv = p.dims
+    channels = 2 * key_dim + value_dim
+    g = torch.Generator().manual_seed(rows)
+    y = (torch.randn(rows, 1, channels + value_dim + 2 * hv, generator=g) * 2).to(torch.bfloat16)
+    y[::3, :, -hv:] += 30  # softplus above its threshold: g ~ -30 * exp(A_log)
+    parts = torch.split(y, [channels, value_dim, hv, hv], dim=-1)
+    conv_state = torch.randn(rows, channels, step.kernel, generator=g).to(torch.bfloat16)
+    state = torch.randn(rows, hv, dk, dv, generator=g) * 0.3
+    conv_a, conv_b, state_a, state_b = conv_state.clone(), conv_state.clone(), state.clone(), state.clone()
+    with torch.inference_mode():
+        got = step(*parts, conv_a, state_a)
+        if got is None:
+            return "it refused the layer's own shapes"
+        want, new = gdn_between_products(p, *parts, conv_b, state_b)
+    if not torch.equal(conv_a, conv_b):
+        return "its conv state differs"
+    return verify.mismatch(got, want, torch.bfloat16) or verify.mismatch(state_a, new, torch.float32)
 
 
 def uninstall(model) -> None:

@@ -1,0 +1,135 @@
+/* One decode token of Qwen3.5's Gated DeltaNet between its two products, for bfloat16 models: the causal
+ * conv step, the delta rule and the gated norm in one call (kernels/native.py builds and checks it).
+ *
+ * It computes what `decode_layer._gdn_step` computes with PyTorch operations, rounding to bfloat16 at the
+ * same points: the conv output and its SiLU, beta's sigmoid, the delta rule's output, the norm and its
+ * weight product, the gated result. Sums may run in another order (float32 rounding differs).
+ * Per head, the recurrent state (dk x dv float32) is read twice and written once while it sits in the
+ * core's cache, where the operations read it from memory six times.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even, as PyTorch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf(float f) { return bf(to_bf(f)); }
+
+/* exp(x) within ~2 units of float32's last place (Cephes' polynomial), branch-free so that loops of it
+ * vectorize; inputs are clamped to [-87.3, 88.0] (results from 1.2e-38 to 1.6e38). */
+static inline float vexp(float x) {
+    x = fminf(fmaxf(x, -87.33654785f), 88.0f);
+    const float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return y * scale;
+}
+
+static inline float silu(float x) { return x / (1.0f + vexp(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* beta 1, threshold 20 */
+
+typedef struct {
+    int rows, hk, dk, hv, dv, kernel, state_len, threads;
+    const uint16_t *mixed, *z, *b, *a;          /* bf16 rows: conv input [conv_dim], gate [hv*dv], [hv], [hv] */
+    long mixed_stride, z_stride, b_stride, a_stride;  /* row strides, in elements */
+    uint16_t *conv_state;                       /* [rows, conv_dim, state_len] bf16, shifted in place */
+    const float *taps;                          /* [conv_dim, kernel] */
+    const float *conv_bias;                     /* [conv_dim] or NULL */
+    const float *neg_a, *dt_bias;               /* [hv]: -exp(A_log), dt_bias */
+    float *state;                               /* [rows, hv, dk, dv] float32, updated in place */
+    const uint16_t *norm_weight;                /* [dv] bf16 */
+    float norm_eps;
+    uint16_t *out;                              /* [rows, hv*dv] bf16 */
+} GdnStep;
+
+static void conv_channel(const GdnStep *p, float *conv, int r, int c, int conv_dim) {
+    uint16_t *st = p->conv_state + ((long)r * conv_dim + c) * p->state_len;
+    for (int t = 0; t + 1 < p->state_len; t++) st[t] = st[t + 1];
+    st[p->state_len - 1] = p->mixed[r * p->mixed_stride + c];
+    const uint16_t *win = st + p->state_len - p->kernel;
+    const float *w = p->taps + (long)c * p->kernel;
+    float acc = 0.0f;
+    for (int t = 0; t < p->kernel; t++) acc += bf(win[t]) * w[t];
+    if (p->conv_bias) acc += p->conv_bias[c];
+    conv[(long)r * conv_dim + c] = acc;
+}
+
+static void head(const GdnStep *p, const float *conv, int r, int h, int conv_dim) {
+    const int dk = p->dk, dv = p->dv, key_dim = p->hk * dk, kh = h / (p->hv / p->hk);
+    const float *row = conv + (long)r * conv_dim;
+    const float *cq = row + kh * dk, *ck = row + key_dim + kh * dk, *cv = row + 2 * key_dim + h * dv;
+    float q[dk], k[dk], kv[dv], delta[dv], o[dv];
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = 0; i < dk; i++) { sq += cq[i] * cq[i]; sk += ck[i] * ck[i]; }
+    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f), scale = sqrtf((float)dk);
+    for (int i = 0; i < dk; i++) { q[i] = (cq[i] * rq) / scale; k[i] = ck[i] * rk; }
+    const float g = p->neg_a[h] * softplus(bf(p->a[r * p->a_stride + h]) + p->dt_bias[h]);
+    const float decay = expf(g);
+    const float x = bf(p->b[r * p->b_stride + h]);
+    const float beta = round_bf(1.0f / (1.0f + expf(-x)));
+    float *S = p->state + ((long)r * p->hv + h) * (long)dk * dv;
+    for (int j = 0; j < dv; j++) kv[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {  /* decay the state, and k^T of it */
+        float *s = S + (long)i * dv;
+        const float ki = k[i];
+        for (int j = 0; j < dv; j++) { const float d = s[j] * decay; s[j] = d; kv[j] += ki * d; }
+    }
+    for (int j = 0; j < dv; j++) { delta[j] = (cv[j] - kv[j]) * beta; o[j] = 0.0f; }
+    for (int i = 0; i < dk; i++) {  /* the rank-1 update, and q^T of the new state */
+        float *s = S + (long)i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int j = 0; j < dv; j++) { const float n = s[j] + ki * delta[j]; s[j] = n; o[j] += qi * n; }
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < dv; j++) { o[j] = round_bf(o[j]); ss += o[j] * o[j]; }
+    const float inv = 1.0f / sqrtf(ss / (float)dv + p->norm_eps);
+    const uint16_t *z = p->z + r * p->z_stride + (long)h * dv;
+    uint16_t *out = p->out + ((long)r * p->hv + h) * dv;
+    for (int j = 0; j < dv; j++) {
+        const float normed = round_bf(bf(p->norm_weight[j]) * round_bf(o[j] * inv));
+        out[j] = to_bf(normed * silu(bf(z[j])));
+    }
+}
+
+/* Returns 0, or -1 when its scratch could not be allocated (nothing changed then). */
+int gdn_step(const GdnStep *p) {
+    const int conv_dim = 2 * p->hk * p->dk + p->hv * p->dv;
+    float *conv = (float *)malloc(sizeof(float) * (size_t)p->rows * conv_dim);
+    if (!conv) return -1;
+    const long channels = (long)p->rows * conv_dim, heads = (long)p->rows * p->hv;
+#pragma omp parallel num_threads(p->threads)
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < channels; i++) conv_channel(p, conv, (int)(i / conv_dim), (int)(i % conv_dim), conv_dim);
+#pragma omp for simd schedule(static)
+        for (long i = 0; i < channels; i++) conv[i] = round_bf(silu(round_bf(conv[i])));
+#pragma omp for schedule(static)
+        for (long i = 0; i < heads; i++) head(p, conv, (int)(i / p->hv), (int)(i % p->hv), conv_dim);
+    }
+    free(conv);
+    return 0;
+}

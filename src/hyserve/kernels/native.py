@@ -1,0 +1,155 @@
+"""C kernels built at load with the machine's C compiler, for what PyTorch can only run as many small
+operations: `gdn_step.c`, a bfloat16 Gated DeltaNet decode step between its two products (`GdnStep`).
+
+A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
+its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
+and the state is read twice while it is in the core's cache. The library is compiled once per source,
+compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
+`~/.cache/hyserve/native`) and loaded with ctypes. Nothing here is trusted unchecked: no compiler, a failed
+build or a second OpenMP runtime in the process leaves it off, and the load-time check compares each
+layer kind against the PyTorch operations it replaces. `HYSERVE_NATIVE=0` switches it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hyserve.kernels")
+
+SOURCE = Path(__file__).with_name("gdn_step.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+
+
+def enabled() -> bool:
+    return os.environ.get("HYSERVE_NATIVE", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HYSERVE_NATIVE_CACHE") or Path.home() / ".cache" / "hyserve" / "native")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor()
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtimes mapped into this process (by file name)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return {Path(line.split()[-1]).name for line in f if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return set()
+
+
+class _GdnStep(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("rows", "hk", "dk", "hv", "dv", "kernel", "state_len", "threads")] + [
+        ("mixed", ctypes.c_void_p), ("z", ctypes.c_void_p), ("b", ctypes.c_void_p), ("a", ctypes.c_void_p),
+        ("mixed_stride", ctypes.c_long), ("z_stride", ctypes.c_long), ("b_stride", ctypes.c_long),
+        ("a_stride", ctypes.c_long), ("conv_state", ctypes.c_void_p), ("taps", ctypes.c_void_p),
+        ("conv_bias", ctypes.c_void_p), ("neg_a", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
+        ("state", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
+        ("out", ctypes.c_void_p)]
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """(the built library, "") or (None, why not)."""
+    if not enabled():
+        return None, "disabled (HYSERVE_NATIVE=0)"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler (cc) to build it with"
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"the C compiler does not run: {exc}"
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
+    target = _cache_dir() / f"gdn_step-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                run = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                                     capture_output=True, text=True, timeout=300)
+                if run.returncode != 0:
+                    return None, f"the C build failed: {run.stderr.strip()[-300:]}"
+                os.replace(built, target)  # atomic: a concurrent loader sees the whole file or none
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"the C build failed: {exc}"
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        return None, f"the built library does not load: {exc}"
+    if len(after := _openmp_runtimes()) > 1 and after != before:
+        return None, f"it brought a second OpenMP runtime into the process ({', '.join(sorted(after))})"
+    lib.gdn_step.argtypes = [ctypes.POINTER(_GdnStep)]
+    lib.gdn_step.restype = ctypes.c_int
+    return lib, ""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class GdnStep:
+    """The Gated DeltaNet `layer`'s decode step between its products, in C: called with the in-projection's
+    parts (mixed, z, b, a: bfloat16 [rows, 1, width] views with unit column stride) and the layer's conv state
+    ([rows, channels, state_len], bfloat16) and recurrent state ([rows, heads, dk, dv], float32), both
+    contiguous and updated in place; returns the gated norm's output [rows, 1, heads * dv], or None (nothing
+    changed) for inputs of another form."""
+
+    def __init__(self, lib, layer, taps: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
+        self.lib = lib
+        self.dims = (layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim)
+        self.channels = 2 * layer.key_dim + layer.value_dim
+        self.kernel = taps.shape[1]
+        # kept here: the struct holds their addresses
+        self.taps, self.neg_a, self.dt_bias = (t.contiguous() for t in (taps, neg_a, dt_bias))
+        bias = layer.conv1d.bias
+        self.conv_bias = None if bias is None else bias.detach().float().contiguous()
+        self.norm_weight = layer.norm.weight.detach().contiguous()
+        eps = getattr(layer.norm, "variance_epsilon", getattr(layer.norm, "eps", None))
+        self.ok = (self.norm_weight.dtype == torch.bfloat16 and isinstance(eps, float) and self.taps.shape[0] == self.channels
+                   and layer.num_v_heads % layer.num_k_heads == 0)
+        hk, dk, hv, dv = self.dims
+        self.args = _GdnStep(hk=hk, dk=dk, hv=hv, dv=dv, kernel=self.kernel, taps=_ptr(self.taps),
+                             conv_bias=_ptr(self.conv_bias), neg_a=_ptr(self.neg_a), dt_bias=_ptr(self.dt_bias),
+                             norm_weight=_ptr(self.norm_weight), norm_eps=eps or 0.0)
+
+    def __call__(self, mixed, z, b, a, conv_state, state) -> torch.Tensor | None:
+        rows = mixed.shape[0]
+        hk, dk, hv, dv = self.dims
+        if not (self.ok and all(t.dtype == torch.bfloat16 and t.dim() == 3 and t.shape[1] == 1 and t.stride(-1) == 1
+                                for t in (mixed, z, b, a))
+                and conv_state.dtype == torch.bfloat16 and conv_state.is_contiguous()
+                and conv_state.shape[:2] == (rows, self.channels) and conv_state.shape[2] >= self.kernel
+                and state.dtype == torch.float32 and state.is_contiguous() and state.shape == (rows, hv, dk, dv)
+                and mixed.shape[2] == self.channels and z.shape[2] == hv * dv and b.shape[2] == a.shape[2] == hv):
+            return None
+        out = torch.empty(rows, 1, hv * dv, dtype=torch.bfloat16)
+        p = self.args
+        p.rows, p.state_len, p.threads = rows, conv_state.shape[2], torch.get_num_threads()
+        p.mixed, p.z, p.b, p.a = mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr()
+        p.mixed_stride, p.z_stride, p.b_stride, p.a_stride = mixed.stride(0), z.stride(0), b.stride(0), a.stride(0)
+        p.conv_state, p.state, p.out = conv_state.data_ptr(), state.data_ptr(), out.data_ptr()
+        if self.lib.gdn_step(ctypes.byref(p)) != 0:
+            raise MemoryError("the native Gated DeltaNet step could not allocate its scratch")
+        return out
