@@ -11,6 +11,9 @@ constants taken once at load (`Parts`). Anything else (a prefill piece, no cache
 past, another keyword) runs the layer's own forward, as does every call off the model thread. The
 load-time model check covers it like every kernel; `benchmarks/bench_decode_step.py` measures a step with
 it and with the layers' own forward, in one process; `HYSERVE_DECODE_LAYER=0` switches it off.
+
+In bfloat16 models the Gated DeltaNet's part between its two products (`gdn_between_products`) runs as one
+C call instead (`install_native`, `native.GdnStep`), once it has given those operations' results on probes.
 """
 
 from __future__ import annotations
