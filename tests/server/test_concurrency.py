@@ -104,12 +104,13 @@ def test_api_key_and_tenant_isolation(make_service):
 
 
 def test_timeout_body_limit_caps_and_draining(make_service):
-    # 20 ms: far less than 2900 tokens take, and too soon for the random model to emit EOS by chance
+    # 20 ms: far less than 2900 tokens take; min_tokens keeps the (sampling) random model from ending by EOS first
     svc = make_service("qwen3_5", request_timeout=0.02, max_body_bytes=2000, max_tokens_cap=3000, max_messages=3)
     with BackgroundServer(svc) as srv:
         url = f"{srv.base_url}/v1/chat/completions"
         msgs = [{"role": "user", "content": "hi"}]
-        r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 2900}, timeout=30)
+        r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 2900, "min_tokens": 2900},
+                       timeout=30)
         assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
         r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "x" * 5000}]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
