@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyserve import model_thread
-from hyserve.kernels import decode_layer, native
+from hyserve.kernels import attention, decode_layer, native
 from hyserve.runtime import ModelRuntime
 
 
@@ -22,6 +22,10 @@ def fresh_library(monkeypatch, tmp_path):
 
 def _gdn_parts(rt):
     return [p for p in (m.__dict__.get(decode_layer.PARTS) for m in rt.model.modules()) if p and p.gdn is not None]
+
+
+def _attention_layers(rt):
+    return [m for m in rt.model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
 
 
 def _inputs(p, rows, seed):
@@ -57,6 +61,46 @@ def test_the_c_step_gives_the_pytorch_operations_results(model_dirs, arch):
             torch.testing.assert_close(got, want, atol=0.0, rtol=2 ** -7)
 
 
+def _equal_bf16(got, want, at_least):
+    """At least `at_least` of the numbers the same bfloat16, the rest within a unit or two of its last place."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    equal = (got == want).float().mean().item()
+    assert equal >= at_least, equal
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("rows,keys", [(1, 1), (1, 5), (1, 300), (3, 700), (1, 5000)])
+def test_the_c_decode_attention_is_as_close_to_exact_as_sdpa(model_dirs, rows, keys):
+    """Against `decode_attention` (SDPA) and float64 on the model's attention shapes: KV with spare columns, rows
+    left-padded, one key to several chunks of keys. Both round the softmax's numerators to bfloat16 at their own
+    block boundaries, so they agree on most numbers, not all; each is within bfloat16 rounding of the exact."""
+    rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
+    assert rt.adapter.kernels.on("native_attention"), rt.adapter.kernels.status
+    layer = _attention_layers(rt)[0]
+    kernel = layer.__dict__[attention.NATIVE]
+    kv_heads, groups, dim = layer.config.num_key_value_heads, layer.num_key_value_groups, layer.head_dim
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(rows, kv_heads * groups, 1, dim, generator=g).to(torch.bfloat16)
+    k, v = ((torch.randn(rows, kv_heads, keys + 16, dim, generator=g) * 3).to(torch.bfloat16)[:, :, :keys]
+            for _ in range(2))
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+    for r in range(1, rows):
+        mask[r, ..., : 11 * r] = False
+    for m in (mask, None):
+        with torch.inference_mode():
+            got = kernel(q, k, v, m, layer.scaling)
+            want = attention.decode_attention(q, k, v, m, layer.scaling)
+        scores = (q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2)) * layer.scaling
+        if m is not None:
+            scores = scores.masked_fill(~m, float("-inf"))
+        exact = (scores.softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(1, 2)
+        scale = exact.abs().max().item()
+        err_c, err_sdpa = ((x.double() - exact).abs().max().item() / scale for x in (got, want))
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert err_c <= 1.25 * err_sdpa + 1e-3 and err_c < 2 ** -7, (err_c, err_sdpa)
+        assert (got == want).float().mean().item() > 0.6
+
+
 def test_a_bfloat16_decode_step_runs_the_c_step(model_dirs, monkeypatch):
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     ad = rt.adapter
@@ -67,6 +111,7 @@ def test_a_bfloat16_decode_step_runs_the_c_step(model_dirs, monkeypatch):
         raise AssertionError("a decode step ran the PyTorch operations")
 
     monkeypatch.setattr(decode_layer, "gdn_between_products", refuse)
+    monkeypatch.setattr(attention, "decode_attention", refuse)
     logits = model_thread.run(lambda: [ad.forward_batch([state], [t]) for t in (3, 4)])
     ad.drop_batch()
     assert all(torch.isfinite(x).all() for x in logits)
@@ -89,26 +134,34 @@ def _greedy(rt, n=12):
     return model_thread.run(run)
 
 
-def test_greedy_tokens_with_and_without_the_c_step_are_the_same(model_dirs):
+def test_greedy_tokens_with_and_without_the_c_kernels_are_the_same(model_dirs):
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     parts = _gdn_parts(rt)
     with_c = _greedy(rt)
     for p in parts:
         p.native = None
+    attention.uninstall_native(rt.model)
     assert _greedy(rt) == with_c
 
 
-def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library):
-    """The same source with the state's decay left out: it builds and runs, and the load-time check refuses it."""
+@pytest.mark.parametrize("kernel,right,wrong", [
+    ("native_gdn_step", "const float decay = expf(g);", "const float decay = 1.0f;"),  # the state's decay left out
+    ("native_attention", "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
+     "const float sc = open ? dot : -INFINITY;")])
+def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, kernel, right, wrong):
+    """The source with one mistake builds and runs, and the load-time check refuses that kernel."""
     source = native.SOURCE.read_text()
-    wrong = source.replace("const float decay = expf(g);", "const float decay = 1.0f;")
-    assert wrong != source
-    (tmp_path / "gdn_step.c").write_text(wrong)
+    assert right in source
+    (tmp_path / "gdn_step.c").write_text(source.replace(right, wrong))
     monkeypatch.setattr(native, "SOURCE", tmp_path / "gdn_step.c")
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
-    assert rt.adapter.kernels.status["native_gdn_step"].startswith("off: max |diff|"), rt.adapter.kernels.status
-    assert rt.adapter.kernels.on("decode_layer")  # the rest stays on
-    assert all(p.native is None for p in _gdn_parts(rt))
+    status = rt.adapter.kernels.status
+    assert status[kernel].startswith("off: max |diff|"), status
+    assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")  # the rest stays on
+    other = "native_attention" if kernel == "native_gdn_step" else "native_gdn_step"
+    assert rt.adapter.kernels.on(other)
+    assert all((p.native is None) == (kernel == "native_gdn_step") for p in _gdn_parts(rt))
+    assert all((attention.NATIVE in m.__dict__) == (kernel != "native_attention") for m in _attention_layers(rt))
 
 
 @pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
@@ -119,11 +172,14 @@ def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(model_dir
         monkeypatch.setenv(k, v)
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     assert rt.adapter.kernels.status["native_gdn_step"].startswith(reason), rt.adapter.kernels.status
-    assert rt.adapter.kernels.on("decode_layer")
+    assert rt.adapter.kernels.status["native_attention"].startswith(reason), rt.adapter.kernels.status
+    assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")
     assert all(p.native is None for p in _gdn_parts(rt))
+    assert not any(attention.NATIVE in m.__dict__ for m in _attention_layers(rt))
 
 
 def test_float32_models_keep_the_pytorch_operations(runtimes):
     rt = runtimes("qwen3_5")
-    assert "native_gdn_step" not in rt.adapter.kernels.status
+    assert "native_gdn_step" not in rt.adapter.kernels.status and "native_attention" not in rt.adapter.kernels.status
+    assert not any(attention.NATIVE in m.__dict__ for m in _attention_layers(rt))
     assert all(p.native is None for p in _gdn_parts(rt))

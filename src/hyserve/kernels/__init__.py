@@ -7,7 +7,8 @@
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
 - `norm`: RMSNorm layers in fewer operations.
 - `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
-- `native`: C kernels built at load (the Gated DeltaNet decode step between its products, `gdn_step.c`).
+- `native`: C kernels built at load for bfloat16 models (`gdn_step.c`): the Gated DeltaNet decode step between
+  its products, and a decode step's attention over grouped KV heads.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -25,7 +26,7 @@ import types
 
 import torch
 
-from . import attention, conv, decode_layer, delta_rule, linear, norm, seam, verify
+from . import attention, conv, decode_layer, delta_rule, linear, native, norm, seam, verify
 from .attention import gqa_sdpa_attention, grouped_attention
 from .capture import PieceCapture, capture
 from .conv import conv_prefill, conv_step
@@ -36,7 +37,8 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer", "native_gdn_step", "capture")
+ALL = ("attention", "native_attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer",
+       "native_gdn_step", "capture")
 
 __all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
            "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
@@ -75,6 +77,11 @@ def install(model, adapter, vocab: int) -> KernelReport:
         report.set("decode_layer", True)
         if (why := decode_layer.install_native(model)) is not None:
             report.set("native_gdn_step", not why, why)
+    if report.on("attention") and dtype == torch.bfloat16:
+        lib, why = native.library()
+        why = why if lib is None else attention.install_native(model, lib)
+        if why is not None:
+            report.set("native_attention", not why, why)
     hooked = [k for k in ALL if report.on(k)]
     if hooked and (why := verify.check_model(adapter, vocab, dtype)):
         _uninstall(model)
@@ -201,6 +208,7 @@ def _uninstall(model) -> None:
     if getattr(model.config, "_attn_implementation", None) == attention.NAME:
         model.set_attn_implementation("sdpa")
     decode_layer.uninstall(model)
+    attention.uninstall_native(model)
     norm.uninstall(model)
     for module in model.modules():
         if type(module) is torch.nn.Linear:

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .seam import active
 
 NAME = "hyserve_sdpa"
+NATIVE = "_hyserve_native_attention"  # an attention layer's C decode attention (`install_native`)
 
 
 def register() -> None:
@@ -35,7 +36,9 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """transformers' SDPA attention, except that a masked multi-token query reads grouped KV heads in place."""
     groups = getattr(module, "num_key_value_groups", 1)
     if _decode_rows(query, key, attention_mask, groups, dropout, kwargs):
-        return decode_attention(query, key, value, attention_mask, scaling), None
+        native = module.__dict__.get(NATIVE)
+        out = native(query, key, value, attention_mask, scaling) if native is not None else None
+        return (decode_attention(query, key, value, attention_mask, scaling) if out is None else out), None
     plain = (not active() or groups == 1 or attention_mask is None or query.shape[2] == 1
              or query.device.type != "cpu" or kwargs.get("position_bias") is not None
              or kwargs.get("softcap") is not None or kwargs.get("output_attentions"))
@@ -76,6 +79,46 @@ def decode_attention(query, key, value, mask, scaling=None):
     grouped = query.reshape(b, hk, h // hk, d)
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling, is_causal=False)
     return out.reshape(b, 1, h, value.shape[-1])
+
+
+def install_native(model, lib) -> str | None:
+    """Give each grouped-query attention layer of a bfloat16 `model` the C decode attention
+    (`native.DecodeAttention`), when it gives `decode_attention`'s results on probes of the layers' shapes
+    (KV with spare columns, left-padded rows). Returns "" when it did, why not when it did not, None when
+    there is nothing it is written for."""
+    from . import native, verify
+
+    layers = [m for m in model.modules() if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "head_dim")
+              and hasattr(m, "q_proj")]
+    if not layers or layers[0].q_proj.weight.dtype != torch.bfloat16:
+        return None
+    kernel = native.DecodeAttention(lib)
+    cfg = layers[0].config
+    kv_heads = cfg.num_key_value_heads
+    heads, dim = kv_heads * layers[0].num_key_value_groups, layers[0].head_dim
+    scaling = getattr(layers[0], "scaling", None)
+    g = torch.Generator().manual_seed(0)
+    for rows, keys in ((1, 37), (1, 700), (3, 300)):
+        q = torch.randn(rows, heads, 1, dim, generator=g).to(torch.bfloat16)
+        k, v = ((torch.randn(rows, kv_heads, keys + 64, dim, generator=g) * 2).to(torch.bfloat16)[:, :, :keys]
+                for _ in range(2))
+        mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+        for r in range(rows):  # a decode batch's rows are left-padded to the longest
+            mask[r, ..., : 7 * r] = False
+        with torch.inference_mode():
+            got = kernel(q, k, v, mask, scaling)
+            if got is None:
+                return "it refused the layers' own shapes"
+            if why := verify.mismatch(got, decode_attention(q, k, v, mask, scaling), torch.bfloat16):
+                return why
+    for layer in layers:
+        layer.__dict__[NATIVE] = kernel
+    return ""
+
+
+def uninstall_native(model) -> None:
+    for m in model.modules():
+        m.__dict__.pop(NATIVE, None)
 
 
 # A few queries against a long cache (a warm turn's new message): plain products beat SDPA's CPU flash

@@ -133,3 +133,117 @@ int gdn_step(const GdnStep *p) {
     free(conv);
     return 0;
 }
+
+/* Attention of one query token per row against grouped KV heads, bfloat16 in and out, float32 inside (as
+ * PyTorch's CPU flash kernel: scores scaled in float32, the softmax's numerators rounded to bfloat16 before
+ * they weight the values, the sum of the unrounded ones dividing at the end). The keys are split into chunks
+ * run on separate threads and combined after (split-K), so that both cores stream the KV even for one row
+ * and two KV heads. */
+typedef struct {
+    int rows, heads, kv_heads, dim, keys, chunk, threads;
+    const uint16_t *q;
+    long q_row, q_head;                      /* q[r, h, :], unit stride inside */
+    const uint16_t *k, *v;
+    long k_row, k_head, k_seq, v_row, v_head, v_seq;
+    const uint8_t *mask;                     /* NULL, or mask[r * m_row + s * m_key]: nonzero attends */
+    long m_row, m_key;
+    float scale;
+    uint16_t *out;                           /* [rows, heads, dim] */
+} Attention;
+
+static void attention_chunk(const Attention *a, int r, int kh, int c, float *part) {
+    const int g = a->heads / a->kv_heads, dim = a->dim;
+    const int s0 = c * a->chunk, s1 = s0 + a->chunk < a->keys ? s0 + a->chunk : a->keys;
+    float q[g][dim], scores[g][s1 - s0];
+    for (int i = 0; i < g; i++) {
+        const uint16_t *qi = a->q + r * a->q_row + (long)(kh * g + i) * a->q_head;
+        for (int d = 0; d < dim; d++) q[i][d] = bf(qi[d]);
+    }
+    float m[g];
+    for (int i = 0; i < g; i++) m[i] = -INFINITY;
+    for (int s = s0; s < s1; s++) {
+        const int open = !a->mask || a->mask[r * a->m_row + s * a->m_key];
+        const uint16_t *ks = a->k + r * a->k_row + kh * a->k_head + s * a->k_seq;
+        for (int i = 0; i < g; i++) {
+            float dot = 0.0f;
+            if (open) {
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < dim; d++) dot += q[i][d] * bf(ks[d]);
+            }
+            const float sc = open ? dot * a->scale : -INFINITY;
+            scores[i][s - s0] = sc;
+            if (sc > m[i]) m[i] = sc;
+        }
+    }
+    /* part: per query, [max, sum, acc[dim]] */
+    for (int i = 0; i < g; i++) {
+        float *pi = part + (long)i * (dim + 2);
+        pi[0] = m[i];
+        pi[1] = 0.0f;
+        for (int d = 0; d < dim; d++) pi[2 + d] = 0.0f;
+    }
+    for (int i = 0; i < g; i++) {
+        if (m[i] == -INFINITY) continue;
+        float l = 0.0f;
+        for (int s = 0; s < s1 - s0; s++) {
+            const float e = scores[i][s] == -INFINITY ? 0.0f : expf(scores[i][s] - m[i]);
+            l += e;
+            scores[i][s] = round_bf(e);
+        }
+        part[(long)i * (dim + 2) + 1] = l;
+    }
+    for (int s = s0; s < s1; s++) {
+        const uint16_t *vs = a->v + r * a->v_row + kh * a->v_head + s * a->v_seq;
+        float vf[dim];
+        for (int d = 0; d < dim; d++) vf[d] = bf(vs[d]);
+        for (int i = 0; i < g; i++) {
+            const float p = scores[i][s - s0];
+            if (p == 0.0f) continue;
+            float *acc = part + (long)i * (dim + 2) + 2;
+#pragma omp simd
+            for (int d = 0; d < dim; d++) acc[d] += p * vf[d];
+        }
+    }
+}
+
+/* Returns 0, or -1 when its scratch could not be allocated. */
+int decode_attention(const Attention *a) {
+    const int g = a->heads / a->kv_heads, dim = a->dim;
+    const int chunks = (a->keys + a->chunk - 1) / a->chunk;
+    const long items = (long)a->rows * a->kv_heads * chunks, per = (long)g * (dim + 2);
+    float *parts = (float *)malloc(sizeof(float) * (size_t)(items * per));
+    if (!parts) return -1;
+#pragma omp parallel num_threads(a->threads)
+    {
+#pragma omp for schedule(static)
+        for (long it = 0; it < items; it++) {
+            const int c = (int)(it % chunks), kh = (int)((it / chunks) % a->kv_heads);
+            const int r = (int)(it / chunks / a->kv_heads);
+            attention_chunk(a, r, kh, c, parts + it * per);
+        }
+#pragma omp for schedule(static)
+        for (long rq = 0; rq < (long)a->rows * a->heads; rq++) {
+            const int r = (int)(rq / a->heads), h = (int)(rq % a->heads), kh = h / g, i = h % g;
+            const float *first = parts + (((long)r * a->kv_heads + kh) * chunks) * per + (long)i * (dim + 2);
+            float top = -INFINITY, l = 0.0f;
+            for (int c = 0; c < chunks; c++)
+                if (first[c * per] > top) top = first[c * per];
+            float acc[dim];
+            for (int d = 0; d < dim; d++) acc[d] = 0.0f;
+            if (top != -INFINITY) {
+                for (int c = 0; c < chunks; c++) {
+                    const float *pc = first + c * per;
+                    if (pc[0] == -INFINITY) continue;
+                    const float w = expf(pc[0] - top);
+                    l += w * pc[1];
+#pragma omp simd
+                    for (int d = 0; d < dim; d++) acc[d] += w * pc[2 + d];
+                }
+            }
+            uint16_t *o = a->out + ((long)r * a->heads + h) * dim;
+            for (int d = 0; d < dim; d++) o[d] = to_bf(l > 0.0f ? acc[d] / l : 0.0f);
+        }
+    }
+    free(parts);
+    return 0;
+}

@@ -66,6 +66,15 @@ class _GdnStep(ctypes.Structure):
         ("out", ctypes.c_void_p)]
 
 
+class _Attention(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("rows", "heads", "kv_heads", "dim", "keys", "chunk", "threads")] + [
+        ("q", ctypes.c_void_p), ("q_row", ctypes.c_long), ("q_head", ctypes.c_long),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p)] + [
+        (n, ctypes.c_long) for n in ("k_row", "k_head", "k_seq", "v_row", "v_head", "v_seq")] + [
+        ("mask", ctypes.c_void_p), ("m_row", ctypes.c_long), ("m_key", ctypes.c_long), ("scale", ctypes.c_float),
+        ("out", ctypes.c_void_p)]
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> tuple[ctypes.CDLL | None, str]:
     """(the built library, "") or (None, why not)."""
@@ -102,6 +111,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"it brought a second OpenMP runtime into the process ({', '.join(sorted(after))})"
     lib.gdn_step.argtypes = [ctypes.POINTER(_GdnStep)]
     lib.gdn_step.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ctypes.POINTER(_Attention)]
+    lib.decode_attention.restype = ctypes.c_int
     return lib, ""
 
 
@@ -152,4 +163,41 @@ class GdnStep:
         p.conv_state, p.state, p.out = conv_state.data_ptr(), state.data_ptr(), out.data_ptr()
         if self.lib.gdn_step(ctypes.byref(p)) != 0:
             raise MemoryError("the native Gated DeltaNet step could not allocate its scratch")
+        return out
+
+
+class DecodeAttention:
+    """Attention of one query token per row against grouped KV heads, in C (`decode_attention`): query
+    [rows, heads, 1, dim], key and value [rows, kv_heads, keys, dim] (any strides but the last), all bfloat16, a
+    boolean mask [rows, 1, 1, keys] or None. Returns [rows, 1, heads, dim], or None (nothing done) for inputs
+    of another form. PyTorch's CPU flash kernel reads a decode step's KV at a fraction of the memory's speed,
+    and more slowly the longer the context; here both threads stream it, each over its own stretch of keys."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.args = _Attention()
+
+    def __call__(self, query, key, value, mask, scaling=None) -> torch.Tensor | None:
+        rows, heads, length, dim = query.shape
+        kv_heads, keys = key.shape[1], key.shape[2]
+        if not (length == 1 and query.dtype == key.dtype == value.dtype == torch.bfloat16
+                and key.shape == value.shape == (rows, kv_heads, keys, dim) and heads % kv_heads == 0
+                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and keys > 0
+                and (mask is None or (mask.dtype == torch.bool and mask.shape == (rows, 1, 1, keys)))):
+            return None
+        out = torch.empty(rows, 1, heads, dim, dtype=torch.bfloat16)
+        a = self.args
+        a.rows, a.heads, a.kv_heads, a.dim, a.keys = rows, heads, kv_heads, dim, keys
+        a.chunk, a.threads = min(2048, max(256, -(-keys // 4))), torch.get_num_threads()
+        a.q, a.q_row, a.q_head = query.data_ptr(), query.stride(0), query.stride(1)
+        a.k, a.k_row, a.k_head, a.k_seq = key.data_ptr(), key.stride(0), key.stride(1), key.stride(2)
+        a.v, a.v_row, a.v_head, a.v_seq = value.data_ptr(), value.stride(0), value.stride(1), value.stride(2)
+        if mask is None:
+            a.mask, a.m_row, a.m_key = None, 0, 0
+        else:
+            a.mask, a.m_row, a.m_key = mask.data_ptr(), mask.stride(0), mask.stride(3)
+        a.scale = dim**-0.5 if scaling is None else float(scaling)
+        a.out = out.data_ptr()
+        if self.lib.decode_attention(ctypes.byref(a)) != 0:
+            raise MemoryError("the native decode attention could not allocate its scratch")
         return out
