@@ -4,9 +4,11 @@ This machine's speed drifts by tens of percent within a minute, more than either
 columns measured in processes of their own (`bench_real.py --ab-env`) do not resolve them. Here both sides
 run in the same process, block by block in turn, and the result is the median of the per-block ratios:
 
-- the C Gated DeltaNet step (`kernels/gdn_step.c`) against the PyTorch operations it replaces, and the lean
+- the C Gated DeltaNet step (`kernels/decode_step.c`) against the PyTorch operations it replaces, and the lean
   decoder layers (`kernels/decode_layer.py`) against the layers' own forward (the same kernels inside): one
   request decoding after a 1,088-token prompt, blocks of `--steps` decode steps, the three in turn;
+- the C decode attention (`decode_step.c`'s `decode_attention`) against SDPA, one request decoding after 1,088,
+  8,000 and 16,000 tokens, 6 blocks each;
 - transparent huge pages (`allocator.request_huge_pages`) against 4 KiB pages: a weight of the size of the
   real-0.8b model's head (248,320 x 1,024 in bfloat16, 508 MB) placed on each with `madvise`, read through by
   a one-row bfloat16 product (PyTorch's own, which reads the weight where it lies; the packed copy a decode
@@ -78,6 +80,46 @@ def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
     return {**out, "layers": len(layers), "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
 
 
+def decode_attention(rt, contexts: list[int], blocks: int, steps: int) -> dict:
+    """Seconds per decode step at each context length, the attention layers' C decode attention against SDPA
+    (`kernels.attention.decode_attention`), alternating block by block."""
+    from hyserve.kernels import attention
+
+    layers = [m for m in rt.model.modules() if attention.NATIVE in m.__dict__]
+    if not layers:
+        return {"skipped": "no layer took the C decode attention"}
+    kernel = {id(m): m.__dict__[attention.NATIVE] for m in layers}
+    ad = rt.adapter
+    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+    rows = []
+    try:
+        for context in contexts:
+            state = ad.new_state()
+            ids = [(17 * i + 3) % vocab for i in range(context)]
+            for i in range(0, context, 2048):
+                ad.forward(state, ids[i : i + 2048])
+            ad.forward_batch([state], [1])
+            times: dict[str, list[float]] = {"c": [], "sdpa": []}
+            for b in range(blocks):
+                for side in times:
+                    for m in layers:
+                        if side == "c":
+                            m.__dict__[attention.NATIVE] = kernel[id(m)]
+                        else:
+                            m.__dict__.pop(attention.NATIVE, None)
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        ad.forward_batch([state], [(b + i) % vocab])
+                    times[side].append((time.perf_counter() - t0) / steps)
+            ad.drop_batch()
+            rows.append({"context": context, "c_step_s": C.median(times["c"]), "sdpa_step_s": C.median(times["sdpa"]),
+                         "sdpa_over_c": C.median_ratio(times["c"], times["sdpa"])})
+    finally:
+        for m in layers:
+            m.__dict__[attention.NATIVE] = kernel[id(m)]
+    return {"rows": rows, "attention_layers": len(layers), "blocks": blocks, "steps": steps}
+
+
 def _on_pages(nbytes: int, advice: int):
     """A bfloat16 [rows, 1024] tensor inside a buffer whose 2 MiB-aligned span got `advice` before first touch."""
     import torch
@@ -132,6 +174,9 @@ def table(result: dict) -> str:
         else:
             rows.append([f"{step}: lean layers / their own forward", f"{d['lean_step_s'] * 1e3:.1f}",
                          f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+    for r in result.get("decode_attention", {}).get("rows", []):
+        rows.append([f"decode step, one request after {r['context']} tokens (ms): C decode attention / SDPA",
+                     f"{r['c_step_s'] * 1e3:.1f}", f"{r['sdpa_step_s'] * 1e3:.1f}", f"{r['sdpa_over_c']:.3f}x"])
     h = result["huge_pages"]
     if "skipped" not in h:
         rows.append([f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights: huge pages / 4 KiB pages (ms)",
@@ -151,6 +196,9 @@ def main(argv=None) -> int:
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
     result = {"args": vars(args), "model": size,
               "decode_layers": model_thread.run(decode_layers, rt, 64 if args.quick else 1088, blocks, args.steps)}
+    contexts = [64, 300] if args.quick else [1088, 8000, 16000]
+    result["decode_attention"] = model_thread.run(decode_attention, rt, contexts, blocks if args.quick else 6,
+                                                  args.steps)
     del rt
     result["huge_pages"] = huge_pages(4096 if args.quick else 248320, blocks * (1 if args.quick else 3))
     print(table(result))

@@ -1,4 +1,4 @@
-"""The C Gated DeltaNet decode step (`kernels.native`, `gdn_step.c`): the PyTorch operations' results, what
+"""The C Gated DeltaNet decode step (`kernels.native`, `decode_step.c`): the PyTorch operations' results, what
 a bfloat16 decode step runs, checked at load (a wrong build is refused), off without a compiler."""
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     """The source with one mistake builds and runs, and the load-time check refuses that kernel."""
     source = native.SOURCE.read_text()
     assert right in source
-    (tmp_path / "gdn_step.c").write_text(source.replace(right, wrong))
-    monkeypatch.setattr(native, "SOURCE", tmp_path / "gdn_step.c")
+    (tmp_path / "decode_step.c").write_text(source.replace(right, wrong))
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "decode_step.c")
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     status = rt.adapter.kernels.status
     assert status[kernel].startswith("off: max |diff|"), status

@@ -7,7 +7,7 @@
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
 - `norm`: RMSNorm layers in fewer operations.
 - `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
-- `native`: C kernels built at load for bfloat16 models (`gdn_step.c`): the Gated DeltaNet decode step between
+- `native`: C kernels built at load for bfloat16 models (`decode_step.c`): the Gated DeltaNet decode step between
   its products, and a decode step's attention over grouped KV heads.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 

@@ -1,13 +1,14 @@
-"""C kernels built at load with the machine's C compiler, for what PyTorch can only run as many small
-operations: `gdn_step.c`, a bfloat16 Gated DeltaNet decode step between its two products (`GdnStep`).
+"""C kernels built at load with the machine's C compiler (`decode_step.c`, for bfloat16 models): the Gated
+DeltaNet decode step between its two products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
 
 A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
 its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
-and the state is read twice while it is in the core's cache. The library is compiled once per source,
+and the state is read twice while it is in the core's cache. PyTorch's CPU flash attention reads a decode
+step's KV well below the memory's speed; in C both threads stream it, each over its own stretch of keys. The library is compiled once per source,
 compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
 `~/.cache/hyserve/native`) and loaded with ctypes. Nothing here is trusted unchecked: no compiler, a failed
 build or a second OpenMP runtime in the process leaves it off, and the load-time check compares each
-layer kind against the PyTorch operations it replaces. `HYSERVE_NATIVE=0` switches it off.
+kernel against the PyTorch operations it replaces. `HYSERVE_NATIVE=0` switches it off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 log = logging.getLogger("hyserve.kernels")
 
-SOURCE = Path(__file__).with_name("gdn_step.c")
+SOURCE = Path(__file__).with_name("decode_step.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 
 
@@ -89,7 +90,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"the C compiler does not run: {exc}"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
-    target = _cache_dir() / f"gdn_step-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"decode_step-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-/* One decode token of Qwen3.5's Gated DeltaNet between its two products, for bfloat16 models: the causal
- * conv step, the delta rule and the gated norm in one call (kernels/native.py builds and checks it).
+/* Parts of a bfloat16 decode step, one call each (kernels/native.py builds and checks them):
+ * `gdn_step`, Qwen3.5's Gated DeltaNet between its two products (the causal conv step, the delta rule and the
+ * gated norm), and `decode_attention`, one query token per row against grouped KV heads.
  *
- * It computes what `decode_layer._gdn_step` computes with PyTorch operations, rounding to bfloat16 at the
+ * `gdn_step` computes what `decode_layer._gdn_step` computes with PyTorch operations, rounding to bfloat16 at the
  * same points: the conv output and its SiLU, beta's sigmoid, the delta rule's output, the norm and its
  * weight product, the gated result. Sums may run in another order (float32 rounding differs).
  * Per head, the recurrent state (dk x dv float32) is read twice and written once while it sits in the
