@@ -93,8 +93,9 @@ def install_native(model, lib) -> str | None:
     if not layers or layers[0].q_proj.weight.dtype != torch.bfloat16:
         return None
     kernel = native.DecodeAttention(lib)
-    cfg = layers[0].config
-    kv_heads = cfg.num_key_value_heads
+    kv_heads = getattr(getattr(layers[0], "config", None), "num_key_value_heads", None)
+    if not isinstance(kv_heads, int):
+        return None  # a layout it cannot probe: SDPA stays
     heads, dim = kv_heads * layers[0].num_key_value_groups, layers[0].head_dim
     scaling = getattr(layers[0], "scaling", None)
     g = torch.Generator().manual_seed(0)
