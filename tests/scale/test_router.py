@@ -95,6 +95,8 @@ def test_new_conversations_arriving_one_at_a_time_take_turns_across_equally_load
         picks.append(route.replica)
         policy.sent(route.replica)
     assert picks == ["a", "b", "c", "a", "b", "c"]
+    # chosen together, before Ray reports any of them as sent: they take turns as well
+    assert [policy.choose("", [i] * 10, {"a": 0, "b": 0, "c": 0}).replica for i in range(3)] == ["a", "b", "c"]
     policy.sent("a")  # where a request actually went counts (Ray may send it to its next rank)
     assert policy.choose("", None, {"a": 0, "b": 0, "c": 0}).replica == "b"
     assert policy.choose("", None, {"a": 0, "b": 1, "c": 1}).replica == "a"  # load comes first

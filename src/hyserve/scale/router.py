@@ -127,13 +127,16 @@ class CheckpointRouting:
             by_load = min((r for r, n in loads.items() if n == least), key=lambda r: (self._sent.get(r, 0), r))
         depths = self.depths(salt, tokens, loads) if tokens else dict.fromkeys(loads, 0)
         holders = sorted((r for r in loads if depths[r]), key=lambda r: (-depths[r], loads[r], r))
-        if not holders:
-            return Route(by_load, "load", 0, depths, None, dict(loads))
         fit = [r for r in holders if loads[r] - least < self.imbalance]
-        if fit:
-            overloaded = holders[0] if fit[0] != holders[0] else None
-            return Route(fit[0], "checkpoint", depths[fit[0]], depths, overloaded, dict(loads))
-        return Route(by_load, "load", depths[by_load], depths, holders[0], dict(loads))
+        if not holders:
+            route = Route(by_load, "load", 0, depths, None, dict(loads))
+        elif fit:
+            route = Route(fit[0], "checkpoint", depths[fit[0]], depths, holders[0] if fit[0] != holders[0] else None,
+                          dict(loads))
+        else:
+            route = Route(by_load, "load", depths[by_load], depths, holders[0], dict(loads))
+        self.sent(route.replica)  # at once: requests chosen together, before Ray reports any as sent, take turns too
+        return route
 
 
 class RoutingTelemetry:
