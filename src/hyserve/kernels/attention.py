@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import native, verify
 from .seam import active
 
 NAME = "hyserve_sdpa"
@@ -86,8 +87,6 @@ def install_native(model, lib) -> str | None:
     (`native.DecodeAttention`), when it gives `decode_attention`'s results on probes of the layers' shapes
     (KV with spare columns, left-padded rows). Returns "" when it did, why not when it did not, None when
     there is nothing it is written for."""
-    from . import native, verify
-
     layers = [m for m in model.modules() if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "head_dim")
               and hasattr(m, "q_proj")]
     if not layers or layers[0].q_proj.weight.dtype != torch.bfloat16:
