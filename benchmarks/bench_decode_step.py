@@ -4,6 +4,8 @@ This machine's speed drifts by tens of percent within a minute, more than either
 columns measured in processes of their own (`bench_real.py --ab-env`) do not resolve them. Here both sides
 run in the same process, block by block in turn, and the result is the median of the per-block ratios:
 
+- the C products (`decode_step.c`'s `products`) against oneDNN's packed products, for every linear layer and the
+  head: decode steps of 1 and of 4 requests after a 1,088-token prompt, blocks of `--steps` steps, in turn;
 - the C Gated DeltaNet step (`kernels/decode_step.c`) against the PyTorch operations it replaces, and the lean
   decoder layers (`kernels/decode_layer.py`) against the layers' own forward (the same kernels inside): one
   request decoding after a 1,088-token prompt, blocks of `--steps` decode steps, the three in turn;
@@ -78,6 +80,44 @@ def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
     if "lean_torch" in times:
         out["torch_over_native"] = C.median_ratio(times["lean"], times["lean_torch"])
     return {**out, "layers": len(layers), "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
+
+
+def decode_products(rt, prompt: int, batches: list[int], blocks: int, steps: int) -> dict:
+    """Seconds per decode step of `batches` requests each, the C products (`native.Products`) against
+    oneDNN's packed products (`linear.Packed.onednn`) for every packed weight, alternating block by block."""
+    from hyserve.kernels import linear
+
+    weights = [w for w in linear.every_packed(rt.model) if w.native is not None]
+    if not weights:
+        return {"skipped": "the C products are off"}
+    native = weights[0].native
+    ad = rt.adapter
+    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+    rows = []
+    try:
+        for batch in batches:
+            states = [ad.new_state() for _ in range(batch)]
+            for r, state in enumerate(states):
+                ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
+            ad.forward_batch(states, [1] * batch)
+            times: dict[str, list[float]] = {"c": [], "onednn": []}
+            for b in range(blocks):
+                for side in times:
+                    for w in weights:
+                        w.native = native if side == "c" else None
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
+                    times[side].append((time.perf_counter() - t0) / steps)
+            ad.drop_batch()
+            rows.append({"requests": batch, "c_step_s": C.median(times["c"]),
+                         "onednn_step_s": C.median(times["onednn"]),
+                         "onednn_over_c": C.median_ratio(times["c"], times["onednn"])})
+    finally:
+        for w in weights:
+            w.native = native
+    return {"rows": rows, "weights": len(weights), "weight_bytes": sum(w.plain.nbytes for w in weights),
+            "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
 
 
 def decode_attention(rt, contexts: list[int], blocks: int, steps: int) -> dict:
@@ -163,6 +203,10 @@ def huge_pages(rows: int, blocks: int) -> dict:
 
 def table(result: dict) -> str:
     rows = []
+    for r in result.get("decode_products", {}).get("rows", []):
+        rows.append([f"decode step, {r['requests']} request(s) after {result['decode_products']['prompt_tokens']} "
+                     "tokens (ms): C products / oneDNN's", f"{r['c_step_s'] * 1e3:.1f}",
+                     f"{r['onednn_step_s'] * 1e3:.1f}", f"{r['onednn_over_c']:.3f}x"])
     d = result["decode_layers"]
     if "skipped" not in d:
         step = f"decode step, one request after {d['prompt_tokens']} tokens (ms)"
@@ -194,8 +238,10 @@ def main(argv=None) -> int:
     size = "tiny" if args.quick else "real-0.8b"
     blocks = 3 if args.quick else args.blocks
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
+    prompt = 64 if args.quick else 1088
     result = {"args": vars(args), "model": size,
-              "decode_layers": model_thread.run(decode_layers, rt, 64 if args.quick else 1088, blocks, args.steps)}
+              "decode_products": model_thread.run(decode_products, rt, prompt, [1, 4], blocks, args.steps),
+              "decode_layers": model_thread.run(decode_layers, rt, prompt, blocks, args.steps)}
     contexts = [64, 300] if args.quick else [1088, 8000, 16000]
     result["decode_attention"] = model_thread.run(decode_attention, rt, contexts, blocks if args.quick else 6,
                                                   args.steps)

@@ -188,7 +188,7 @@ def micro(rounds: int = 30) -> list[dict]:
         from hyserve.kernels import linear as klinear
 
         if klinear.pack(lin):
-            packed = lin.__dict__[klinear.PACKED]
+            packed = lin.__dict__[klinear.PACKED].onednn
             rows.append({"piece": "decode row x bfloat16 weight 3584x1024", "reference": "F.linear",
                          "reference_ms": ms(lambda: F.linear(row, lin.weight)),
                          "hyserve_ms": ms(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")),

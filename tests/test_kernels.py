@@ -354,8 +354,9 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
 
     with_groups = model_thread.run(decode_logits)
     saved = {id(m): m.__dict__.pop(linear.GROUP) for m in grouped}
-    for m in grouped:  # apart: each member's own packed product
+    for m in grouped:  # apart: each member's own packed product (the C one where the group has it)
         linear.pack(m)
+        m.__dict__[linear.PACKED].native = saved[id(m)].packed.native
     apart = model_thread.run(decode_logits)
     for m in grouped:
         m.__dict__[linear.GROUP] = saved[id(m)]

@@ -1,5 +1,6 @@
-"""The C Gated DeltaNet decode step (`kernels.native`, `decode_step.c`): the PyTorch operations' results, what
-a bfloat16 decode step runs, checked at load (a wrong build is refused), off without a compiler."""
+"""The C kernels of a bfloat16 decode step (`kernels.native`, `decode_step.c`): the few-row products, the Gated
+DeltaNet step and the decode attention give the results of what they replace, a decode step runs them, each
+is checked at load (a wrong build is refused), and they are off without a compiler."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from hyserve import model_thread
-from hyserve.kernels import attention, decode_layer, native
+from hyserve.kernels import attention, decode_layer, linear, native
 from hyserve.runtime import ModelRuntime
 
 
@@ -59,6 +60,47 @@ def test_the_c_step_gives_the_pytorch_operations_results(model_dirs, arch):
             equal = (got == want).float().mean().item()
             assert equal > 0.99, equal
             torch.testing.assert_close(got, want, atol=0.0, rtol=2 ** -7)
+
+
+def _products(rt):
+    weights = linear.every_packed(rt.model)
+    assert weights and all(w.native is not None for w in weights), rt.adapter.kernels.status
+    return weights
+
+
+def test_the_c_products_give_onednns_results(model_dirs):
+    """Every packed weight of a bfloat16 model (the stacked siblings and the head among them), 1 to `ROWS` rows
+    with a row stride of their own, and a width with 128-wide blocks and a ragged tail: oneDNN's bfloat16
+    numbers on almost every output; a row's result is the same whatever batch it is in; more rows than `ROWS`
+    are left to oneDNN."""
+    rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
+    weights = _products(rt)
+    products = weights[0].native
+    g = torch.Generator().manual_seed(0)
+    extra = linear.Packed((torch.randn(300, 1000, generator=g) * 0.05).to(torch.bfloat16))
+    with torch.inference_mode():
+        for w in [*weights, extra]:
+            k = w.plain.shape[1]
+            x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(torch.bfloat16)[..., 3 : 3 + k]
+            got = products(x, w.plain)
+            _equal_bf16(got, linear.packed_product(x, w), at_least=0.98)
+            for r in range(products.ROWS):
+                assert torch.equal(products(x[r : r + 1], w.plain), got[r : r + 1])
+            assert products(torch.zeros(products.ROWS + 1, 1, k, dtype=torch.bfloat16), w.plain) is None
+
+
+def test_a_bfloat16_decode_step_runs_the_c_products(model_dirs):
+    """With oneDNN's packed weights taken away, decode steps of one and of two requests still run."""
+    rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
+    ad = rt.adapter
+    a, b = ad.new_state(), ad.new_state()
+    model_thread.run(ad.forward, a, list(range(5, 30)))
+    model_thread.run(ad.forward, b, list(range(40, 50)))
+    for w in _products(rt):
+        w.onednn = None
+    logits = model_thread.run(lambda: [ad.forward_batch([a], [3]), ad.forward_batch([a, b], [4, 5])])
+    ad.drop_batch()
+    assert all(torch.isfinite(x).all() for x in logits)
 
 
 def _equal_bf16(got, want, at_least):
@@ -141,13 +183,17 @@ def test_greedy_tokens_with_and_without_the_c_kernels_are_the_same(model_dirs):
     for p in parts:
         p.native = None
     attention.uninstall_native(rt.model)
+    for w in _products(rt):
+        w.native = None
     assert _greedy(rt) == with_c
 
 
 @pytest.mark.parametrize("kernel,right,wrong", [
     ("native_gdn_step", "const float decay = expf(g);", "const float decay = 1.0f;"),  # the state's decay left out
     ("native_attention", "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
-     "const float sc = open ? dot : -INFINITY;")])
+     "const float sc = open ? dot : -INFINITY;"),
+    ("native_linear", "to_bf(dot_bf16(w + j * (long)k, x + r * x_stride, k))",  # each row's product with the next row
+     "to_bf(dot_bf16(w + (j + 1 < n ? j + 1 : j) * (long)k, x + r * x_stride, k))")])
 def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, kernel, right, wrong):
     """The source with one mistake builds and runs, and the load-time check refuses that kernel."""
     source = native.SOURCE.read_text()
@@ -158,10 +204,11 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     status = rt.adapter.kernels.status
     assert status[kernel].startswith("off: max |diff|"), status
     assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")  # the rest stays on
-    other = "native_attention" if kernel == "native_gdn_step" else "native_gdn_step"
-    assert rt.adapter.kernels.on(other)
+    assert all(rt.adapter.kernels.on(other) for other in ("native_gdn_step", "native_attention", "native_linear")
+               if other != kernel)
     assert all((p.native is None) == (kernel == "native_gdn_step") for p in _gdn_parts(rt))
     assert all((attention.NATIVE in m.__dict__) == (kernel != "native_attention") for m in _attention_layers(rt))
+    assert all((w.native is None) == (kernel == "native_linear") for w in linear.every_packed(rt.model))
 
 
 @pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
@@ -173,13 +220,15 @@ def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(model_dir
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     assert rt.adapter.kernels.status["native_gdn_step"].startswith(reason), rt.adapter.kernels.status
     assert rt.adapter.kernels.status["native_attention"].startswith(reason), rt.adapter.kernels.status
+    assert rt.adapter.kernels.status["native_linear"].startswith(reason), rt.adapter.kernels.status
     assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")
+    assert all(w.native is None for w in linear.every_packed(rt.model)) and rt.adapter.kernels.on("linear")
     assert all(p.native is None for p in _gdn_parts(rt))
     assert not any(attention.NATIVE in m.__dict__ for m in _attention_layers(rt))
 
 
 def test_float32_models_keep_the_pytorch_operations(runtimes):
     rt = runtimes("qwen3_5")
-    assert "native_gdn_step" not in rt.adapter.kernels.status and "native_attention" not in rt.adapter.kernels.status
+    assert not {"native_gdn_step", "native_attention", "native_linear"} & set(rt.adapter.kernels.status)
     assert not any(attention.NATIVE in m.__dict__ for m in _attention_layers(rt))
     assert all(p.native is None for p in _gdn_parts(rt))

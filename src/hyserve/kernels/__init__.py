@@ -7,8 +7,8 @@
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
 - `norm`: RMSNorm layers in fewer operations.
 - `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
-- `native`: C kernels built at load for bfloat16 models (`decode_step.c`): the Gated DeltaNet decode step between
-  its products, and a decode step's attention over grouped KV heads.
+- `native`: C kernels built at load for bfloat16 models (`decode_step.c`): a few rows' products with a weight,
+  the Gated DeltaNet decode step between its products, and a decode step's attention over grouped KV heads.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -37,7 +37,7 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "native_attention", "linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer",
+ALL = ("attention", "native_attention", "linear", "native_linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer",
        "native_gdn_step", "capture")
 
 __all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
@@ -68,6 +68,10 @@ def install(model, adapter, vocab: int) -> KernelReport:
     dtype = next(model.parameters()).dtype
     _install_attention(model, report, dtype)
     _install_linear(model, report)
+    if report.on("linear") and dtype == torch.bfloat16:
+        lib, why = native.library()
+        why = why if lib is None else linear.install_native(model, native.Products(lib))
+        report.set("native_linear", not why, why)
     if norm.install(model, dtype):
         report.set("norm", True)
     for kernel in FUNCTIONS:
@@ -166,7 +170,7 @@ def _group_siblings(model) -> str | None:
         x = linear.probe(members[0])[:1].repeat(rows, 1).view(rows, 1, -1)
         x = x + torch.arange(rows, dtype=x.dtype).view(rows, 1, 1) / 64  # distinct rows
         with torch.inference_mode():
-            want = [linear.packed_product(x, m.__dict__[linear.PACKED]) for m in members]
+            want = [m.__dict__[linear.PACKED](x) for m in members]
             got = [linear_forward(m, x) for m in members]
         if not all(torch.equal(a, b) for a, b in zip(got, want)):
             linear.ungroup(model)

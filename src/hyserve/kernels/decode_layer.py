@@ -53,7 +53,7 @@ class Stack:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is not None and x.dtype == torch.bfloat16:
-            y = linear.packed_product(x, self.packed, self.bias)
+            y = self.packed(x, self.bias)
             return [y[..., a:b] for a, b in self.columns] if self.columns else [y]
         return [m.forward(x) for m in self.members]
 

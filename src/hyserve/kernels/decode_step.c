@@ -1,4 +1,5 @@
 /* Parts of a bfloat16 decode step, one call each (kernels/native.py builds and checks them):
+ * `products`, a few rows against a linear layer's weight,
  * `gdn_step`, Qwen3.5's Gated DeltaNet between its two products (the causal conv step, the delta rule and the
  * gated norm), and `decode_attention`, one query token per row against grouped KV heads.
  *
@@ -9,6 +10,7 @@
  * core's cache, where the operations read it from memory six times.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -248,3 +250,45 @@ int decode_attention(const Attention *a) {
     free(parts);
     return 0;
 }
+
+/* `products`: y = x @ W^T for a few bfloat16 rows x [rows, k] against a row-major bfloat16 weight W [n, k],
+ * float32 sums rounded to bfloat16 once, as oneDNN's product does (its sums run in another order). Each
+ * thread streams its own contiguous stretch of W's rows, one row at a time; every input row takes the same
+ * dot product in the same order whatever the number of rows, so a row's result does not depend on its batch.
+ * Returns -1 where the compiler targets no AVX512-BF16 (the caller keeps oneDNN's product). */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+static inline float dot_bf16(const uint16_t *w, const uint16_t *x, int k) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 128 <= k; i += 128) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + i), (__m512bh)_mm512_loadu_si512(w + i));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + i + 32), (__m512bh)_mm512_loadu_si512(w + i + 32));
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(x + i + 64), (__m512bh)_mm512_loadu_si512(w + i + 64));
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(x + i + 96), (__m512bh)_mm512_loadu_si512(w + i + 96));
+    }
+    for (; i < k; i += 32) {
+        const __mmask32 m = k - i >= 32 ? 0xffffffffu : (1u << (k - i)) - 1u;
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, x + i), (__m512bh)_mm512_maskz_loadu_epi16(m, w + i));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+int products(int rows, int n, int k, const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long per = (n + nt - 1) / nt, first = t * per, last = first + per < n ? first + per : n;
+        for (long j = first; j < last; j++)
+            for (int r = 0; r < rows; r++)
+                y[(long)r * n + j] = to_bf(dot_bf16(w + j * (long)k, x + r * x_stride, k));
+    }
+    return 0;
+}
+#else
+int products(int rows, int n, int k, const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, int threads) {
+    (void)rows, (void)n, (void)k, (void)x, (void)x_stride, (void)w, (void)y, (void)threads;
+    return -1;
+}
+#endif

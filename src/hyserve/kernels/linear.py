@@ -1,4 +1,5 @@
-"""Linear layers: bfloat16 weights packed once for oneDNN (`pack`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with row-major float32 weights
+"""Linear layers: bfloat16 weights packed once for oneDNN (`pack`), their products of a few rows in C once
+checked (`install_native`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with row-major float32 weights
 is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro` times both); a batched decode step runs
 one row per request through every layer. The result is returned as that transposed view (rows stay
 contiguous among themselves, so every reshape the models do still works): making it contiguous cost a
@@ -12,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import verify
 from .seam import active
 
 SKINNY_ROWS = range(13, 49)  # rows for which (W @ x^T)^T beats F.linear on the CPUs measured
@@ -20,10 +22,28 @@ SKINNY_ROWS = range(13, 49)  # rows for which (W @ x^T)^T beats F.linear on the 
 PACKED = "_hyserve_packed"  # the module attribute holding its weight in oneDNN's layout
 
 
+class Packed:
+    """A bfloat16 weight ready for products: oneDNN's blocked layout (`onednn`), reordered once, and the
+    row-major weight (`plain`), which the C product (`native.Products`) streams for a few rows once
+    `install_native` has checked it (`native`)."""
+
+    def __init__(self, plain: torch.Tensor):
+        self.plain = plain
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(plain, 1)
+        self.native = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias): oneDNN's product is bit for bit `F.linear`'s; the C product's sums run in
+        another order."""
+        if self.native is not None and bias is None and (y := self.native(x, self.plain)) is not None:
+            return y
+        return packed_product(x, self, bias)
+
+
 def pack(module: torch.nn.Linear) -> bool:
-    """Keep a bfloat16 weight also in oneDNN's blocked layout, reordered once. `F.linear` on bfloat16 runs the
-    same oneDNN product but reorders the weight on every call: a decode step (one row) then streamed the
-    weights at about a third of the memory bandwidth the packed product reaches, the 248k-row head of a
+    """Keep a bfloat16 weight also in oneDNN's blocked layout, reordered once (`Packed`). `F.linear` on bfloat16
+    runs the same oneDNN product but reorders the weight on every call: a decode step (one row) then streamed
+    the weights at about a third of the memory bandwidth the packed product reaches, the 248k-row head of a
     Qwen3.5 included (`benchmarks/bench_kernels.py --micro`). The results are bit-identical to `F.linear`'s.
     The plain weight stays (tied embeddings, transformers' own functions), so weights take twice the memory;
     `HYSERVE_PACKED_LINEAR=0` switches this off. Returns whether the module is packed."""
@@ -31,15 +51,47 @@ def pack(module: torch.nn.Linear) -> bool:
             or os.environ.get("HYSERVE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available()):
         return False
     try:
-        setattr(module, PACKED, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1))
+        setattr(module, PACKED, Packed(module.weight.detach()))
     except (RuntimeError, AttributeError):  # a CPU or build without oneDNN's bfloat16 products
         return False
     return True
 
 
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) over a weight `pack` reordered for oneDNN: bit for bit `F.linear`'s result."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+
+
+def every_packed(model) -> list[Packed]:
+    """The packed weights of `model`'s linear layers and sibling groups, each once."""
+    found = {}
+    for module in model.modules():
+        for packed in (module.__dict__.get(PACKED), getattr(module.__dict__.get(GROUP), "packed", None)):
+            if packed is not None:
+                found[id(packed)] = packed
+    return list(found.values())
+
+
+def install_native(model, products) -> str:
+    """Let `products` (`native.Products`) take the products of a few rows over every packed weight of `model`
+    once it gives oneDNN's results on probes of the first and the last (the head); "" when on, else why not."""
+    weights = every_packed(model)
+    if not weights:
+        return "no packed bfloat16 weights"
+    if not products.usable():
+        return "this CPU or compiler has no AVX512-BF16 products"
+    g = torch.Generator().manual_seed(0)
+    for packed in {id(p): p for p in (weights[0], weights[-1])}.values():
+        for rows in (1, products.ROWS):
+            x = torch.randn(rows, 1, packed.plain.shape[1], generator=g).to(torch.bfloat16)
+            got, want = products(x, packed.plain), packed_product(x, packed)
+            if got is None:
+                return "does not apply to this model's weights"
+            if why := verify.mismatch(got, want, torch.bfloat16):
+                return why
+    for packed in weights:
+        packed.native = products
+    return ""
 
 
 def unpack(module: torch.nn.Linear) -> None:
@@ -68,10 +120,11 @@ class SiblingGroup:
 
     def __init__(self, members: list[torch.nn.Linear]):
         weight = torch.cat([m.weight.detach() for m in members])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.packed = Packed(weight)
         self.columns, start = {}, 0
         for m in members:
             self.columns[id(m)] = (start, start + m.out_features)
+            m.weight.data = weight[start:start + m.out_features]  # a view of the stack: held once
             start += m.out_features
         self.size = len(members)
         self._last = None  # [input, stacked output, reads left]
@@ -79,7 +132,7 @@ class SiblingGroup:
     def output(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         last = self._last
         if last is None or last[0] is not x:
-            last = [x, packed_product(x, self.packed), self.size]
+            last = [x, self.packed(x), self.size]
         last[2] -= 1
         self._last = last if last[2] else None  # the last member's read lets the input and output go
         a, b = self.columns[id(module)]
@@ -125,7 +178,7 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return siblings.output(self, x)
     packed = self.__dict__.get(PACKED)
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and active():
-        return packed_product(x, packed, self.bias)
+        return packed(x, self.bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows in SKINNY_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and active():
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()

@@ -114,6 +114,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.gdn_step.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ctypes.POINTER(_Attention)]
     lib.decode_attention.restype = ctypes.c_int
+    lib.products.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_int]
+    lib.products.restype = ctypes.c_int
     return lib, ""
 
 
@@ -201,4 +204,35 @@ class DecodeAttention:
         a.out = out.data_ptr()
         if self.lib.decode_attention(ctypes.byref(a)) != 0:
             raise MemoryError("the native decode attention could not allocate its scratch")
+        return out
+
+
+class Products:
+    """x @ W^T for a few bfloat16 rows (`ROWS`) against a row-major bfloat16 weight, in C (`products`): each
+    thread streams its own stretch of the weight's rows. oneDNN's product reads a one-row decode step's
+    weights well below the memory's speed (`benchmarks/bench_decode_step.py` compares them)."""
+
+    ROWS = 4  # up to this many rows; more take oneDNN's product, which reuses each weight block across rows
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def usable(self) -> bool:
+        """Whether this CPU and build run it (AVX512-BF16); a probe of one row."""
+        x, w = torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(2, 32, dtype=torch.bfloat16)
+        return self(x, w) is not None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """[..., k] x [n, k] -> [..., n], or None (nothing done) for inputs of another form."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not (0 < rows <= self.ROWS and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1):
+            return None
+        flat = x.reshape(rows, k)  # a view for the row layouts decode steps use
+        n = weight.shape[0]
+        out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        if self.lib.products(rows, n, k, flat.data_ptr(), flat.stride(0), weight.data_ptr(), out.data_ptr(),
+                             torch.get_num_threads()) != 0:
+            return None
         return out
