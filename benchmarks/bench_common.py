@@ -89,7 +89,7 @@ def write_result(path: str, script: str, result: dict) -> None:
 
 def machine_info() -> dict:
     """Where, when and from what a result was measured: the machine (CPU model and cores from /proc/cpuinfo,
-    RAM), the library versions, the repository's commit (`dirty`: src/ or benchmarks/ differ from it), the
+    RAM), the library versions, the repository's commit (`dirty`: src/ or benchmarks/ code differ from it), the
     UTC date and the command line. Every script stores it as its results' `machine`; the report
     (bench_report.py) prints it above each table."""
     import torch
@@ -134,7 +134,7 @@ def provenance() -> dict:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
-    status = git("status", "--porcelain", "--", "src", "benchmarks")
+    status = git("status", "--porcelain", "--", "src", "benchmarks", ":!benchmarks/results")  # code, not results
     script = Path(sys.argv[0]).resolve()
     try:
         script = script.relative_to(BENCH_DIR.parent)
