@@ -97,5 +97,5 @@ def test_recycled_blocks_keep_cached_turns_equal_to_cache_off(make_service, arch
     monkeypatch.setattr("hyserve.engine.core.BLOCKS", pool)
     on = run_chat(make_service(arch, cache_bytes=2 << 20))
     off = run_chat(make_service(arch, cache_enabled=False))
-    assert [r[0] for r in on] == [r[0] for r in off]
+    assert [r[0] for r in on] == [r[0] for r in off], [r[1] for r in on]  # a failure shows each turn's cached tokens
     assert pool.reused > 0 and sum(r[1] > 0 for r in on) >= 3  # blocks were reused, and turns were cached
