@@ -9,6 +9,7 @@ import pytest
 
 from hyserve.server.run import BackgroundServer
 
+from ..conftest import wait_idle
 from ..test_structured import SCHEMA, matches_schema
 from .test_openai_api import client
 
@@ -28,6 +29,7 @@ def test_json_schema_chat_greedy_is_valid_and_equal_streamed_and_with_the_cache_
     first = chat(c, response_format=JSON_SCHEMA)
     text = first.choices[0].message.content
     assert first.choices[0].finish_reason == "stop" and matches_schema(json.loads(text))
+    wait_idle(qwen35_server.service)  # the prompt's checkpoint is recorded in idle time, as a reader gives it
     again = chat(c, response_format=JSON_SCHEMA)
     assert again.choices[0].message.content == text and again.usage.prompt_tokens_details.cached_tokens > 0
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chat(c, response_format=JSON_SCHEMA, stream=True)
