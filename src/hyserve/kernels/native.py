@@ -1,5 +1,6 @@
-"""C kernels built at load with the machine's C compiler (`decode_step.c`, for bfloat16 models): the Gated
-DeltaNet decode step between its two products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
+"""C kernels built at load with the machine's C compiler (`decode_step.c`, for bfloat16 models): a decode
+step's products of a few rows with a weight (`Products`), the Gated DeltaNet decode step between its two
+products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
 
 A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
 its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
