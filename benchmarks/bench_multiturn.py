@@ -21,11 +21,11 @@ new suffix through the model, take the argmax. `on/bare` = server warm TTFT / ba
     python benchmarks/bench_multiturn.py            # bench-size qwen3_5, 8 turns, ~4k tokens at turn 8
     python benchmarks/bench_multiturn.py --quick    # tiny model, 3 turns, < 1 minute
     python benchmarks/bench_multiturn.py --json benchmarks/results/multiturn.json
-    python benchmarks/bench_multiturn.py --split-server ...   # also a cache-on server that never defers a checkpoint
+    python benchmarks/bench_multiturn.py --split-server ...   # also a cache-on server that defers checkpoints
 
-`--split-server` adds a third server, cache on with `CheckpointPolicy(defer_tail=0)`: it splits the
-prefill at every boundary, including the history boundary a few tokens before the end of a warm
-prompt, which the default policy leaves to idle time. Its TTFT column shows what that split costs.
+`--split-server` adds a third server, cache on with `--defer-checkpoints`: it leaves the history boundary a
+few tokens before the end of a warm prompt to a job after the reply instead of taking it inside the prefill
+(the default). Its TTFT column shows what deferring saves (on models that must split the prefill there).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     flags = {"on": [], "off": ["--no-cache"]}
     if args.split_server:
-        flags["split"] = ["--no-defer-checkpoints"]  # splits the prefill at every boundary
+        flags["split"] = ["--defer-checkpoints"]  # leaves short-tail boundaries to a job after the reply
     rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: prompts and the bare loop
     tok = rt.tokenizer
     system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed,

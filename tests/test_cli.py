@@ -65,9 +65,9 @@ def test_serve_options_reach_the_checkpoint_policy(tmp_path):
     p.add_argument("model_dir")
     _add_serve_options(p)
     default = service_config_from_args(p.parse_args([str(tmp_path)])).policy
-    off = service_config_from_args(p.parse_args([str(tmp_path), "--no-defer-checkpoints", "--no-system-checkpoint"]))
-    assert default.defer_tail > 0 and default.system_prompt
-    assert off.policy.defer_tail == 0 and not off.policy.system_prompt
+    other = service_config_from_args(p.parse_args([str(tmp_path), "--defer-checkpoints", "--no-system-checkpoint"]))
+    assert default.defer_tail == 0 and default.system_prompt  # agents leave no idle time: inline by default
+    assert other.policy.defer_tail > 0 and not other.policy.system_prompt
 
 
 def _config(tmp_path, *argv):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cache.policy import CheckpointPolicy
+from .cache.policy import DEFER_TAIL, CheckpointPolicy
 
 if TYPE_CHECKING:
     from .service import ServiceConfig
@@ -58,9 +58,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="do not checkpoint at the end of the system prompt (what new chats share)")
     p.add_argument("--no-post-decode-checkpoint", action="store_true",
                    help="do not checkpoint after the reply (prompt + generated tokens)")
-    p.add_argument("--no-defer-checkpoints", action="store_true",
-                   help="always split the prefill at a checkpoint boundary, even a few tokens before the end "
-                        "(otherwise an idle engine records such a checkpoint after the reply, in idle time)")
+    p.add_argument("--defer-checkpoints", action="store_true",
+                   help="leave a checkpoint a few tokens before the prompt's end to a job after the reply instead "
+                        "of splitting the prefill there (models that cannot capture states mid-pass: mamba2, ...); "
+                        "the next turn then waits for that job")
     p.add_argument("--block-size", type=int, default=None,
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
     p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
@@ -119,7 +120,7 @@ def service_config_from_args(args) -> "ServiceConfig":
         system_prompt=not args.no_system_checkpoint,
         post_decode=not args.no_post_decode_checkpoint,
         block_size=args.block_size,
-        defer_tail=0 if args.no_defer_checkpoints else CheckpointPolicy.defer_tail,
+        defer_tail=DEFER_TAIL if args.defer_checkpoints else 0,
     )
     # keys come from the environment here, not as argparse defaults, so `--help` never prints them
     api_key = args.api_key if args.api_key is not None else os.environ.get("HYSERVE_API_KEY")

@@ -40,7 +40,13 @@ def history_ids(messages: list[dict], render_many: RenderMany, specials: frozens
     """Ids of `messages` (ending with this turn's reply) as a prefix of the next turn's prompt. Raises
     ValueError where the template gives no such prefix (then nothing may be built from it), or the
     template's own error."""
-    follower = _follower(messages[-1])
+    return prefix_before(messages, _follower(messages[-1]), render_many, specials)
+
+
+def prefix_before(messages: list[dict], follower: dict, render_many: RenderMany, specials: frozenset[int]) -> list[int]:
+    """Ids of `messages` as every longer conversation whose next message is a `follower` (a role and its
+    fields; the probe texts are its content) starts. Also what a template that cannot render `messages`
+    alone gives them (Qwen3.5's raises "No user query found" for a system message alone)."""
     first, second = render_many([(messages + [{**follower, "content": text}], False) for text in _PROBES])
     for r in (first, second):
         if isinstance(r, Exception):
@@ -50,4 +56,3 @@ def history_ids(messages: list[dict], render_many: RenderMany, specials: frozens
     if cut == 0:
         raise ValueError("the template renders no special token before the next message")
     return list(first[:cut])
-

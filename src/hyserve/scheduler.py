@@ -21,7 +21,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque = deque()
         self.running: list = []
-        self.background: deque = deque()  # idle-time jobs (deferred checkpoints, reply rebuilds), newest last
+        self.background: deque = deque()  # jobs (re-rendered histories, deferred checkpoints), newest last
         self.cond = threading.Condition()
 
     def add(self, item) -> None:
@@ -31,9 +31,10 @@ class Scheduler:
             self.waiting.append(item)
             self.cond.notify()
 
-    def wait_for_work(self, timeout: float = 0.5) -> None:
+    def wait_for_work(self, timeout: float = 0.5, pending: bool = False) -> None:
+        """Until there is a request or a job (`pending`: one the caller holds outside the queue)."""
         with self.cond:
-            if not self.waiting and not self.running and not self.background:
+            if not self.waiting and not self.running and not self.background and not pending:
                 self.cond.wait(timeout)
 
     def admit(self) -> list:
@@ -70,7 +71,7 @@ class Scheduler:
             self.cond.notify()
 
     def take_background(self, pred) -> list:
-        """Remove and return the background jobs matching `pred` (a new request will do their work)."""
+        """Remove and return the background jobs matching `pred`."""
         return self._take(self.background, pred)
 
     @property

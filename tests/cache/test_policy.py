@@ -69,9 +69,10 @@ def test_post_decode_rerender_check():
     assert CheckpointPolicy(post_decode=False).post_decode_ok([1], None, reply, render)[0] is False
 
 
-def test_short_tail_boundaries_near_the_restored_state_are_deferred():
-    from hyserve.cache.policy import Boundary
-    pol = CheckpointPolicy()  # defer_tail 16, defer_redo 512
+def test_short_tail_boundaries_near_the_restored_state_are_deferred_when_asked():
+    from hyserve.cache.policy import DEFER_TAIL, Boundary
+    assert CheckpointPolicy().split_now(Boundary(4258, "history"), 4182, 4261)  # default: never deferred
+    pol = CheckpointPolicy(defer_tail=DEFER_TAIL)  # --defer-checkpoints: defer_tail 16, defer_redo 512
     history = Boundary(4258, "history")
     assert not pol.split_now(history, checkpoint=4182, prompt_length=4261)  # warm turn: 3-token tail
     assert pol.split_now(history, checkpoint=0, prompt_length=4261)  # cold: rebuilding later costs 4k tokens
@@ -82,4 +83,4 @@ def test_short_tail_boundaries_near_the_restored_state_are_deferred():
 
 def test_a_busy_engine_splits_instead_of_deferring():
     from hyserve.cache.policy import Boundary
-    assert CheckpointPolicy().split_now(Boundary(4258, "history"), 4182, 4261, busy=True)
+    assert CheckpointPolicy(defer_tail=16).split_now(Boundary(4258, "history"), 4182, 4261, busy=True)

@@ -2,22 +2,22 @@
 
 - history boundary: the prompt rendered for the messages *without* the generation prompt. The next
   turn's prompt starts with exactly these tokens, whatever the model replies, so it always hits.
-- system-prompt boundary: the rendering of the leading system message alone, shared by new chats.
+- system-prompt boundary: the leading system message as every chat that opens with it renders it (cut before
+  a user message's opening token: templates such as Qwen3.5's cannot render a system message alone), shared
+  by new chats.
 - post-decode: prompt + generated tokens, kept only if they are a prefix of the history as the next
   turn will send it (the reply rendered as an earlier message, `next_turn`).
 - re-rendered reply: when they are not (templates that drop thinking blocks of earlier turns or trim
-  content, non-canonical merges, invalid UTF-8 bytes), the engine rebuilds, in idle time, the state of
-  that history from the deepest checkpoint, so turn N+1 still pays only for its new message.
+  content, non-canonical merges, invalid UTF-8 bytes, reasoning the client does not send back), a job builds
+  the state of that history from the deepest checkpoint right after the reply (`engine.background`).
 - block grid (a baseline for benchmarks, like vLLM's hybrid cache): only at multiples of `block_size`.
 
-A checkpoint inside the prefill costs a snapshot before the first token, and for models whose state
-the adapter cannot capture inside a pass (mamba2) one more forward pass: the prefill is split there.
-For the history boundary of a warm turn that pass holds only the generation prompt and added about a
-third to the first token's latency. So, when no other request is running or waiting, a boundary
-with a short tail (`defer_tail`) close to the restored state (`defer_redo`) is not taken inline:
-the engine records it afterwards, from the restored checkpoint, in idle time or at the start of the
-next request that extends it. Under load there is no idle time, and the next turn would pay for this
-turn's new tokens again, so a busy engine takes it inline (captured from the same pass where it can).
+Every boundary is taken inside the prefill that reaches it: captured from the same pass where the adapter can
+(Gated DeltaNet models: a snapshot copy, no extra pass), else by splitting the prefill there (one more forward
+pass of the tail). Agents send the next request the instant a reply arrives, so no checkpoint may wait for
+idle time. `defer_tail` > 0 (opt-in, `--defer-checkpoints`) still leaves a boundary with a short tail close
+to the restored state to a job after the reply, saving that pass on models that cannot capture; the next
+request waits for that job when it needs it.
 
 Models with no recurrent layers need none of the prefill boundaries: any cached KV cuts to any prefix.
 Every boundary is checked to be a strict token prefix of the prompt; if a render fails, that
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 log = logging.getLogger("hyserve.cache")
+
+DEFER_TAIL = 16  # `--defer-checkpoints`: the tail below which a boundary is left to a job
 
 RenderNextFn = Callable[[list[dict]], list[int]]  # messages ending with the reply -> the next turn's history
 
@@ -55,7 +57,7 @@ class CheckpointPolicy:
     reply_rerender: bool = True
     max_rebuild_tokens: int = 4096  # a re-rendered reply needing more prefill than this is not rebuilt
     block_size: int | None = None  # set: block-grid baseline; the three exact points above are ignored
-    defer_tail: int = 16  # a boundary at most this many tokens before the prompt's end is recorded later...
+    defer_tail: int = 0  # >0: a boundary at most this many tokens before the prompt's end is recorded later...
     defer_redo: int = 512  # ...when at most this many tokens separate it from the restored state
 
     def split_now(self, boundary: Boundary, checkpoint: int, prompt_length: int, busy: bool = False) -> bool:

@@ -68,3 +68,24 @@ def assistant_message(reply: ParsedReply) -> dict:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in reply.tool_calls]
     return out
+
+
+def reasoning_of(message: dict) -> str:
+    """The reasoning an assistant message carries (either name, or a `<think>` block left in its content)."""
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(key), str) and message[key].strip():
+            return message[key]
+    content = content_text(message.get("content"))
+    return content.split("</think>")[0] if "</think>" in content else ""
+
+
+def without_reasoning(message: dict) -> dict:
+    """An assistant message as a client that does not send reasoning back returns it."""
+    return {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning")}
+
+
+def sends_reasoning(messages: list[dict]) -> bool:
+    """Whether this conversation's client is seen to send the model's reasoning back: an earlier assistant
+    message carries some. False also where it cannot be told (no earlier reply, or replies without reasoning:
+    a client that drops it looks like a model that wrote none)."""
+    return any(m.get("role") == "assistant" and bool(reasoning_of(m)) for m in messages)

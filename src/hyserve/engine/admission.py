@@ -14,7 +14,7 @@ from ..cache.manager import PrefixCache, Restored
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
-from .. import logits
+from .. import logits, next_turn
 from ..sampling import Sampler
 from ..scheduler import Scheduler
 from ..sequence import OutputSequence
@@ -37,14 +37,27 @@ class Admission(Phase):
         `template_kwargs`: the request's extra template arguments (tools, ...), the same for every render."""
         rt = self.runtime
         wanted = self.policy.wanted_renders(messages, rt.has_recurrent_layers) if self.cache.enabled else []
-        items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in wanted]
+        plain = [(kind, m) for kind, m in wanted if kind != "system"]
+        items = ([] if prompt is not None else [(messages, True)]) + [(m, False) for _, m in plain]
         rendered = rt.render_many(items, salt, template_kwargs) if items else []
         if prompt is None:
             prompt = rendered.pop(0)
             if isinstance(prompt, Exception):
                 raise prompt
-        boundaries, skipped = self.policy.boundaries_from(prompt, wanted, rendered)
+        for kind, m in wanted:  # the system prompt as every chat that opens with it renders it (a user follows)
+            if kind == "system":
+                rendered.insert(0, self._system_prefix(m, salt, template_kwargs))
+        boundaries, skipped = self.policy.boundaries_from(prompt, [w for w in wanted if w[0] == "system"] + plain,
+                                                          rendered)
         return prompt, boundaries, skipped
+
+    def _system_prefix(self, messages: list[dict], salt: str, template_kwargs: dict | None) -> list[int] | Exception:
+        rt = self.runtime
+        try:
+            return next_turn.prefix_before(messages, {"role": "user"},
+                                           lambda items: rt.render_many(items, salt, template_kwargs), rt.special_ids)
+        except Exception as exc:  # the policy skips it, with the reason
+            return exc
 
     def boundaries(self, req: GenerationRequest) -> tuple[list[Boundary], list[str]]:
         """The policy's checkpoint boundaries in `req.prompt`, and why any were skipped; never raises."""
@@ -82,11 +95,6 @@ class Admission(Phase):
                 run.boundaries, skipped = self.boundaries(req)
             for reason in skipped:
                 self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
-            # pending background jobs this prompt extends: their checkpoints are recorded in its prefill
-            for job in self.scheduler.take_background(lambda j: j.extended_by(req.prompt, req.cache_salt)):
-                known = {b.length for b in run.boundaries}
-                run.boundaries += [b for b in job.stops if b.length not in known]
-                run.boundaries.sort(key=lambda b: b.length)
         run.sampler = Sampler(req.sampling)
         run.constraint = req.grammar.start() if req.grammar is not None else None
         run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
@@ -98,12 +106,13 @@ class Admission(Phase):
         if self.make_proposer and req.sampling.greedy and not run.pipeline and req.sampling.logprobs is None:
             run.proposer = self.make_proposer(req.prompt)
 
-    def restore_all(self, guard: Callable) -> None:
+    def restore_all(self, guard: Callable, waits: Callable[[Run], bool] = lambda run: False) -> None:
         """Under the runtime lock: a live state for every running request without one, each in its own
         `guard`. One cancelled since it was admitted gets none (it finishes without running), nor one
-        waiting to copy a sibling's prefilled state (`fork_all`)."""
+        waiting to copy a sibling's prefilled state (`fork_all`), nor one that `waits` for a job building
+        its history (`Background.blocks`)."""
         for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
-                    and not r.req.cancelled.is_set()]:
+                    and not r.req.cancelled.is_set() and not waits(r)]:
             leader = self.leader(run)
             if leader is None or leader.decoding:
                 guard([run], self.restore, run)

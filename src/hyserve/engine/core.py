@@ -13,7 +13,9 @@ A step reads, phase by phase (one module each):
 5. finishing (`finishing`): a finished request sends its reply, then records its post-decode checkpoint,
    queues idle-time jobs and frees its state.
 
-When no request is waiting or running, a step runs an idle-time job instead (`background`). The HTTP
+A reply that does not re-render as generated leaves a job (`background`): its conversation's history as
+the next turn sends it, built right after the reply, while nothing runs, and one chunk a step for a request
+that waits for it (its prompt extends the job). The HTTP
 layer only calls `submit`/`stream`; stream items reach their event loops through the `outbox`.
 """
 
@@ -133,7 +135,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle and not self._rebuilding
+        return self.scheduler.idle and not self._rebuilding and not self.background.pending()
 
     def problem(self) -> str | None:
         """Why the engine is not making progress (`/health` then says degraded), or None."""
@@ -151,7 +153,7 @@ class Engine:
     # -- worker ----------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stopping:
-            self.scheduler.wait_for_work()
+            self.scheduler.wait_for_work(pending=self.background.active is not None)
             self.watchdog.begin()
             try:
                 model_thread.run(self.step)  # every engine's model work runs on the one model thread
@@ -216,10 +218,10 @@ class Engine:
         sched, guard = self.scheduler, self.finishing.guard
         self.admission.drop_abandoned()
         new = self.admission.admit(guard)
-        if not sched.busy and sched.background:
+        if not sched.busy and self.background.pending():
             self._rebuilding = True
             try:
-                self.background.run(sched.background.pop())
+                self.background.idle()
             finally:
                 self._rebuilding = False
             return
@@ -232,7 +234,10 @@ class Engine:
         """Every phase's work on one request runs in that request's own guard (`Finishing.guard`): a request
         that raises leaves with a `Failed` item and takes no other request with it."""
         sched, guard = self.scheduler, self.finishing.guard
-        self.admission.restore_all(guard)
+        waiting = [r for r in sched.running if r.restored is None and self.background.blocks(r)]
+        if waiting:  # requests whose history a job is building: a chunk of it, then they restore from it
+            self.background.for_waiting(waiting)
+        self.admission.restore_all(guard, self.background.blocks)
         self.finishing.reap()
         self.prefill.run([r for r in sched.running if not r.decoding and r.restored is not None], guard)
         self.admission.fork_all(guard)

@@ -1,5 +1,5 @@
 """Finishing: a request leaves the running list, with its final item, its post-decode checkpoint (when the
-policy says the next turn will start from it) and idle-time jobs for what it deferred. Its live state and
+policy says the next turn will start from it) and jobs that build its history as the next turn will send it. Its live state and
 its pin on the cache go in the same step, so the slot is free for the next one.
 
 Replies go out first: `finish` emits the final item and `settle` (before the step's next forward pass, and
@@ -20,6 +20,7 @@ import time
 
 from ..cache.manager import PrefixCache
 from ..cache.policy import CheckpointPolicy
+from ..chat.messages import reasoning_of, sends_reasoning, without_reasoning
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
@@ -68,42 +69,54 @@ class Finishing(Phase):
             if run.released.is_set():  # failed since (a step that kept raising): nothing left to record
                 continue
             try:
-                rebuild = None
+                rebuilds = []
                 try:
-                    rebuild = self.record_post_decode(run, reason, text)
+                    rebuilds = self.record_post_decode(run, reason, text)
                 except Exception:  # the reply is out: the next turn just misses this checkpoint
                     log.exception("request %s: recording its post-decode checkpoint failed", run.req.request_id)
                 if self.cache.enabled:
-                    self.background.queue_for(run, rebuild)
+                    self.background.queue_for(run, rebuilds)
                 self.metrics.snapshots_per_request.observe(run.snapshots)
             finally:
                 self.guard([run], self.release, run)
 
-    def record_post_decode(self, run: Run, reason: str, text: str) -> list[int] | None:
+    def record_post_decode(self, run: Run, reason: str, text: str) -> list[list[int]]:
         """The finished request's post-decode checkpoint, where the policy says its next turn starts from it.
-        Returns the tokens of its re-rendered history for an idle-time rebuild, or None."""
+        Returns the tokens of each re-rendered history to build right after the reply (a job each).
+
+        A reply with reasoning is sent back by some clients and dropped by others (openai-agents', LangChain's
+        defaults), and templates render the two differently; each conversation's earlier turns show which
+        habit its client has (`sends_reasoning`): unknown, both next turns are prepared."""
         req, rt, generated = run.req, self.runtime, run.out.generated
         if reason in ("cancelled", "timeout") or not run.decoding:  # (a request cancelled before it had a state)
             self.cache.telemetry.emit("declined", reason, request_id=req.request_id, kind="post_decode")
-            return None
+            return []
         if req.keep_final:
             if self.cache.enabled and self.policy.post_decode:
                 self.record_final(run)
-            return None
+            return []
         state = run.state
         render_next = functools.partial(rt.render_next_turn, salt=req.cache_salt, template_kwargs=req.template_kwargs)
         reply = req.reply_message(text) if req.reply_message else {"role": "assistant", "content": text}
-        ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, reply, render_next,
-                                                      rt.has_recurrent_layers)
-        if why.startswith("rerender_mismatch") and self.cache.enabled:
+        replies = [reply]
+        if reasoning_of(reply) and not sends_reasoning(req.messages or []):
+            replies.append(without_reasoning(reply))
+        keep, rebuilds, whys = False, [], []
+        for r in replies:
+            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, r, render_next,
+                                                          rt.has_recurrent_layers)
+            keep, whys = keep or ok, whys + [why]
+            if rebuild is not None and rebuild not in rebuilds:
+                rebuilds.append(rebuild)
+        if any(w.startswith("rerender_mismatch") for w in whys) and self.cache.enabled:
             self.metrics.rerender_mismatch.inc()
-        if ok:
+        if keep:
             run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
                                                req.request_id, req.cache_salt)
         elif self.cache.enabled:
-            self.cache.telemetry.emit("declined", why, request_id=req.request_id, kind="post_decode",
+            self.cache.telemetry.emit("declined", ",".join(whys), request_id=req.request_id, kind="post_decode",
                                       tokens=state.position)
-        return rebuild
+        return rebuilds
 
     def record_final(self, run: Run) -> None:
         """Feed the last generated token (the state holds prompt + generated[:-1]) and record the state of
