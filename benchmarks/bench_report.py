@@ -217,6 +217,12 @@ def agent(result: dict) -> str:
     return bench_agent.table(result)
 
 
+def agent_framework(result: dict) -> str:
+    import bench_agent_framework
+
+    return bench_agent_framework.table(result)
+
+
 def real(result: dict) -> str:
     import bench_real
 
@@ -252,6 +258,7 @@ REPORTS = {
     "gpu": ("gpu.json", gpu),
     "agent": ("agent.json", agent),
     "agent-back-to-back": ("agent-back-to-back.json", agent),
+    "agent-framework": ("agent-framework.json", agent_framework),
     "multiturn-4k-64new": ("multiturn-4k-64new.json", multiturn),
     "multiturn-8turn": ("multiturn-8turn.json", multiturn),
     "multiturn-split": ("multiturn-4k-short-split.json", multiturn),

@@ -41,6 +41,7 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_idle.py", "--json", "idle.json"),
     ("benchmarks/bench_memory.py", "--json", "memory.json"),
     ("benchmarks/bench_agent.py", "--json", "agent.json"),
+    ("benchmarks/bench_agent_framework.py", "--json", "agent-framework.json"),
     ("benchmarks/bench_real.py", "--json", "real.json"),
     ("benchmarks/bench_decode_step.py", "--json", "decode-step.json"),
     ("benchmarks/bench_snapshot_copy.py", "--json", "snapshot-copy.json"),
@@ -50,7 +51,9 @@ def test_run_py_quick_writes_results_and_plots(results):
 def test_quick_mode_exits_cleanly(script, flag, name, results):
     if script.endswith("bench_replicas.py"):
         pytest.importorskip("ray.serve")
-    if script.endswith("bench_agent.py"):
+    if script.endswith("bench_agent_framework.py"):
+        pytest.importorskip("agents")  # the `agents` extra
+    if script.endswith(("bench_agent.py", "bench_agent_framework.py")):
         from ..conftest import QWEN35_TEMPLATE, real_template
 
         real_template(QWEN35_TEMPLATE)  # skips without ../shared
