@@ -103,3 +103,27 @@ def test_xml_call_typed_by_a_pydantic_signature_whatever_the_chunking():
             "</function>\n</tool_call>")
     args = {"city": "3", "days": 3, "options": {"unit": "C"}, "tags": ["rain"]}
     assert parsed(turn(Qwen3XmlParser, tools=tools), text) == (None, None, [("forecast", args)])
+
+
+def test_self_branching_refs_are_flattened_once(monkeypatch):
+    """`A: anyOf [A, A]` nests 2^depth branches: each schema is flattened once (and the walk is bounded)."""
+    from hyserve.parsers import schema_values
+
+    own, seen = schema_values._own, []
+
+    def counted(schema):
+        seen.append(schema)
+        assert len(seen) < 1000, "flattened again and again"
+        return own(schema)
+
+    monkeypatch.setattr(schema_values, "_own", counted)
+    root = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}, {"type": "integer"}]}}}
+    assert typed_value("3", {"$ref": "#/$defs/A"}, root) == 3
+
+
+@pytest.mark.parametrize("schema", [{"type": [{"x": 1}, "integer"]}, {"enum": [{"a": [1]}, [2]], "const": None},
+                                    {"allOf": {"type": "integer"}, "anyOf": "x", "items": 3, "properties": []},
+                                    {"prefixItems": [1], "additionalProperties": "no"}])
+def test_odd_schemas_do_not_fail(schema):
+    assert typed_value("3", schema, {}) in ("3", 3)
+    assert typed_value('{"a": [1]}', schema, {}) in ('{"a": [1]}', {"a": [1]})

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-MAX_DEPTH = 32  # `$ref` chains and nesting deeper than this are left untyped (recursive or hostile schemas)
+MAX_DEPTH = 32  # `$ref` chains and nesting deeper than this type nothing (recursive or hostile schemas)
 MAX_ALTERNATIVES = 64  # `allOf` of `anyOf`s multiplies alternatives: stop at this many
+MAX_SCHEMAS = 4096  # schemas flattened for one value; past it, what is left types nothing
 _MISSING = object()
 
 
@@ -38,34 +39,55 @@ class Shape:
 def typed_value(text: str, schema, root=None) -> object:
     """`text` as the JSON value `schema` asks for (its `$ref`s resolved in `root`, the tool's whole parameters
     schema); the text itself when nothing fits. A `null` text is None when the schema names null."""
-    shapes = flatten(schema, root)
+    walk = _Walk(root)
+    shapes = walk.flatten(schema)
     if text.strip().lower() == "null" and any(_names_null(s) for s in shapes):
         return None
-    return _from_text(text, shapes, root, 0)[0]
+    return _from_text(text, shapes, walk, 0)[0]
 
 
-def flatten(schema, root, depth: int = 0) -> list[Shape]:
-    """`schema` as alternatives with no `$ref` or combinators left."""
-    if depth > MAX_DEPTH or not isinstance(schema, dict):
-        return [Shape()] if schema is not False else []
-    parts = [[_own(schema)]]
-    if isinstance(schema.get("$ref"), str):
-        parts.append(flatten(_resolve(schema["$ref"], root), root, depth + 1))
-    for branch in schema.get("allOf") or []:
-        parts.append(flatten(branch, root, depth + 1))
-    for key in ("anyOf", "oneOf"):  # oneOf as anyOf: only shapes are compared, and several may fit
-        if isinstance(schema.get(key), list):
-            parts.append([s for branch in schema[key] for s in flatten(branch, root, depth + 1)])
-    shapes = parts[0]
-    for part in parts[1:]:
-        shapes = [m for a in shapes for b in part if (m := _merge(a, b)) is not None][:MAX_ALTERNATIVES]
-    return shapes
+class _Walk:
+    """One value's typing: the root `$ref`s resolve in, and each schema flattened once, within a bound (a
+    schema whose `$ref`s branch back into themselves would otherwise take exponential time)."""
+
+    def __init__(self, root):
+        self.root, self.left = root, MAX_SCHEMAS
+        self.memo: dict[int, tuple[dict, list[Shape]]] = {}
+
+    def flatten(self, schema, depth: int = 0) -> list[Shape]:
+        """`schema` as alternatives with no `$ref` or combinators left."""
+        if not isinstance(schema, dict):
+            return [Shape()] if schema is not False else []
+        seen = self.memo.get(id(schema))
+        if seen is not None and seen[0] is schema:
+            return seen[1]
+        if depth > MAX_DEPTH or self.left <= 0:  # a cycle with no way out (`A: {$ref: A}`), or too much work
+            return []
+        self.left -= 1
+        parts = [[_own(schema)]]
+        if isinstance(schema.get("$ref"), str):
+            parts.append(self.flatten(_resolve(schema["$ref"], self.root), depth + 1))
+        for branch in _list(schema.get("allOf")):
+            parts.append(self.flatten(branch, depth + 1))
+        for key in ("anyOf", "oneOf"):  # oneOf as anyOf: only shapes are compared, and several may fit
+            if isinstance(schema.get(key), list):
+                parts.append([s for branch in schema[key] for s in self.flatten(branch, depth + 1)])
+        shapes = parts[0]
+        for part in parts[1:]:
+            shapes = [m for a in shapes for b in part if (m := _merge(a, b)) is not None][:MAX_ALTERNATIVES]
+        self.memo[id(schema)] = (schema, shapes)
+        return shapes
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _own(schema: dict) -> Shape:
     """The shape a schema's own keywords give (without `$ref` and combinators)."""
     t = schema.get("type")
-    types = frozenset([t] if isinstance(t, str) else t) if isinstance(t, (str, list)) else None
+    types = frozenset(x for x in ([t] if isinstance(t, str) else t) if isinstance(x, str)) \
+        if isinstance(t, (str, list)) else None
     if types is None and any(k in schema for k in ("properties", "additionalProperties", "required")):
         types = frozenset(["object"])
     elif types is None and any(k in schema for k in ("items", "prefixItems")):
@@ -166,7 +188,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _from_text(text: str, shapes: list[Shape], root, depth: int) -> tuple[object, bool]:
+def _from_text(text: str, shapes: list[Shape], walk: _Walk, depth: int) -> tuple[object, bool]:
     """(A text typed by alternatives: itself if one takes a string, else its first reading one takes; whether
     it wholly fits). The text itself, and False, when nothing does."""
     if any(_fits(text, s) for s in shapes):
@@ -175,19 +197,19 @@ def _from_text(text: str, shapes: list[Shape], root, depth: int) -> tuple[object
     if stripped != text and any(_fits(stripped, s) for s in shapes):
         return stripped, True  # an enum value written with spaces around it
     for reading in _readings(stripped):
-        value, whole = _shaped(reading, shapes, root, depth)
+        value, whole = _shaped(reading, shapes, walk, depth)
         if value is not _MISSING:
             return value, whole
     return text, False
 
 
-def _shaped(value, shapes: list[Shape], root, depth: int) -> tuple[object, bool]:
+def _shaped(value, shapes: list[Shape], walk: _Walk, depth: int) -> tuple[object, bool]:
     """(`value` with its insides typed by the first alternative it wholly fits, or else by the first it fits
     at the top; whether it wholly fits). (_MISSING, False) when none fits."""
     first = _MISSING
     for s in shapes:
         if _fits(value, s):
-            inside, whole = _inside(value, s, root, depth)
+            inside, whole = _inside(value, s, walk, depth)
             if whole:
                 return inside, True
             if first is _MISSING:
@@ -195,7 +217,7 @@ def _shaped(value, shapes: list[Shape], root, depth: int) -> tuple[object, bool]
     return first, False
 
 
-def _inside(value, s: Shape, root, depth: int) -> tuple[object, bool]:
+def _inside(value, s: Shape, walk: _Walk, depth: int) -> tuple[object, bool]:
     """An object's or array's members typed by their schemas; whether they all fit."""
     if depth >= MAX_DEPTH or not isinstance(value, (dict, list)):
         return value, True
@@ -208,7 +230,7 @@ def _inside(value, s: Shape, root, depth: int) -> tuple[object, bool]:
         else:
             schema = s.prefix[k] if k < len(s.prefix) else s.items
         if isinstance(schema, dict):
-            v, fit = _member(v, flatten(schema, root), root, depth + 1)
+            v, fit = _member(v, walk.flatten(schema), walk, depth + 1)
             whole &= fit
         if isinstance(out, dict):
             out[k] = v
@@ -217,9 +239,9 @@ def _inside(value, s: Shape, root, depth: int) -> tuple[object, bool]:
     return out, whole
 
 
-def _member(v, shapes: list[Shape], root, depth: int) -> tuple[object, bool]:
+def _member(v, shapes: list[Shape], walk: _Walk, depth: int) -> tuple[object, bool]:
     """A value inside an object or array: a string the schema does not take as one is read like a text."""
     if isinstance(v, str):
-        return _from_text(v, shapes, root, depth)
-    value, whole = _shaped(v, shapes, root, depth)
+        return _from_text(v, shapes, walk, depth)
+    value, whole = _shaped(v, shapes, walk, depth)
     return (v, False) if value is _MISSING else (value, whole)
