@@ -77,6 +77,11 @@ def test_nothing_fits_keeps_the_text(annotation, text):
     ({"properties": {"n": {"type": "integer"}}}, '{"n": 1}', {"n": 1}),  # object and array implied by keywords
     ({"allOf": [{"type": "number"}, {"type": "integer"}]}, "5", 5),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "5", "5"),  # no value is both: the text
+    ({"allOf": [{"type": ["integer", "number"]}, {"type": "string"}]}, "5", "5"),
+    ({"allOf": [{"type": ["integer", "string"]}, {"type": "number"}]}, "5", 5),
+    ({"properties": {"zip": {"type": "string"}, "on": {"enum": ["true", "1"]}}}, '{"zip": 75001, "on": true}',
+     {"zip": "75001", "on": "true"}),  # a nested number or boolean where only a string fits: its text
+    ({"items": {"type": "string"}}, "[1.5, null]", ["1.5", None]),  # (null has no text to be)
     ({"anyOf": [{"$ref": "#/definitions/A"}, {"$ref": "#/definitions/B"}]}, '{"b": "2"}', {"b": 2}),  # keys fit B
     ({"$ref": "#/definitions/Missing"}, "3", "3"), ({"$ref": "https://example.com/s.json"}, "3", "3"),
     ({"$ref": "#"}, "3", "3"),  # refers to itself: no schema in the end

@@ -131,7 +131,7 @@ def _merge(a: Shape, b: Shape) -> Shape | None:
         types = b.types if a.types is None else a.types
     else:
         types = a.types & b.types
-        if "integer" in a.types | b.types and "number" in a.types | b.types:
+        if "integer" in a.types and "number" in b.types or "number" in a.types and "integer" in b.types:
             types |= {"integer"}  # an integer is a number
         if not types:
             return None
@@ -240,8 +240,11 @@ def _inside(value, s: Shape, walk: _Walk, depth: int) -> tuple[object, bool]:
 
 
 def _member(v, shapes: list[Shape], walk: _Walk, depth: int) -> tuple[object, bool]:
-    """A value inside an object or array: a string the schema does not take as one is read like a text."""
+    """A value inside an object or array: a string the schema does not take as one is read like a text, and a
+    number or boolean where only a string fits becomes its text (as a parameter's own value would stay)."""
     if isinstance(v, str):
         return _from_text(v, shapes, walk, depth)
     value, whole = _shaped(v, shapes, walk, depth)
+    if value is _MISSING and isinstance(v, (int, float)) and any(_fits(json.dumps(v), s) for s in shapes):
+        return json.dumps(v), True
     return (v, False) if value is _MISSING else (value, whole)
