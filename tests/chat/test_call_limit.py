@@ -15,6 +15,8 @@ from ..parsers.helpers import TOOLS, parsed
 DROPS_LATER_CALLS = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %}"
                      "{{ m.tool_calls[0].function.name }}{% endif %}\n{% endfor %}")
 NO_TOOLS = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+WANTS_RESULTS = ("{% if messages[-1].role == 'assistant' %}{{ raise_exception('results first') }}{% endif %}"
+                 + DROPS_LATER_CALLS)  # a template that wants a result after the calls
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def test_real_templates(tokenizer, name):
     assert renders_parallel_calls(use_template(tokenizer, template)) == ("Llama-3" not in name)
 
 
-@pytest.mark.parametrize("template,parallel", [(DROPS_LATER_CALLS, False), (NO_TOOLS, True)])
+@pytest.mark.parametrize("template,parallel", [(DROPS_LATER_CALLS, False), (WANTS_RESULTS, False), (NO_TOOLS, True)])
 def test_written_templates(tokenizer, template, parallel):
     assert renders_parallel_calls(use_template(tokenizer, template)) == parallel
 

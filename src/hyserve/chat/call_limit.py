@@ -19,15 +19,17 @@ _NAMES = ("hyserve_probe_first", "hyserve_probe_second")
 
 
 def _history(calls: int) -> list[dict]:
-    tool_calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+    """An agent's turn as clients send it back: the calls, then a result for each (templates may insist)."""
+    tool_calls = [{"id": f"call{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
                   for i, name in enumerate(_NAMES[:calls])]
-    return [{"role": "user", "content": "Hi"}, template_message(
-        {"role": "assistant", "content": "", "tool_calls": tool_calls})]
+    return [{"role": "user", "content": "Hi"},
+            template_message({"role": "assistant", "content": "", "tool_calls": tool_calls}),
+            *[template_message({"role": "tool", "tool_call_id": c["id"], "content": "ok"}) for c in tool_calls]]
 
 
 def _render(tokenizer, calls: int) -> str | None:
     try:
-        text = tokenizer.apply_chat_template(_history(calls), tokenize=False, add_generation_prompt=False)
+        text = tokenizer.apply_chat_template(_history(calls), tokenize=False, add_generation_prompt=True)
     except Exception:  # any template error: the template refuses this history
         return None
     return text if isinstance(text, str) else None
