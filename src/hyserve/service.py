@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from .cache.fingerprint import fingerprint
 from .cache.manager import PrefixCache
 from .cache.policy import CheckpointPolicy
 from .cache.telemetry import CacheTelemetry
+from .chat.call_limit import renders_parallel_calls
 from .engine import Engine
 from .metrics import Metrics
 from .parsers import Parsers, choose_parsers
@@ -89,6 +90,8 @@ def build_service(config: ServiceConfig) -> Service:
     choose_parsers("", config.tool_call_parser, config.reasoning_parser)
     runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
     parsers = choose_parsers(template_text(runtime.tokenizer), config.tool_call_parser, config.reasoning_parser)
+    if parsers.tool is not None and not renders_parallel_calls(runtime.tokenizer):
+        parsers = replace(parsers, single_tool_call=True)
     runtime.special_tokens_in_content = config.allow_special_tokens_in_content
     metrics = Metrics()
     for name, status in runtime.kernels.status.items():

@@ -79,10 +79,12 @@ class ChatTurn:
             self.reasoning_opened = self.parsers.reasoning.opened_by(tail)
 
     def reader(self) -> ReplyReader:
-        """A fresh reader for this request's reply (the streaming path and `parse` both use one)."""
+        """A fresh reader for this request's reply (the streaming path and `parse` both use one). On a template
+        that renders one tool call per assistant message (Llama 3.x) the reply carries only the first call,
+        even with `parallel_tool_calls`: a reply with two would be a history the next request cannot send."""
         reasoning = self.parsers.reasoning(self.reasoning_opened) if self.parsers.reasoning else None
         tools = self.parsers.tool(ToolSchemas.of(self.tools)) if self.parses_tool_calls else None
-        return ReplyReader(reasoning, tools, self.parallel_tool_calls)
+        return ReplyReader(reasoning, tools, self.parallel_tool_calls and not self.parsers.single_tool_call)
 
     def parse(self, text: str) -> ParsedReply:
         """The whole reply read (the last one kept, so every caller sees the same call ids)."""

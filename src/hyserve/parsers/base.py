@@ -29,15 +29,19 @@ class ToolSchemas:
     """The request's tools by name: parsers that read typeless text (XML parameters) convert values with it."""
 
     params: dict[str, dict[str, dict]] = field(default_factory=dict)  # function name -> parameter -> JSON schema
+    roots: dict[str, dict] = field(default_factory=dict)  # function name -> its whole parameters schema ($defs)
 
     @classmethod
     def of(cls, tools: list[dict] | None) -> "ToolSchemas":
-        params = {}
+        params, roots = {}, {}
         for tool in tools or []:
             fn = tool.get("function") or {}
-            props = (fn.get("parameters") or {}).get("properties")
+            root = fn.get("parameters")
+            root = root if isinstance(root, dict) else {}
+            props = root.get("properties")
             params[fn.get("name", "")] = props if isinstance(props, dict) else {}
-        return cls(params)
+            roots[fn.get("name", "")] = root
+        return cls(params, roots)
 
 
 class ToolParser:

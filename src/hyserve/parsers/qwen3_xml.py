@@ -8,8 +8,8 @@
     </function>
     </tool_call>
 
-Parameter values are text; each is converted by the type its tool's JSON schema gives it (string, integer,
-number, boolean, object, array, null), and kept as a string when it has no schema or does not convert.
+Parameter values are text; each is typed by its tool's whole JSON schema for it (`$ref`s, `anyOf`, nested
+objects: `schema_values`), and kept as a string when it has no schema or does not convert.
 A missing `</parameter>` ends at the next parameter or at `</function>`, as models sometimes write it."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import re
 
 from .base import TaggedBlocks, ToolCall, valid_name
+from .schema_values import typed_value as convert
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
@@ -32,14 +33,14 @@ class Qwen3XmlParser(TaggedBlocks):
             name = m.group(1).strip()
             if not valid_name(name):
                 return None
-            schema = self.schemas.params.get(name, {})
+            schema, root = self.schemas.params.get(name, {}), self.schemas.roots.get(name)
             args = {}
             inner = m.group(2)
             for p in _PARAMETER.finditer(inner):
                 key = p.group(1).strip()
                 if not key:
                     return None
-                args[key] = convert(_strip_newline(p.group(2)), schema.get(key))
+                args[key] = convert(_strip_newline(p.group(2)), schema.get(key), root)
             if _PARAMETER.sub("", inner).strip():  # text outside any parameter: not this format
                 return None
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
@@ -59,38 +60,4 @@ def _strip_newline(value: str) -> str:
         value = value[1:]
     if value.endswith("\n"):
         value = value[:-1]
-    return value
-
-
-def convert(value: str, schema) -> object:
-    """A parameter's text as the JSON value its schema's type asks for; the text itself when it cannot be."""
-    types = schema.get("type") if isinstance(schema, dict) else None
-    types = [types] if isinstance(types, str) else list(types or [])
-    text = value.strip()
-    if text.lower() == "null" and "null" in types:
-        return None
-    if not types or "string" in types:
-        return value
-    for t in types:
-        if t == "boolean" and text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        if t == "integer":
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if t == "number":
-            try:
-                number = float(text)
-            except ValueError:
-                continue
-            if number == number and abs(number) != float("inf"):
-                return int(number) if number.is_integer() and re.fullmatch(r"-?\d+", text) else number
-        if t in ("object", "array"):
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(parsed, dict if t == "object" else list):
-                return parsed
     return value

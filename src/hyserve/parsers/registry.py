@@ -21,6 +21,7 @@ REASONING_ALIASES = {"qwen3": "think", "deepseek_r1": "think"}
 class Parsers:
     tool: type | None  # a ToolParser subclass
     reasoning: type | None  # ThinkParser
+    single_tool_call: bool = False  # the template renders one call per assistant message (`chat.call_limit`)
 
     @property
     def names(self) -> dict[str, str | None]:
