@@ -1,8 +1,9 @@
 """`POST /v1/messages` (Anthropic's Messages API) on the chat machinery, so agents that speak it work against
 hyserve: the reply is read by the request's `ChatTurn` into `thinking`, `text` and `tool_use` blocks, streamed
 as Anthropic's named events. `usage.input_tokens` counts the prompt tokens not read from the prefix cache,
-`cache_read_input_tokens` the ones that were (Anthropic's split); errors come in Anthropic's shape
-(`errors.anthropic_body`). `POST /v1/messages/count_tokens` renders without generating."""
+`cache_read_input_tokens` the ones that were (Anthropic's split, the same in message_start, which therefore
+waits for the first token); errors come in Anthropic's shape (`errors.anthropic_body`).
+`POST /v1/messages/count_tokens` renders without generating."""
 
 from __future__ import annotations
 
