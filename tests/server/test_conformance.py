@@ -211,6 +211,12 @@ def test_chat_completions(openai_client, spec):
         spec("CreateChatCompletionResponse", body)
         assert len(body["choices"]) == kw.get("n", 1) == len(resp.choices)
         assert all("refusal" in c["message"] and c["message"]["refusal"] is None for c in body["choices"])
+    assert [c for c in chat(openai_client, max_tokens=4, n=2, temperature=1, seed=3, stream=True,
+                            stream_options={"include_usage": True})]
+    chunks = chunks_of(openai_client)
+    for chunk in chunks:
+        spec("CreateChatCompletionStreamResponse", chunk)
+    assert {c["choices"][0]["index"] for c in chunks[:-1]} == {0, 1} and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
 def test_chat_completion_tool_call_whole_and_streamed(openai_client, spec, srv, force):
@@ -362,7 +368,8 @@ def test_messages_bodies_and_events(anthropic_client, srv, force):
     # message_start splits the prompt as the final usage does (Anthropic's: input_tokens without the cached)
     usage = start.message.usage
     cached = usage.cache_read_input_tokens
-    assert 0 < cached == delta.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
+    assert cached is not None and cached > 0
+    assert cached == delta.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
     assert usage.input_tokens == delta.usage.input_tokens == final.usage.input_tokens
     assert usage.input_tokens + usage.cache_read_input_tokens == \
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens
