@@ -99,8 +99,12 @@ class Admission(Phase):
         run.constraint = req.grammar.start() if req.grammar is not None else None
         run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
         ending = rt.eos_token_ids | frozenset(req.sampling.stop_token_ids)
-        run.out = OutputSequence(rt.tokenizer, ending, req.stop, req.max_tokens, req.arrival,
-                                 self.metrics, lambda text, ids, lps: run.emit(Delta(text, list(ids), lps)))
+
+        def emit(text: str, ids, lps) -> None:
+            cached = run.restored.cached_tokens if run.restored is not None else 0
+            run.emit(Delta(text, list(ids), lps, cached))
+
+        run.out = OutputSequence(rt.tokenizer, ending, req.stop, req.max_tokens, req.arrival, self.metrics, emit)
         # Speculation is exact only for greedy decoding (no rejection sampling) on the raw logits (its verify
         # pass applies no processors and computes no logprobs, though it masks with the grammar): off otherwise.
         if self.make_proposer and req.sampling.greedy and not run.pipeline and req.sampling.logprobs is None:

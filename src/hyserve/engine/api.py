@@ -43,6 +43,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list | None = None  # one (token, logprob, [(id, logprob)...]) per token id, when requested
+    cached_tokens: int = 0  # prompt tokens restored from the cache (as Finished's: /v1/messages' message_start)
 
 
 @dataclass

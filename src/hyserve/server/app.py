@@ -269,12 +269,20 @@ def create_app(service: Service) -> FastAPI:
 
     install_tokens(app, service, check_model)
 
+    created = int(time.time())  # the model is loaded once: its "created" stays the same while serving
+
+    def model_object() -> dict:
+        return {"id": service.model_name, "object": "model", "created": created, "owned_by": "hyserve",
+                "max_model_len": rt.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": int(time.time()), "owned_by": "hyserve",
-            "max_model_len": rt.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model:path}")  # (ids such as "Qwen/Qwen3.5-4B" hold a slash)
+    async def model(model: str):
+        check_model(model)
+        return model_object()
 
     @app.get("/health")
     async def health():

@@ -115,7 +115,7 @@ class ChatFormat(_Format):
 
     def full(self, fin: Finished) -> dict:
         reply = self.turn.parse(fin.text)
-        message = assistant_message(reply)
+        message = {**assistant_message(reply), "refusal": None}  # required (nullable): hyserve never refuses
         if reply.reasoning is not None:
             message["reasoning"] = reply.reasoning  # the name vLLM uses now, next to `reasoning_content`
         return self._ids({"index": self.index, "message": message, "logprobs": self._logprobs(fin.logprobs),

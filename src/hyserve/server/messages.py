@@ -1,8 +1,9 @@
 """`POST /v1/messages` (Anthropic's Messages API) on the chat machinery, so agents that speak it work against
 hyserve: the reply is read by the request's `ChatTurn` into `thinking`, `text` and `tool_use` blocks, streamed
 as Anthropic's named events. `usage.input_tokens` counts the prompt tokens not read from the prefix cache,
-`cache_read_input_tokens` the ones that were (Anthropic's split); errors come in Anthropic's shape
-(`errors.anthropic_body`). `POST /v1/messages/count_tokens` renders without generating."""
+`cache_read_input_tokens` the ones that were (Anthropic's split, the same in message_start, which therefore
+waits for the first token); errors come in Anthropic's shape (`errors.anthropic_body`).
+`POST /v1/messages/count_tokens` renders without generating."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class MessagesFormat(_Format):
         self.blocks = 0  # content blocks started
         self.open: str | None = None  # "thinking" | "text": the block being streamed
         self.calls = False
+        self.started = False  # message_start waits for the engine's first item, which knows the cached tokens
 
     def event(self, chunk: dict) -> dict:
         return {"event": chunk["type"], "data": json.dumps(chunk)}
@@ -66,14 +68,22 @@ class MessagesFormat(_Format):
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
+    def _start(self, cached: int) -> list[dict]:
+        """message_start, once, with the usage split the final one has (Anthropic's: input_tokens excludes
+        the cached tokens, cache_read_input_tokens counts them)."""
+        if self.started:
+            return []
+        self.started = True
+        usage = {**input_usage(self.prompt_tokens, cached), "output_tokens": 0}
+        return [{"type": "message_start", "message": self.message([], None, None, usage)}]
+
     def __call__(self, kind: str, payload):
-        if kind == "start":
-            usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
-            return [{"type": "message_start", "message": self.message([], None, None, usage)}]
         if kind == "delta":
-            return [e for ev in self.reader.feed(payload.text) for e in self._stream(ev)]
+            return self._start(payload.cached_tokens) + [
+                e for ev in self.reader.feed(payload.text) for e in self._stream(ev)]
         if kind == "final":
-            events = [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
+            events = self._start(payload.cached_tokens)
+            events += [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
             reason, seq = self.stop(payload, self.calls)
             return events + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                               "usage": usage_of(payload)}, {"type": "message_stop"}]
@@ -123,9 +133,13 @@ class MessagesFormat(_Format):
         return events + [{"type": "content_block_stop", "index": self.blocks - 1}]
 
 
+def input_usage(prompt_tokens: int, cached: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
 def usage_of(fin: Finished) -> dict:
-    return {"input_tokens": fin.prompt_tokens - fin.cached_tokens, "output_tokens": len(fin.token_ids),
-            "cache_read_input_tokens": fin.cached_tokens, "cache_creation_input_tokens": 0}
+    return {**input_usage(fin.prompt_tokens, fin.cached_tokens), "output_tokens": len(fin.token_ids)}
 
 
 def install_messages(app: FastAPI, service: Service) -> None:

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from ..chat import ChatRequestError, ChatTurn, template_message
 from ..chat.continuation import ContinuationError, continuation_ids
 from ..chat.reply import CallEvent, ParsedReply
+from ..parsers.reasoning import REASONING
 from ..engine import Finished
 from ..prompt_bound import PromptTooLong
 from ..service import Service
@@ -61,9 +62,10 @@ class ResponsesFormat(_Format):
 
     done = None  # no `[DONE]` line: the stream ends after `response.completed`
 
-    def __init__(self, model: str, turn: ChatTurn, body: ResponsesRequest, on_done):
+    def __init__(self, model: str, turn: ChatTurn, body: ResponsesRequest, on_done, decode):
         super().__init__(model)
         self.id, self.turn, self.body, self.on_done = _id("resp"), turn, body, on_done
+        self.decode = decode  # token ids -> text, as the engine decodes them (to count reasoning tokens)
         self.reader = turn.reader()
         self.seq = 0
         self.output: list[dict] = []  # streamed items, closed
@@ -170,15 +172,44 @@ class ResponsesFormat(_Format):
             "temperature": b.temperature, "text": {"format": {"type": "text"}},
             "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
             else (b.tool_choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []], "top_p": b.top_p,
-            "truncation": "disabled", "usage": response_usage(fin) if fin else None,
+            "tools": [echoed_tool(t) for t in b.tools or []], "top_p": b.top_p, "truncation": "disabled",
+            "usage": response_usage(fin, reasoning_tokens(self.turn, self.decode, fin.token_ids)) if fin else None,
         }
 
 
-def response_usage(fin: Finished) -> dict:
+def echoed_tool(tool) -> dict:
+    """A function tool as the response echoes it: `strict` and `parameters` are required there (null when
+    the request left them out); other fields only when given."""
+    return {"strict": None, "parameters": None, **tool.model_dump(exclude_none=True)}
+
+
+def reasoning_tokens(turn: ChatTurn, decode, ids: list[int]) -> int:
+    """The generated tokens up to and including the one that closes the reasoning block (all of them when the
+    reply was cut off inside it), as the request's reasoning parser splits the reply."""
+    reader = turn.reader().reasoning
+    if reader is None or not ids:
+        return 0
+    text = decode(ids)
+    if not any(channel == REASONING for channel, _ in reader.feed(text) + reader.finish()):
+        return 0
+    end = text.find(reader.end_tag)
+    if end < 0:
+        return len(ids)
+    end += len(reader.end_tag)
+    lo, hi = 1, len(ids)  # the shortest prefix whose text reaches the end tag's end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(decode(ids[:mid])) >= end else (mid + 1, hi)
+    return lo
+
+
+def response_usage(fin: Finished, reasoning: int = 0) -> dict:
     out = len(fin.token_ids)
-    return {"input_tokens": fin.prompt_tokens, "input_tokens_details": {"cached_tokens": fin.cached_tokens},
-            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+    # cache_write_tokens: required; hyserve records its checkpoints as a side effect and counts no input as
+    # written (as /v1/messages reports cache_creation_input_tokens: 0)
+    return {"input_tokens": fin.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": fin.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": fin.prompt_tokens + out}
 
 
@@ -246,7 +277,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
             if body.store and fin.reason in ("stop", "length"):
                 store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions)
 
-        fmt = ResponsesFormat(service.model_name, turn, body, on_done)
+        fmt = ResponsesFormat(service.model_name, turn, body, on_done, rt.decode)
         return await api.run("responses", body, req, request, lambda: fmt)
 
     @app.get("/v1/responses/{rid}")
