@@ -62,8 +62,10 @@ def test_six_turn_chat_matches_cache_off_in_bfloat16(make_service, arch):
     """bfloat16 weights (float32 recurrent state), hyserve's kernels on: the cache still changes nothing."""
     on_service = make_service(arch, dtype="bfloat16")
     assert on_service.runtime.model.dtype == torch.bfloat16
+    from .test_native_kernels import packs_bfloat16
     status = on_service.runtime.adapter.kernels.status
-    assert status and all(v == "on" for v in status.values()), status
+    off = {k for k, v in status.items() if v != "on"}  # only what this CPU cannot run may be off
+    assert status and off <= ({"native_linear"} if not packs_bfloat16() else set()), status
     on = run_chat(on_service)
     off = run_chat(make_service(arch, dtype="bfloat16", cache_enabled=False))
     assert [r[0] for r in on] == [r[0] for r in off]
