@@ -25,6 +25,7 @@ from .errors import APIError, install_handlers
 from .choices import merged, siblings
 from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .legacy import LegacyFunctionsFormat
 from .messages import install_messages
 from .openapi_doc import install_openapi
 from .responses import install_responses
@@ -220,12 +221,11 @@ def create_app(service: Service) -> FastAPI:
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         try:
-            turn = ChatTurn(service.parsers, [t.model_dump(exclude_none=True) for t in body.tools or []] or None,
-                            body.tool_choice if isinstance(body.tool_choice, (str, type(None)))
-                            else body.tool_choice.model_dump(), body.parallel_tool_calls,
-                            dict(body.chat_template_kwargs or {}))
+            turn = ChatTurn(service.parsers, body.chat_tools(), body.chat_tool_choice(),
+                            body.parallel_tool_calls and not body.legacy_functions, body.template_options())
         except ChatRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param)
+            raise APIError(400, str(exc).replace("tool_choice", body.choice_param(exc.param)),
+                           param=body.choice_param(exc.param))
         messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
         try:
             chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request),
@@ -240,8 +240,9 @@ def create_app(service: Service) -> FastAPI:
             grammar = replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
         req = build_request(body, chat.prompt, messages, request, chat, grammar)
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
+        fmt = LegacyFunctionsFormat if body.legacy_functions else ChatFormat
         return await run("chat", body, req, request,
-                         lambda: ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
+                         lambda: fmt(service.model_name, body.return_token_ids, turn, rt.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,0 +1,99 @@
+"""Nothing a client sends is silently ignored (issue #35, item 5): chat's `reasoning_effort`, the legacy
+`functions` / `function_call`, Responses' `text.format` and new `tools` on a continuation are honoured; an
+unknown field is named in a log line and the `X-Hyserve-Ignored-Fields` header; a non-text content part and
+Anthropic's `stop_sequences` get errors that name them. Real servers on tiny models with the real Qwen3.5
+template; replies forced (`force`) where the test needs a known one."""
+
+import json
+
+import httpx
+from openai import OpenAI
+
+from hyserve.chat import template_message
+
+from ..conftest import QWEN35_TEMPLATE
+from ..parsers.helpers import TOOLS
+
+QWEN35 = ("qwen3_5", QWEN35_TEMPLATE)
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+FUNCTIONS = [t["function"] for t in TOOLS]
+
+
+def client(srv) -> OpenAI:
+    return OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def post(srv, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}{path}", json={"model": "tpl", **body}, timeout=60)
+
+
+def test_chat_reasoning_effort_none_turns_thinking_off(template_servers, force):
+    srv = template_servers(*QWEN35)
+    rt = srv.service.runtime
+    off = rt.render_chat(ASK, True, template_kwargs={"enable_thinking": False})
+    resp = client(srv).chat.completions.create(model="tpl", messages=ASK, reasoning_effort="none",
+                                               seed=force(rt, "Paris is sunny."))
+    assert resp.usage.prompt_tokens == len(off)  # the prompt closes the thinking block
+    assert resp.choices[0].message.content == "Paris is sunny."
+    assert (resp.choices[0].message.model_extra or {}).get("reasoning_content") is None
+
+
+def test_legacy_functions_are_tools_and_the_call_comes_back_as_function_call(template_servers, force):
+    srv = template_servers(*QWEN35)
+    rt = srv.service.runtime
+    text = "ok\n</think>\n\n" + XML_CALL
+    for function_call in (None, "auto", {"name": "get_weather"}):
+        extra = {} if function_call is None else {"function_call": function_call}
+        resp = client(srv).chat.completions.create(model="tpl", messages=ASK, functions=FUNCTIONS,
+                                                   seed=force(rt, text), **extra)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "function_call" and not choice.message.tool_calls
+        assert choice.message.function_call.name == "get_weather"
+        assert json.loads(choice.message.function_call.arguments) == {"city": "Paris", "days": 3}
+        assert "<tool_call>" not in (choice.message.content or "")
+    assert resp.usage.prompt_tokens == len(rt.render_chat(ASK, True, template_kwargs={"tools": TOOLS}))
+
+    chunks = list(client(srv).chat.completions.create(model="tpl", messages=ASK, functions=FUNCTIONS,
+                                                      seed=force(rt, text), stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert all(not d.tool_calls for d in deltas)
+    calls = [d.function_call for d in deltas if d.function_call]
+    assert calls[0].name == "get_weather"
+    assert json.loads("".join(c.arguments or "" for c in calls)) == {"city": "Paris", "days": 3}
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "function_call"
+
+    # the next turn in the legacy form: the assistant's function_call and a `function` message with the result
+    history = [*ASK, {"role": "assistant", "content": None, "function_call": choice.message.function_call.to_dict()},
+               {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}]
+    r2 = post(srv, "/v1/chat/completions", {"messages": history, "functions": FUNCTIONS, "max_tokens": 2})
+    assert r2.status_code == 200, r2.text
+    prompt = rt.render_chat([template_message(m) for m in history], True, template_kwargs={"tools": TOOLS})
+    assert r2.json()["usage"]["prompt_tokens"] == len(prompt) and "sunny, 21 C" in rt.tokenizer.decode(prompt)
+
+
+def test_legacy_function_call_errors_name_function_call(template_servers):
+    srv = template_servers(*QWEN35)
+    r = post(srv, "/v1/chat/completions", {"messages": ASK, "functions": FUNCTIONS,
+                                           "function_call": {"name": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "function_call", r.text
+    r = post(srv, "/v1/chat/completions", {"messages": ASK, "functions": FUNCTIONS, "tools": TOOLS})
+    assert r.status_code == 400 and "not both" in r.json()["error"]["message"], r.text
+
+
+def test_an_image_part_is_refused_as_text_only(template_servers):
+    srv = template_servers(*QWEN35)
+    content = [{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1]" and "text-only" in err["message"] and "image_url" in err["message"]
+
+
+def test_anthropic_stop_sequences_errors_name_stop_sequences(template_servers):
+    srv = template_servers(*QWEN35)
+    r = post(srv, "/v1/messages", {"messages": ASK, "max_tokens": 4, "stop_sequences": list("abcde")})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "stop_sequences" in r.json()["error"]["message"] and "stop:" not in r.json()["error"]["message"]
