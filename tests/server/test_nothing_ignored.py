@@ -97,3 +97,24 @@ def test_anthropic_stop_sequences_errors_name_stop_sequences(template_servers):
     r = post(srv, "/v1/messages", {"messages": ASK, "max_tokens": 4, "stop_sequences": list("abcde")})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert "stop_sequences" in r.json()["error"]["message"] and "stop:" not in r.json()["error"]["message"]
+
+
+def test_responses_text_format_and_messages_response_format_constrain_the_output(qwen35_server):
+    from ..test_structured import SCHEMA, matches_schema
+
+    c = OpenAI(base_url=f"{qwen35_server.base_url}/v1", api_key="unused", max_retries=0)
+    fmt = {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+    r = c.responses.create(model="tiny-qwen3_5", input="Give me a person as JSON.", temperature=0,
+                           max_output_tokens=60, text={"format": fmt}, store=False)
+    assert r.status == "completed" and matches_schema(json.loads(r.output_text))
+    assert r.text.format.type == "json_schema" and r.text.format.name == "person"
+    r = c.responses.create(model="tiny-qwen3_5", input="JSON please.", temperature=0, max_output_tokens=8,
+                           text={"format": {"type": "json_object"}}, store=False)
+    assert r.output_text.startswith('{"')
+    m = httpx.post(f"{qwen35_server.base_url}/v1/messages", timeout=60, json={
+        "model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "JSON please."}], "max_tokens": 8,
+        "temperature": 0, "response_format": {"type": "json_object"}})
+    assert m.status_code == 200 and m.json()["content"][-1]["text"].startswith('{"'), m.text
+    bad = httpx.post(f"{qwen35_server.base_url}/v1/responses", timeout=60, json={
+        "model": "tiny-qwen3_5", "input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text

@@ -66,6 +66,13 @@ def create_app(service: Service) -> FastAPI:
         except GrammarError as exc:
             raise APIError(400, str(exc), param=exc.param)
 
+    def answer_grammar(grammar, turn: ChatTurn):
+        """A chat reply that reasons first is constrained in its answer only (after the reasoning's end tag)."""
+        if grammar is None or not turn.reasoning_opened:
+            return grammar
+        end_tag = service.parsers.reasoning.end_tag
+        return replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
+
     def salt_of(body: SamplingFields, request: Request) -> str:
         """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
         return tenant_salt(request.scope.get(API_KEY) if cfg.api_keys else None, body.cache_salt)
@@ -212,7 +219,8 @@ def create_app(service: Service) -> FastAPI:
 
     # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
     app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,
-                                    build_request=build_request, run=run)
+                                    build_request=build_request, run=run, grammar_of=grammar_of,
+                                    answer_grammar=answer_grammar)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -235,10 +243,7 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         turn.note_prompt(rt.tokenizer, chat.prompt)
-        if grammar is not None and turn.reasoning_opened:  # the reply reasons first: constrain its answer only
-            end_tag = service.parsers.reasoning.end_tag
-            grammar = replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
-        req = build_request(body, chat.prompt, messages, request, chat, grammar)
+        req = build_request(body, chat.prompt, messages, request, chat, answer_grammar(grammar, turn))
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         fmt = LegacyFunctionsFormat if body.legacy_functions else ChatFormat
         return await run("chat", body, req, request,

@@ -167,7 +167,7 @@ class ResponsesFormat(_Format):
             "output": output, "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
             "reasoning": b.reasoning.model_dump() if b.reasoning else None, "store": b.store,
-            "temperature": b.temperature, "text": {"format": {"type": "text"}},
+            "temperature": b.temperature, "text": b.text_options(),
             "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
             else (b.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []], "top_p": b.top_p,
@@ -207,6 +207,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         api.check_model(body.model)
+        grammar = await api.grammar_of(body)
         messages = [template_message(m) for m in input_messages(body)]
         if len(messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} input items per request", param="input")
@@ -237,7 +238,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
         except ContinuationError as exc:
             raise APIError(400, str(exc), param="input")
         turn.note_prompt(rt.tokenizer, prompt)
-        req = api.build_request(body, prompt, history, request, chat)
+        req = api.build_request(body, prompt, history, request, chat, api.answer_grammar(grammar, turn))
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         req.keep_final = body.store
         who = tenant(request)
