@@ -118,3 +118,27 @@ def test_responses_text_format_and_messages_response_format_constrain_the_output
     bad = httpx.post(f"{qwen35_server.base_url}/v1/responses", timeout=60, json={
         "model": "tiny-qwen3_5", "input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text
+
+
+def test_unknown_fields_are_named_in_a_header_and_a_log_line(template_servers, caplog):
+    srv = template_servers(*QWEN35)
+    bodies = {
+        "/v1/chat/completions": {"messages": ASK, "max_tokens": 1, "temprature": 0.5, "max_token": 9},
+        "/v1/completions": {"prompt": "Hi", "max_tokens": 1, "temprature": 0.5, "max_token": 9},
+        "/v1/responses": {"input": "Hi", "max_output_tokens": 1, "store": False, "temprature": 0.5,
+                          "max_token": 9},
+        "/v1/messages": {"messages": ASK, "max_tokens": 1, "temprature": 0.5, "max_token": 9},
+        "/v1/messages/count_tokens": {"messages": ASK, "temprature": 0.5, "max_token": 9},
+    }
+    with caplog.at_level("WARNING", logger="hyserve.http"):
+        for path, body in bodies.items():
+            for stream in ((False, True) if path != "/v1/messages/count_tokens" else (False,)):
+                r = post(srv, path, {**body, **({"stream": True} if stream else {})})
+                assert r.status_code == 200, (path, r.text)
+                assert r.headers["X-Hyserve-Ignored-Fields"] == "max_token, temprature", path
+    lines = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(lines) == 9 and all("max_token, temprature" in line for line in lines), lines
+    known = post(srv, "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "temperature": 0.5})
+    assert known.status_code == 200 and "X-Hyserve-Ignored-Fields" not in known.headers
+    odd = post(srv, "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "bad\nkey\u00e9": 1})
+    assert odd.headers["X-Hyserve-Ignored-Fields"] == "bad\\nkey\\u00e9"

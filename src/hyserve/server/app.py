@@ -25,6 +25,7 @@ from .errors import APIError, install_handlers
 from .choices import merged, siblings
 from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .ignored import ignored_headers
 from .legacy import LegacyFunctionsFormat
 from .messages import install_messages
 from .openapi_doc import install_openapi
@@ -134,6 +135,7 @@ def create_app(service: Service) -> FastAPI:
         reqs = siblings(req, body.n)
         fmts = [make_fmt() for _ in reqs]
         rid = req.request_id = fmts[0].id  # one id in headers, responses and cache events
+        headers = {"X-Request-Id": rid, **ignored_headers(body, endpoint)}
         for i, (r, fmt) in enumerate(zip(reqs, fmts)):
             fmt.id, fmt.created, fmt.index = rid, fmts[0].created, i
             if i:
@@ -187,7 +189,7 @@ def create_app(service: Service) -> FastAPI:
                     cancel_all()
                     await items.aclose()
                     metrics.requests.labels(endpoint, status).inc()
-            return EventSourceResponse(events(), ping=15, headers={"X-Request-Id": rid})
+            return EventSourceResponse(events(), ping=15, headers=headers)
 
         async def watch_disconnect():
             while not req.cancelled.is_set():
@@ -215,7 +217,7 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
         cancelled = any(r.reason == "cancelled" for r in results)
         metrics.requests.labels(endpoint, "cancelled" if cancelled else "ok").inc()
-        return JSONResponse(full_response(fmts, results), headers={"X-Request-Id": rid})
+        return JSONResponse(full_response(fmts, results), headers=headers)
 
     # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
     app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,

@@ -10,6 +10,7 @@ import json
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..chat import ChatRequestError, ChatTurn, template_message
@@ -19,6 +20,7 @@ from ..prompt_bound import PromptTooLong
 from ..service import Service
 from .errors import APIError, anthropic_body
 from .formats import _Format
+from .ignored import ignored_headers
 from .message_schemas import CountTokensRequest, MessagesRequest, chat_messages
 
 
@@ -173,4 +175,4 @@ def install_messages(app: FastAPI, service: Service) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request):
         _, _, chat, _ = await prepare(body, request)
-        return {"input_tokens": len(chat.prompt)}
+        return JSONResponse({"input_tokens": len(chat.prompt)}, headers=ignored_headers(body, "count_tokens"))
