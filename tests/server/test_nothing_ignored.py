@@ -142,3 +142,23 @@ def test_unknown_fields_are_named_in_a_header_and_a_log_line(template_servers, c
     assert known.status_code == 200 and "X-Hyserve-Ignored-Fields" not in known.headers
     odd = post(srv, "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "bad\nkey\u00e9": 1})
     assert odd.headers["X-Hyserve-Ignored-Fields"] == "bad\\nkey\\u00e9"
+
+
+def test_new_tools_on_a_continuation_are_in_its_prompt(template_servers, force):
+    srv = template_servers(*QWEN35)
+    rt = srv.service.runtime
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    c = client(srv)
+    r1 = c.responses.create(model="tpl", input="Hello", extra_body={"seed": force(rt, "Greeting.\n</think>\n\nHi.")})
+    r2 = c.responses.create(model="tpl", input="Weather in Paris?", previous_response_id=r1.id, tools=flat,
+                            extra_body={"seed": force(rt, "ok\n</think>\n\n" + XML_CALL)})
+    conversation = [{"role": "user", "content": "Hello"},
+                    {"role": "assistant", "content": "Hi.", "reasoning_content": "Greeting."},
+                    {"role": "user", "content": "Weather in Paris?"}]
+    prompt = rt.render_chat(conversation, True, template_kwargs={"tools": TOOLS})
+    assert r2.usage.input_tokens == len(prompt)  # the tools are listed, as in the same conversation sent whole
+    assert [i.type for i in r2.output][-1] == "function_call" and r2.output[-1].name == "get_weather"
+    # the tools unchanged: the next turn continues the stored tokens, all read from the cache
+    r3 = c.responses.create(model="tpl", previous_response_id=r2.id, tools=flat, max_output_tokens=2, input=[
+        {"type": "function_call_output", "call_id": r2.output[-1].call_id, "output": "sunny"}])
+    assert r3.usage.input_tokens_details.cached_tokens == r2.usage.input_tokens + r2.usage.output_tokens

@@ -5,7 +5,8 @@ the reply is read by the request's `ChatTurn` into reasoning, message and functi
 tenant, and the engine records its state after the very last token (`keep_final`). A request with
 `previous_response_id` is then those tokens plus the template's rendering of the new input only
 (`chat.continuation`): nothing is re-rendered or re-tokenized, and the prefix cache restores the whole
-previous turn, its reply included, on any template.
+previous turn, its reply included, on any template. New `tools` are the exception: templates list tools
+ahead of the conversation, so the stored conversation (messages) is rendered again with them.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
                             body.template_options())
         except ChatRequestError as exc:
             raise APIError(400, str(exc), param=exc.param)
-        salt, chat, history = api.salt_of(body, request), None, messages
+        salt, chat, history, earlier = api.salt_of(body, request), None, messages, []
         instructions = body.instructions
         try:
             if body.previous_response_id is not None:
@@ -226,10 +227,16 @@ def install_responses(app: FastAPI, service: Service) -> None:
                                    "already hold the earlier ones", param="instructions")
                 # they are in its tokens, so they hold here too (the response reports them)
                 instructions = body.instructions = prev.instructions
-                history = None
-                tail = await run_in_threadpool(continuation_ids, rt, messages, prev.tokens, salt,
-                                               turn.template_kwargs)
-                prompt = prev.tokens + tail
+                earlier = prev.messages or []
+                if turn.tools != prev.tools:  # the template lists tools up front: render it all with the new ones
+                    history = earlier + messages
+                    chat = await run_in_threadpool(render, history, salt, turn.template_kwargs)
+                    prompt = chat.prompt
+                else:
+                    history = None
+                    tail = await run_in_threadpool(continuation_ids, rt, messages, prev.tokens, salt,
+                                                   turn.template_kwargs)
+                    prompt = prev.tokens + tail
             else:
                 chat = await run_in_threadpool(render, messages, salt, turn.template_kwargs)
                 prompt = chat.prompt
@@ -245,7 +252,8 @@ def install_responses(app: FastAPI, service: Service) -> None:
 
         def on_done(fin: Finished, resp: dict) -> None:
             if body.store and fin.reason in ("stop", "length"):
-                store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions)
+                conversation = earlier + messages + [turn.history_message(fin.text)]
+                store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions, conversation, turn.tools)
 
         fmt = ResponsesFormat(service.model_name, turn, body, on_done)
         return await api.run("responses", body, req, request, lambda: fmt)
