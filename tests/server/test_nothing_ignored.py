@@ -92,11 +92,33 @@ def test_an_image_part_is_refused_as_text_only(template_servers):
     assert err["param"] == "messages[0].content[1]" and "text-only" in err["message"] and "image_url" in err["message"]
 
 
+def test_images_on_responses_and_messages_are_refused_as_text_only(template_servers):
+    srv = template_servers(*QWEN35)
+    image = {"type": "input_image", "image_url": "https://example.com/cat.png"}
+    r = post(srv, "/v1/responses", {"input": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "input[0].content[0]"
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    r = post(srv, "/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
+
+
 def test_anthropic_stop_sequences_errors_name_stop_sequences(template_servers):
     srv = template_servers(*QWEN35)
     r = post(srv, "/v1/messages", {"messages": ASK, "max_tokens": 4, "stop_sequences": list("abcde")})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert "stop_sequences" in r.json()["error"]["message"] and "stop:" not in r.json()["error"]["message"]
+
+
+def test_the_token_cap_error_names_the_field_sent(template_servers):
+    srv = template_servers(*QWEN35, max_tokens_cap=8)
+    for path, body, field in [("/v1/responses", {"input": "Hi", "max_output_tokens": 9}, "max_output_tokens"),
+                              ("/v1/chat/completions", {"messages": ASK, "max_completion_tokens": 9},
+                               "max_completion_tokens"),
+                              ("/v1/chat/completions", {"messages": ASK, "max_tokens": 9}, "max_tokens")]:
+        r = post(srv, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert r.json()["error"]["message"].startswith(field + " ")
 
 
 def test_responses_text_format_and_messages_response_format_constrain_the_output(qwen35_server):

@@ -86,7 +86,8 @@ def create_app(service: Service) -> FastAPI:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
         if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
-            raise APIError(400, f"max_tokens is capped at {cfg.max_tokens_cap} on this server", param="max_tokens")
+            field = body.max_tokens_param()
+            raise APIError(400, f"{field} is capped at {cfg.max_tokens_cap} on this server", param=field)
         if room <= 0 or (wanted is not None and wanted > room):
             raise APIError(
                 400,

@@ -103,6 +103,12 @@ def _text(content, param: str) -> str:
     return "".join(parts)
 
 
+def _unsupported(kind) -> str:
+    if kind in ("image", "document"):
+        return f"this server is text-only: {kind!r} blocks are not supported"
+    return f"unsupported content block {kind!r} (text and tool_result only)"
+
+
 def chat_messages(body: MessagesRequest) -> list[dict]:
     """The request's system prompt and messages as chat-completions wire messages."""
     out: list[dict] = []
@@ -125,8 +131,7 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
             else:
-                raise APIError(400, f"{param}.{j}: unsupported content block {kind!r} (text and tool_result only)",
-                               param=f"{param}.{j}")
+                raise APIError(400, f"{param}.{j}: {_unsupported(kind)}", param=f"{param}.{j}")
         if text or not blocks:
             out.append({"role": "user", "content": "".join(text)})
     return out

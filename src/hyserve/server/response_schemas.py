@@ -71,6 +71,9 @@ class ResponsesRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
 
+    def max_tokens_param(self) -> str:
+        return "max_output_tokens"
+
     def logprobs_wanted(self) -> int | None:
         return None  # not offered on this endpoint
 
@@ -113,7 +116,7 @@ def _text(content, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            raise APIError(400, f"unsupported content part type {kind!r}: only text is supported",
+            raise APIError(400, f"this server is text-only: content part type {kind!r} is not supported",
                            param=f"{param}[{j}]")
         if not isinstance(part.get("text"), str):
             raise APIError(400, "a text part needs a string `text`", param=f"{param}[{j}].text")

@@ -158,6 +158,10 @@ class SamplingFields(StructuredFields):
                 raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
         return v
 
+    def max_tokens_param(self) -> str:
+        """The field the request's token budget came from, as errors name it."""
+        return "max_tokens"
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -222,6 +226,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 class CompletionRequest(SamplingFields):
