@@ -35,8 +35,13 @@ def template_arguments(arguments):
 
 
 def template_message(message: dict) -> dict:
-    """A wire message (a dict, None fields left out or None) as the chat template reads it."""
+    """A wire message (a dict, None fields left out or None) as the chat template reads it. The legacy
+    forms (an assistant's `function_call`, a `function` message) are read as a tool call and a tool message."""
     role = message["role"]
+    if role == "function":
+        message, role = {**message, "role": "tool"}, "tool"
+    if role == "assistant" and message.get("function_call") and not message.get("tool_calls"):
+        message = {**message, "tool_calls": [{"type": "function", "function": message["function_call"]}]}
     out = {"role": role, "content": content_text(message.get("content"))}
     if role == "assistant":
         reasoning = message.get("reasoning_content")

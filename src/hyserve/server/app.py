@@ -25,6 +25,8 @@ from .errors import APIError, install_handlers
 from .choices import merged, siblings
 from .formats import ChatFormat, CompletionFormat, full_response, usage
 from .guards import API_KEY, GuardMiddleware, cache_scope, tenant_salt
+from .ignored import ignored_headers
+from .legacy import LegacyFunctionsFormat
 from .messages import install_messages
 from .openapi_doc import install_openapi
 from .responses import install_responses
@@ -65,6 +67,13 @@ def create_app(service: Service) -> FastAPI:
         except GrammarError as exc:
             raise APIError(400, str(exc), param=exc.param)
 
+    def answer_grammar(grammar, turn: ChatTurn):
+        """A chat reply that reasons first is constrained in its answer only (after the reasoning's end tag)."""
+        if grammar is None or not turn.reasoning_opened:
+            return grammar
+        end_tag = service.parsers.reasoning.end_tag
+        return replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
+
     def salt_of(body: SamplingFields, request: Request) -> str:
         """The tenant's namespace for every cache a request can warm (prefix cache, tokenizer reuse)."""
         return tenant_salt(request.scope.get(API_KEY) if cfg.api_keys else None, body.cache_salt)
@@ -77,7 +86,8 @@ def create_app(service: Service) -> FastAPI:
         room = rt.max_model_len - len(prompt)
         wanted = body.requested_max_tokens()
         if cfg.max_tokens_cap and (wanted or 0) > cfg.max_tokens_cap:
-            raise APIError(400, f"max_tokens is capped at {cfg.max_tokens_cap} on this server", param="max_tokens")
+            field = body.max_tokens_param()
+            raise APIError(400, f"{field} is capped at {cfg.max_tokens_cap} on this server", param=field)
         if room <= 0 or (wanted is not None and wanted > room):
             raise APIError(
                 400,
@@ -126,6 +136,7 @@ def create_app(service: Service) -> FastAPI:
         reqs = siblings(req, body.n)
         fmts = [make_fmt() for _ in reqs]
         rid = req.request_id = fmts[0].id  # one id in headers, responses and cache events
+        headers = {"X-Request-Id": rid, **ignored_headers(body, endpoint)}
         for i, (r, fmt) in enumerate(zip(reqs, fmts)):
             fmt.id, fmt.created, fmt.index = rid, fmts[0].created, i
             if i:
@@ -179,7 +190,7 @@ def create_app(service: Service) -> FastAPI:
                     cancel_all()
                     await items.aclose()
                     metrics.requests.labels(endpoint, status).inc()
-            return EventSourceResponse(events(), ping=15, headers={"X-Request-Id": rid})
+            return EventSourceResponse(events(), ping=15, headers=headers)
 
         async def watch_disconnect():
             while not req.cancelled.is_set():
@@ -207,11 +218,12 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(408, f"request timed out after {cfg.request_timeout} s", "timeout", None, "request_timeout")
         cancelled = any(r.reason == "cancelled" for r in results)
         metrics.requests.labels(endpoint, "cancelled" if cancelled else "ok").inc()
-        return JSONResponse(full_response(fmts, results), headers={"X-Request-Id": rid})
+        return JSONResponse(full_response(fmts, results), headers=headers)
 
     # the Responses and Messages routes reuse this machinery (server/responses.py, server/messages.py)
     app.state.api = SimpleNamespace(check_model=check_model, salt_of=salt_of, too_long=too_long,
-                                    build_request=build_request, run=run)
+                                    build_request=build_request, run=run, grammar_of=grammar_of,
+                                    answer_grammar=answer_grammar)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -220,12 +232,11 @@ def create_app(service: Service) -> FastAPI:
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         try:
-            turn = ChatTurn(service.parsers, [t.model_dump(exclude_none=True) for t in body.tools or []] or None,
-                            body.tool_choice if isinstance(body.tool_choice, (str, type(None)))
-                            else body.tool_choice.model_dump(), body.parallel_tool_calls,
-                            dict(body.chat_template_kwargs or {}))
+            turn = ChatTurn(service.parsers, body.chat_tools(), body.chat_tool_choice(),
+                            body.parallel_tool_calls and not body.legacy_functions, body.template_options())
         except ChatRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param)
+            raise APIError(400, str(exc).replace("tool_choice", body.choice_param(exc.param)),
+                           param=body.choice_param(exc.param))
         messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
         try:
             chat = await run_in_threadpool(service.engine.render_chat, messages, salt_of(body, request),
@@ -235,13 +246,11 @@ def create_app(service: Service) -> FastAPI:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
         turn.note_prompt(rt.tokenizer, chat.prompt)
-        if grammar is not None and turn.reasoning_opened:  # the reply reasons first: constrain its answer only
-            end_tag = service.parsers.reasoning.end_tag
-            grammar = replace(grammar, after=tuple(rt.tokenizer.encode(end_tag, add_special_tokens=False)))
-        req = build_request(body, chat.prompt, messages, request, chat, grammar)
+        req = build_request(body, chat.prompt, messages, request, chat, answer_grammar(grammar, turn))
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
+        fmt = LegacyFunctionsFormat if body.legacy_functions else ChatFormat
         return await run("chat", body, req, request,
-                         lambda: ChatFormat(service.model_name, body.return_token_ids, turn, rt.tokenizer))
+                         lambda: fmt(service.model_name, body.return_token_ids, turn, rt.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

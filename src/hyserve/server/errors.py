@@ -71,6 +71,10 @@ def install_handlers(app: FastAPI) -> None:
             return error_response(400, "request body is not valid JSON", code="invalid_json", path=path)
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
+        if first.get("type") == "text_only":  # a content part: named as the client wrote it, messages[0].content[1]
+            param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
+            param += f"[{first['ctx']['part']}]"
+            return error_response(400, msg, param=param, code="invalid_value", path=path)
         if first.get("type") == "missing":
             msg = f"missing required parameter: {param}"
         elif param:

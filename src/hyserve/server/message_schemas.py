@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import APIError
-from .schemas import SamplingFields
+from .schemas import SamplingFields, stop_list
 
 
 class AnthropicMessage(BaseModel):
@@ -46,12 +46,16 @@ class MessagesRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, as in chat completions
     n: int = Field(default=1, ge=1, le=1)  # one message per request
 
-    @model_validator(mode="before")
+    @field_validator("stop_sequences")
     @classmethod
-    def _stops(cls, data):
-        if isinstance(data, dict) and data.get("stop_sequences") is not None:
-            data = {**data, "stop": data["stop_sequences"]}  # validated as chat's `stop`
-        return data
+    def _stop_sequences(cls, v):
+        return None if v is None else stop_list(v)  # checked as chat's `stop`, errors naming stop_sequences
+
+    @model_validator(mode="after")
+    def _stops(self):
+        if self.stop_sequences is not None:
+            self.stop = self.stop_sequences
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -99,6 +103,12 @@ def _text(content, param: str) -> str:
     return "".join(parts)
 
 
+def _unsupported(kind) -> str:
+    if kind in ("image", "document"):
+        return f"this server is text-only: {kind!r} blocks are not supported"
+    return f"unsupported content block {kind!r} (text and tool_result only)"
+
+
 def chat_messages(body: MessagesRequest) -> list[dict]:
     """The request's system prompt and messages as chat-completions wire messages."""
     out: list[dict] = []
@@ -121,8 +131,7 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
             else:
-                raise APIError(400, f"{param}.{j}: unsupported content block {kind!r} (text and tool_result only)",
-                               param=f"{param}.{j}")
+                raise APIError(400, f"{param}.{j}: {_unsupported(kind)}", param=f"{param}.{j}")
         if text or not blocks:
             out.append({"role": "user", "content": "".join(text)})
     return out

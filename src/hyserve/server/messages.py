@@ -11,6 +11,7 @@ import json
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..chat import ChatRequestError, ChatTurn, template_message
@@ -20,6 +21,7 @@ from ..prompt_bound import PromptTooLong
 from ..service import Service
 from .errors import APIError, anthropic_body
 from .formats import _Format
+from .ignored import ignored_headers
 from .message_schemas import CountTokensRequest, MessagesRequest, chat_messages
 
 
@@ -156,6 +158,7 @@ def install_messages(app: FastAPI, service: Service) -> None:
 
     async def prepare(body: MessagesRequest, request: Request):
         api.check_model(body.model)
+        grammar = await api.grammar_of(body)  # vLLM's structured-output fields work here too
         if len(body.messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} messages per request", param="messages")
         messages = [template_message(m) for m in chat_messages(body)]
@@ -172,18 +175,18 @@ def install_messages(app: FastAPI, service: Service) -> None:
             raise api.too_long(exc, "messages")
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
-        return messages, turn, chat
+        return messages, turn, chat, grammar
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request):
-        messages, turn, chat = await prepare(body, request)
+        messages, turn, chat, grammar = await prepare(body, request)
         turn.note_prompt(rt.tokenizer, chat.prompt)
-        req = api.build_request(body, chat.prompt, messages, request, chat)
+        req = api.build_request(body, chat.prompt, messages, request, chat, api.answer_grammar(grammar, turn))
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         fmt = MessagesFormat(service.model_name, turn, body, len(chat.prompt), stop_of(body))
         return await api.run("messages", body, req, request, lambda: fmt)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request):
-        _, _, chat = await prepare(body, request)
-        return {"input_tokens": len(chat.prompt)}
+        _, _, chat, _ = await prepare(body, request)
+        return JSONResponse({"input_tokens": len(chat.prompt)}, headers=ignored_headers(body, "count_tokens"))

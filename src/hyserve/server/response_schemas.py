@@ -12,7 +12,9 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
-from .schemas import SamplingFields
+from ..grammar import Spec
+from .schemas import Effort, SamplingFields, thinking_options
+from .structured import format_spec
 
 
 class ResponseTool(BaseModel):
@@ -31,8 +33,24 @@ class ResponseToolChoice(BaseModel):
 
 class ReasoningOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Effort | None = None
     summary: str | None = None
+
+
+class TextFormat(BaseModel):
+    """`text.format`: Responses' flat form of chat's `response_format` (`name`, `schema` beside `type`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(SamplingFields):
@@ -43,6 +61,7 @@ class ResponsesRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoice, None] = None
     parallel_tool_calls: bool = True
     reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -51,6 +70,9 @@ class ResponsesRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_output_tokens"
 
     def logprobs_wanted(self) -> int | None:
         return None  # not offered on this endpoint
@@ -72,10 +94,17 @@ class ResponsesRequest(SamplingFields):
 
     def template_options(self) -> dict:
         """`chat_template_kwargs`, with `reasoning.effort: "none"` as `enable_thinking: false`."""
-        out = dict(self.chat_template_kwargs or {})
-        if self.reasoning is not None and self.reasoning.effort == "none":
-            out.setdefault("enable_thinking", False)
-        return out
+        return thinking_options(self.chat_template_kwargs, self.reasoning.effort if self.reasoning else None)
+
+    def format_specs(self) -> list[Spec]:
+        f = self.text.format if self.text is not None else None
+        own = format_spec(f.type, f.schema_, "text.format", "text.format") if f is not None else []
+        return super().format_specs() + own
+
+    def text_options(self) -> dict:
+        """`text` as the response reports it: the format in force."""
+        f = self.text.format if self.text is not None else None
+        return {"format": f.model_dump(by_alias=True, exclude_none=True) if f is not None else {"type": "text"}}
 
 
 def _text(content, param: str) -> str:
@@ -87,7 +116,7 @@ def _text(content, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            raise APIError(400, f"unsupported content part type {kind!r}: only text is supported",
+            raise APIError(400, f"this server is text-only: content part type {kind!r} is not supported",
                            param=f"{param}[{j}]")
         if not isinstance(part.get("text"), str):
             raise APIError(400, "a text part needs a string `text`", param=f"{param}[{j}].text")

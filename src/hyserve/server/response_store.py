@@ -18,6 +18,8 @@ class StoredResponse:
     response: dict  # the response object as returned
     instructions: str | None
     nbytes: int
+    messages: list[dict] | None = None  # the conversation through the reply, as the template reads it
+    tools: list[dict] | None = None  # the tools its prompt lists (chat form)
 
 
 class ResponseStore:
@@ -27,16 +29,18 @@ class ResponseStore:
         self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, tenant: str, rid: str, tokens: list[int], response: dict, instructions: str | None) -> bool:
+    def put(self, tenant: str, rid: str, tokens: list[int], response: dict, instructions: str | None,
+            messages: list[dict] | None = None, tools: list[dict] | None = None) -> bool:
         """Keep a response; False when it alone is over the budget (it is then not stored)."""
         nbytes = TOKEN_BYTES * len(tokens) + len(json.dumps(response)) + len(instructions or "")
+        nbytes += len(json.dumps([messages, tools], default=str))
         if nbytes > self.budget:
             return False
         with self._lock:
             self._drop((tenant, rid))
             while self._items and self.used + nbytes > self.budget:
                 self._drop(next(iter(self._items)))
-            self._items[(tenant, rid)] = StoredResponse(list(tokens), response, instructions, nbytes)
+            self._items[(tenant, rid)] = StoredResponse(list(tokens), response, instructions, nbytes, messages, tools)
             self.used += nbytes
         return True
 

@@ -5,7 +5,8 @@ the reply is read by the request's `ChatTurn` into reasoning, message and functi
 tenant, and the engine records its state after the very last token (`keep_final`). A request with
 `previous_response_id` is then those tokens plus the template's rendering of the new input only
 (`chat.continuation`): nothing is re-rendered or re-tokenized, and the prefix cache restores the whole
-previous turn, its reply included, on any template.
+previous turn, its reply included, on any template. New `tools` are the exception: templates list tools
+ahead of the conversation, so the stored conversation (messages) is rendered again with them.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class ResponsesFormat(_Format):
             "output": output, "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
             "reasoning": b.reasoning.model_dump() if b.reasoning else None, "store": b.store,
-            "temperature": b.temperature, "text": {"format": {"type": "text"}},
+            "temperature": b.temperature, "text": b.text_options(),
             "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
             else (b.tool_choice or "auto"),
             "tools": [echoed_tool(t) for t in b.tools or []], "top_p": b.top_p, "truncation": "disabled",
@@ -238,6 +239,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         api.check_model(body.model)
+        grammar = await api.grammar_of(body)
         messages = [template_message(m) for m in input_messages(body)]
         if len(messages) > cfg.max_messages:
             raise APIError(400, f"at most {cfg.max_messages} input items per request", param="input")
@@ -246,7 +248,7 @@ def install_responses(app: FastAPI, service: Service) -> None:
                             body.template_options())
         except ChatRequestError as exc:
             raise APIError(400, str(exc), param=exc.param)
-        salt, chat, history = api.salt_of(body, request), None, messages
+        salt, chat, history, earlier = api.salt_of(body, request), None, messages, []
         instructions = body.instructions
         try:
             if body.previous_response_id is not None:
@@ -256,10 +258,16 @@ def install_responses(app: FastAPI, service: Service) -> None:
                                    "already hold the earlier ones", param="instructions")
                 # they are in its tokens, so they hold here too (the response reports them)
                 instructions = body.instructions = prev.instructions
-                history = None
-                tail = await run_in_threadpool(continuation_ids, rt, messages, prev.tokens, salt,
-                                               turn.template_kwargs)
-                prompt = prev.tokens + tail
+                earlier = prev.messages or []
+                if turn.tools != prev.tools:  # the template lists tools up front: render it all with the new ones
+                    history = earlier + messages
+                    chat = await run_in_threadpool(render, history, salt, turn.template_kwargs)
+                    prompt = chat.prompt
+                else:
+                    history = None
+                    tail = await run_in_threadpool(continuation_ids, rt, messages, prev.tokens, salt,
+                                                   turn.template_kwargs)
+                    prompt = prev.tokens + tail
             else:
                 chat = await run_in_threadpool(render, messages, salt, turn.template_kwargs)
                 prompt = chat.prompt
@@ -268,14 +276,15 @@ def install_responses(app: FastAPI, service: Service) -> None:
         except ContinuationError as exc:
             raise APIError(400, str(exc), param="input")
         turn.note_prompt(rt.tokenizer, prompt)
-        req = api.build_request(body, prompt, history, request, chat)
+        req = api.build_request(body, prompt, history, request, chat, api.answer_grammar(grammar, turn))
         req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
         req.keep_final = body.store
         who = tenant(request)
 
         def on_done(fin: Finished, resp: dict) -> None:
             if body.store and fin.reason in ("stop", "length"):
-                store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions)
+                conversation = earlier + messages + [turn.history_message(fin.text)]
+                store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions, conversation, turn.tools)
 
         fmt = ResponsesFormat(service.model_name, turn, body, on_done, rt.decode)
         return await api.run("responses", body, req, request, lambda: fmt)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .structured import StructuredFields
 
@@ -14,6 +15,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_N = 16
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class TextPart(BaseModel):
@@ -35,12 +37,25 @@ class MessageToolCall(BaseModel):
     function: ToolCallFunction
 
 
+def text_only(content):
+    """A content part that is not text is refused by name (this server is text-only), not as a union's
+    mismatch ("should be a valid string"); the handler reports it as `messages[i].content[j]`."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError("text_only", "this server is text-only: content part type {kind} is not "
+                                          "supported (only text parts are)", {"kind": repr(kind), "part": j})
+    return content
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the legacy tool
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    function_call: ToolCallFunction | None = None  # assistant messages: the legacy (deprecated) form of a call
     tool_call_id: str | None = None  # tool messages
     reasoning_content: str | None = None  # assistant messages: reasoning sent back (also as vLLM's `reasoning`)
     reasoning: str | None = None
@@ -51,6 +66,11 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        return text_only(v)
 
 
 class FunctionDefinition(BaseModel):
@@ -78,6 +98,18 @@ class NamedToolChoice(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def stop_list(v) -> list[str]:
+    """Stop strings as a list, checked (chat's `stop`, Anthropic's `stop_sequences`)."""
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    return stops
 
 
 class SamplingFields(StructuredFields):
@@ -111,14 +143,7 @@ class SamplingFields(StructuredFields):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if v is None:
-            return []
-        stops = [v] if isinstance(v, str) else v
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stops
+        return stop_list(v)
 
     @field_validator("logit_bias")
     @classmethod
@@ -133,9 +158,22 @@ class SamplingFields(StructuredFields):
                 raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
         return v
 
+    def max_tokens_param(self) -> str:
+        """The field the request's token budget came from, as errors name it."""
+        return "max_tokens"
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def thinking_options(template_kwargs: dict | None, effort: str | None) -> dict:
+    """`chat_template_kwargs`, with a reasoning effort of "none" as the templates' thinking switch
+    (`enable_thinking: false`, read by the Qwen3 and Qwen3.5 templates); an explicit switch wins."""
+    out = dict(template_kwargs or {})
+    if effort == "none":
+        out.setdefault("enable_thinking", False)
+    return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -143,16 +181,54 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, gt=0)
     tools: list[ToolDefinition] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    functions: list[FunctionDefinition] | None = Field(default=None, min_length=1)  # deprecated `tools`
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None  # deprecated `tool_choice`
     parallel_tool_calls: bool = True
+    reasoning_effort: Effort | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra chat-template variables
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _one_tool_form(self):
+        if self.functions is not None and self.tools is not None:
+            raise PydanticCustomError("legacy_mix", "set tools or the deprecated functions, not both")
+        if self.function_call is not None and self.tool_choice is not None:
+            raise PydanticCustomError("legacy_mix", "set tool_choice or the deprecated function_call, not both")
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """`functions` was sent: the reply then carries OpenAI's legacy `function_call` (one call)."""
+        return self.functions is not None
+
+    def chat_tools(self) -> list[dict] | None:
+        """`tools`, or the legacy `functions` as tools (as vLLM and OpenAI map them)."""
+        if self.functions is not None:
+            return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
+        return [t.model_dump(exclude_none=True) for t in self.tools or []] or None
+
+    def chat_tool_choice(self):
+        c = self.tool_choice if self.function_call is None else self.function_call
+        if isinstance(c, NamedFunction):
+            return {"type": "function", "function": {"name": c.name}}
+        return c if isinstance(c, (str, type(None))) else c.model_dump()
+
+    def choice_param(self, param: str) -> str:
+        """A tool-choice error's field as the request named it."""
+        return "function_call" if param == "tool_choice" and self.function_call is not None else param
+
+    def template_options(self) -> dict:
+        return thinking_options(self.chat_template_kwargs, self.reasoning_effort)
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 class CompletionRequest(SamplingFields):

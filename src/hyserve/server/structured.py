@@ -38,7 +38,7 @@ class StructuredOutputs(BaseModel):
 
 
 class StructuredFields(BaseModel):
-    """Mixed into the chat and completions request bodies."""
+    """Mixed into the request bodies of every generating route."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -46,6 +46,14 @@ class StructuredFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+
+    def format_specs(self) -> list[Spec]:
+        """The output-format constraints (OpenAI's `response_format`; Responses adds `text.format`)."""
+        rf = self.response_format
+        if rf is None:
+            return []
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        return format_spec(rf.type, schema, "response_format", "response_format.json_schema")
 
 
 ANY_OBJECT = json.dumps({"type": "object"})
@@ -62,18 +70,20 @@ def _schema(value, param: str) -> str:
     return json.dumps(value)
 
 
+def format_spec(kind: str, schema, param: str, schema_param: str) -> list[Spec]:
+    """An output format of type `kind` (text, json_object, json_schema) as its constraint: none for text."""
+    if kind == "json_object":
+        return [Spec("json", ANY_OBJECT, param)]
+    if kind != "json_schema":
+        return []
+    if schema is None:
+        raise APIError(400, f"{param} of type json_schema needs a schema", param=schema_param)
+    return [Spec("json", _schema(schema, f"{schema_param}.schema"), f"{schema_param}.schema")]
+
+
 def constraint_of(body: StructuredFields) -> Spec | None:
     """The request's one constraint, or None. Two at once (say response_format and guided_regex) is a 400."""
-    found: list[Spec] = []
-    rf = body.response_format
-    if rf is not None and rf.type == "json_object":
-        found.append(Spec("json", ANY_OBJECT, "response_format"))
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                           param="response_format.json_schema")
-        found.append(Spec("json", _schema(rf.json_schema.schema_, "response_format.json_schema.schema"),
-                          "response_format.json_schema.schema"))
+    found: list[Spec] = body.format_specs()
     so = body.structured_outputs
     fields = [("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
               ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar)]
