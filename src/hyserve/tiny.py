@@ -3,7 +3,7 @@
 Each directory is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template) that `hyserve serve` loads like a real checkpoint.
 With `chat_template=PATH` the directory carries that template instead (a real model's), and its tokenizer
-the template's control tokens: `<|...|>` strings as special tokens, and the tags Qwen tokenizers keep as
+the template's control tokens: `<|...|>` (and Nemotron's `<SPECIAL_N>`) strings as special tokens, and the tags Qwen tokenizers keep as
 plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
 """
 
@@ -237,7 +237,8 @@ def use_template(tokenizer: PreTrainedTokenizerFast, template: str) -> PreTraine
     """Give `tokenizer` a real chat template and the control tokens it writes (see the module docstring)."""
     from tokenizers import AddedToken
 
-    specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)) - set(SPECIAL_TOKENS))
+    # (Nemotron's templates write their control tokens as `<SPECIAL_N>`)
+    specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>|<SPECIAL_\d+>", template)) - set(SPECIAL_TOKENS))
     if "bos_token" in template and LLAMA_BOS not in specials:
         specials.append(LLAMA_BOS)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)

@@ -57,7 +57,7 @@ def test_post_decode_rerender_check():
     render = lambda msgs: seen.append(msgs) or [1, 2, 3, 4, 5]  # noqa: E731
     msgs = [{"role": "user", "content": "x"}]
     reply = {"role": "assistant", "content": "r"}
-    assert pol.post_decode_ok([1, 2, 3], msgs, reply, render) == (True, "rerender_match", None)
+    assert pol.post_decode_ok([1, 2, 3], msgs, reply, render) == (True, "rerender_match", [1, 2, 3, 4, 5])
     assert seen[-1] == msgs + [reply]  # the history the next turn sends: this turn's messages and the reply
     # a mismatch on a recurrent model: drop the state, rebuild the next turn's history instead
     assert pol.post_decode_ok([1, 2, 7], msgs, reply, render) == (False, "rerender_mismatch@2", [1, 2, 3, 4, 5])

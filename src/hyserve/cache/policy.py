@@ -109,8 +109,9 @@ class CheckpointPolicy:
         """Whether to keep the state after decode: it must be a prefix of what the next turn will send
         (`render_next(messages + [reply])`, the reply as an earlier message).
 
-        Returns (keep, reason, the next turn's history ids to rebuild in idle time or None). A reason
-        "rerender_mismatch@N" gives the first token N where the state and that history differ.
+        Returns (keep, reason, the next turn's history ids or None): to rebuild after a reason
+        "rerender_mismatch@N" (N: the first token where the state and that history differ), to extend the
+        state to after "rerender_match" (its last generated token and the end of the turn are not in it).
         Attention-only states are kept even when the re-render differs (the shared part still truncates),
         and the next turn's history is rebuilt all the same (the KV past the difference is of no use).
         """
@@ -127,4 +128,4 @@ class CheckpointPolicy:
             # attention KV past the difference is of tokens no next turn sends: rebuilt like a recurrent state
             rebuild = ids if self.reply_rerender else None
             return (not recurrent), f"rerender_mismatch@{diff}", rebuild
-        return True, "rerender_match", None
+        return True, "rerender_match", ids

@@ -32,6 +32,10 @@ from .run import Run
 
 log = logging.getLogger("hyserve.engine")
 
+# At most this many tokens between a finished reply's state and its next turn's history (the last generated
+# token, the end-of-turn tokens) are run before the checkpoint is taken, so the next turn reuses all of it.
+END_OF_TURN = 32
+
 
 class Finishing(Phase):
     def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
@@ -101,16 +105,23 @@ class Finishing(Phase):
         replies = [reply]
         if reasoning_of(reply) and not sends_reasoning(req.messages or []):
             replies.append(without_reasoning(reply))
-        keep, rebuilds, whys = False, [], []
+        keep, rebuilds, whys, history = False, [], [], None
         for r in replies:
-            ok, why, rebuild = self.policy.post_decode_ok(state.tokens, req.messages, r, render_next,
-                                                          rt.has_recurrent_layers)
+            ok, why, ids = self.policy.post_decode_ok(state.tokens, req.messages, r, render_next,
+                                                      rt.has_recurrent_layers)
             keep, whys = keep or ok, whys + [why]
-            if rebuild is not None and rebuild not in rebuilds:
-                rebuilds.append(rebuild)
+            if why == "rerender_match":
+                history = history or ids
+            elif ids is not None and ids not in rebuilds:
+                rebuilds.append(ids)
         if any(w.startswith("rerender_mismatch") for w in whys) and self.cache.enabled:
             self.metrics.rerender_mismatch.inc()
-        if keep:
+        if keep and self.cache.enabled and history is not None and 0 < len(history) - state.position <= END_OF_TURN:
+            # the reply's last token and the end of its turn: the whole history, for a few tokens' pass
+            rt.adapter.forward(state, history[state.position :])
+            run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(history), req.request_id,
+                                               req.cache_salt)
+        elif keep:
             run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
                                                req.request_id, req.cache_salt)
         elif self.cache.enabled:
