@@ -279,3 +279,21 @@ def test_poisoned_keys_keep_the_prefix_cache_exact(template_servers):
                      r2["usage"]["prompt_tokens_details"]["cached_tokens"], len(history)))
     assert runs[0][:2] == runs[1][:2]
     assert runs[0][2] >= runs[0][3] > 0 and runs[1][2] == 0
+
+
+def test_a_continued_response_escapes_keys_too(server):
+    """`previous_response_id` renders only the new items (`continuation_ids`): escaped as every render."""
+    from hyserve.chat import template_message
+    from hyserve.chat.continuation import continuation_ids
+
+    rt = server[0].service.runtime
+    counts = []
+    for text in (POISON, HARMLESS):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({text: text})}}
+        items = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "Next?"}]
+        kwargs = {"tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}],
+                  "custom": {text: text}}
+        tail = continuation_ids(rt, [template_message(m) for m in items], [1, 2], template_kwargs=kwargs)
+        counts.append(sum(t in rt.escaper.special_ids for t in tail))
+    assert counts[0] == counts[1] > 0
