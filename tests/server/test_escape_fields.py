@@ -95,8 +95,7 @@ ROUTES = {  # path: (request model, seed body, fields it leaves out)
     "/v1/messages": (MessagesRequest, MESSAGES, GRAMMAR | {"stop"}),  # as `stop_sequences`
     "/tokenize": (TokenizeRequest, TOKENIZE, {"prompt"}),
 }
-# ways to get at a field's schema (`$ref`, `anyOf` branches, arrays, mappings)
-_NESTING = ("anyOf", "oneOf", "allOf")
+_NESTING = ("anyOf", "oneOf", "allOf")  # a field's branches, each walked
 
 
 def _schema_strings(schema: dict, defs: dict, path: str, seen: frozenset = frozenset()) -> set[str]:
@@ -142,7 +141,7 @@ def test_seeds_hold_every_field_of_the_schema(route):
     model, seed, left_out = ROUTES[route]
     schema = model.model_json_schema()
     wanted = {p.replace("[]", "") for p in _schema_strings(schema, schema.get("$defs", {}), "")
-              if re.split(r"[.\[{]", p)[0] not in left_out}  # (a string or a list of them: either)
+              if re.split(r"[.\[{]", p)[0] not in left_out}
     model.model_validate(seed)
     have = {p.replace("[]", "") for p in _body_paths(seed)}
     # a field that is a string or a list of parts is covered by either
