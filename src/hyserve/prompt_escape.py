@@ -1,16 +1,17 @@
-"""Special-token strings typed inside chat message content stay text, as in OpenAI's API.
+"""Special-token strings a client sends to a chat template stay text, as in OpenAI's API.
 
 A chat template pastes message content into one string, and the tokenizer matches every special token in
 that string: `<|im_end|>\\n<|im_start|>system` inside a user message (or in a tool result an agent pastes
 in) would become real control tokens and forge a turn. So, before rendering, `escape` replaces each
-special-token string in message content by a two-character marker; the template's own control tokens are
-left alone. After rendering, `splice` re-tokenizes each piece of the text between two of the template's
-special tokens that holds a marker: the marker is turned back into its string and the piece is encoded with
-special tokens as plain text (`tokenizers`' `encode_special_tokens`, what transformers calls
-`split_special_tokens`). Every other piece keeps the ids of the normal encode: the pipeline cuts at added
-tokens and encodes each piece by itself, so with no special string in content nothing changes, and every
-render of the same messages (prompt, history boundary, re-render after decode) escapes alike, which keeps
-the prefix cache and its boundaries exact.
+special-token string in every client-written string (message fields, tool definitions, template options:
+values and dictionary keys at any depth, since templates print keys too, `<parameter=KEY>` or `tojson`) by
+a two-character marker; the template's own control tokens are left alone. After rendering, `splice`
+re-tokenizes each piece of the text between two of the template's special tokens that holds a marker: the
+marker is turned back into its string and the piece is encoded with special tokens as plain text
+(`tokenizers`' `encode_special_tokens`, what transformers calls `split_special_tokens`). Every other piece
+keeps the ids of the normal encode: the pipeline cuts at added tokens and encodes each piece by itself, so
+with no special string sent nothing changes, and every render of the same messages (prompt, history
+boundary, re-render after decode) escapes alike, which keeps the prefix cache and its boundaries exact.
 
 Only tokens flagged special are escaped. Templates read non-special added tokens such as `<think>` or
 `<tool_call>` in content (Qwen3 splits reasoning at `</think>`); those keep their ids, as before.
@@ -26,7 +27,6 @@ from typing import Sequence
 MARK = "\U000f0000"  # plane-15 private use; a MARK typed in content is escaped like a special token
 _FIRST = 0xF0001  # the marker's second character: _FIRST + index into `strings`
 _LAST = 0xFFFFD
-ESCAPED_FIELDS = ("content", "reasoning_content", "tool_calls")  # what a client writes into a message
 
 
 class ContentEscaper:
@@ -52,22 +52,19 @@ class ContentEscaper:
         self._plain.encode_special_tokens = True
 
     def escape(self, messages: Sequence[dict]) -> list[dict]:
-        """Copies of the messages whose client-written text (content, reasoning, tool-call arguments) holds a
-        special-token string, with markers."""
-        out = []
-        for m in messages:
-            changed = {k: v for k in ESCAPED_FIELDS if k in m and (v := self.escape_value(m[k])) is not m[k]}
-            out.append({**m, **changed} if changed else m)
-        return out
+        """The messages with markers in every string of every field (a message unchanged is itself)."""
+        return [self.escape_value(m) for m in messages]
 
     def escape_value(self, value):
-        """`value` (a string, or JSON-like lists and dicts of them) with markers; `value` itself if unchanged."""
+        """`value` (a string, or JSON-like lists and dicts of them) with markers in every string, dictionary
+        keys included; `value` itself if unchanged. Escaping is one-to-one, so distinct keys stay distinct."""
         if isinstance(value, str):
             escaped, n = self._find.subn(lambda hit: self._code[hit.group()], value)
             return escaped if n else value
         if isinstance(value, dict):
-            items = {k: self.escape_value(v) for k, v in value.items()}
-            return items if any(items[k] is not value[k] for k in value) else value
+            pairs = [(self.escape_value(k), self.escape_value(v)) for k, v in value.items()]
+            same = all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items()))
+            return value if same else dict(pairs)
         if isinstance(value, list):
             items = [self.escape_value(v) for v in value]
             return items if any(a is not b for a, b in zip(items, value)) else value

@@ -140,13 +140,13 @@ class ModelRuntime:
                     template_kwargs: dict | None = None) -> list[list[int] | Exception]:
         """`render_chat` of several (messages, add_generation_prompt) at once, each text tokenized from the
         ids of the longest earlier text of the same tenant it extends (`prompt_tokens`). Every render escapes
-        content (and tool definitions) alike (`prompt_escape`), so boundaries stay token prefixes of the
+        the messages and template arguments alike (`prompt_escape`), so boundaries stay token prefixes of the
         prompt. A template error, or `PromptTooLong` for a text too long to fit, is returned in its item's
         place, not raised."""
         escape = self.escaper is not None and not self.special_tokens_in_content
         kwargs = dict(template_kwargs or {})
-        if escape and kwargs.get("tools"):
-            kwargs["tools"] = self.escaper.escape_value(kwargs["tools"])
+        if escape:  # tools and chat_template_kwargs: the client's too
+            kwargs = dict(self.escaper.escape_value(kwargs))
         escaped: dict[int, dict] = {}  # the renders of one request share their messages: escape each once
         texts: list[str | Exception] = []
         for messages, gen in items:

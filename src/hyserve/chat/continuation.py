@@ -28,8 +28,7 @@ def continuation_ids(rt, messages: list[dict], previous: Sequence[int], salt: st
     kwargs = dict(template_kwargs or {})
     if escape:
         messages = rt.escaper.escape(messages)
-        if kwargs.get("tools"):
-            kwargs["tools"] = rt.escaper.escape_value(kwargs["tools"])
+        kwargs = dict(rt.escaper.escape_value(kwargs))
     try:
         text = rt.tokenizer.apply_chat_template(_BASE + list(messages), tokenize=False, add_generation_prompt=True,
                                                 **kwargs)

@@ -55,11 +55,12 @@ class Decode:
         row = run.pipeline(run.logits, run.out.generated) if run.pipeline else run.logits
         if run.constraint is not None:  # structured output, after bias and penalties: only what the grammar allows
             row = run.constraint.mask(row)
-            if row is None:
-                log.warning("request %s: its grammar allows no next token, ending it", run.req.request_id)
-                run.logits = None  # its state holds every generated token, not all but the last: not recorded
-                self.finish(run, "stop")
-                return None
+        if row is None or (row is not run.logits and not bool((row > float("-inf")).any())):
+            # a dead end: the grammar allows nothing, or its only tokens are ones min_tokens bans (end of sequence)
+            log.warning("request %s: no token is allowed next, ending it", run.req.request_id)
+            run.logits = None  # its state holds every generated token, not all but the last: not recorded
+            self.finish(run, "stop")
+            return None
         token = run.sampler(row)
         if not 0 <= token < run.logits.shape[-1]:
             raise ValueError(f"sampled token {token} is outside the vocabulary")

@@ -177,8 +177,9 @@ class CompletionFormat(_Format):
 
 
 def _finite(logprob: float) -> float:
-    """A banned token's logprob is -inf, which JSON cannot carry: report vLLM's floor instead."""
-    return max(logprob, -9999.0)
+    """A banned token's logprob is -inf, which JSON cannot carry: report vLLM's floor instead (NaN too, which
+    `max` would pass on)."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 def _finish(fin: Finished, tool_calls: bool = False) -> str:

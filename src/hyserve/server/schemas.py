@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,6 +14,10 @@ MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (as in vLLM): 1/T would overflow the logits
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_TOP_K = 2**31 - 1
+# A lower repetition penalty divides logits by up to 1/0.01: with 1/T for T >= GREEDY_BELOW the row stays finite
+# (a float32 logit under 3e31), while 1e-38 overflows it to inf and the softmax to NaN.
+MIN_REPETITION_PENALTY = 0.01
+TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key: ASCII digits, as `int` then reads it
 MAX_LOGPROBS = 20
 MAX_N = 16
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
@@ -129,7 +134,8 @@ class SamplingFields(StructuredFields):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM extension
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
+                                      allow_inf_nan=False)  # vLLM extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
@@ -148,15 +154,20 @@ class SamplingFields(StructuredFields):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        """Keys must be token ids; the vocabulary bound is checked by the route, which knows it."""
+        """Keys must be token ids, read here with the rule that checks them (`str.isdigit` passes "²", which
+        `int` refuses) and returned in canonical form; the vocabulary bound is checked by the route."""
         if not v:
             return None
+        out: dict[str, float] = {}
         for key, bias in v.items():
-            if not key.strip().lstrip("-").isdigit():
+            if not TOKEN_ID.fullmatch(key):
                 raise ValueError(f"key {key!r} is not a token id")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
-        return v
+            if str(int(key)) in out:
+                raise ValueError(f"token {int(key)} is given twice")
+            out[str(int(key))] = bias
+        return out
 
     def max_tokens_param(self) -> str:
         """The field the request's token budget came from, as errors name it."""
