@@ -55,7 +55,7 @@ class Decode:
         row = run.pipeline(run.logits, run.out.generated) if run.pipeline else run.logits
         if run.constraint is not None:  # structured output, after bias and penalties: only what the grammar allows
             row = run.constraint.mask(row)
-            if row is None:
+            if row is None or bool((row == float("-inf")).all()):  # or only its end, which min_tokens bans
                 log.warning("request %s: its grammar allows no next token, ending it", run.req.request_id)
                 run.logits = None  # its state holds every generated token, not all but the last: not recorded
                 self.finish(run, "stop")
