@@ -30,6 +30,9 @@ class LogitBias:
         return logits.index_add_(0, self.ids, self.values)
 
 
+SCALED_LIMIT = 1e30  # |logit| after the repetition penalty: times 1/temperature (at most 1e5) it stays finite
+
+
 class Penalties:
     """presence / frequency penalties over the generated tokens (OpenAI), and the multiplicative repetition
     penalty over prompt + generated tokens (HF / vLLM / CTRL)."""
@@ -53,6 +56,8 @@ class Penalties:
             if generated:
                 seen[torch.tensor(generated, dtype=torch.long)] = True
             scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            # a tiny penalty (5e-324) would make inf, and the sampler's 1/temperature then NaN: a finite bound
+            scaled = scaled.clamp(-SCALED_LIMIT, SCALED_LIMIT)
             logits = torch.where(seen, scaled, logits)
         return logits
 

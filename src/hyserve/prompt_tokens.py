@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from .prompt_escape import MARK, ContentEscaper
 log = logging.getLogger("hyserve.prompt_tokens")
 
 VERIFY_EVERY = 64  # one reuse in this many is also encoded in full and compared
+MAX_BYTES = 256 << 20  # what the kept texts and ids may take at most, whatever the context
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
 
@@ -49,13 +51,18 @@ _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
 class PrefixEncoder:
     """`encode_many(texts)` equals the transformers tokenizer's own call (`add_special_tokens=False`) text by
     text (with `escaper`: for texts with markers, that call on each marked piece with special tokens as
-    text). Cached ids are kept as int32 arrays (a 32k-token prompt is 128 KiB)."""
+    text). Cached ids are kept as int32 arrays (a 32k-token prompt is 128 KiB). At most `capacity` texts and
+    `max_bytes` of texts and ids are kept, least recently used out first: a long context times many texts
+    must not grow a process without bound."""
 
-    def __init__(self, tokenizer, capacity: int = 64, escaper: ContentEscaper | None = None):
+    def __init__(self, tokenizer, capacity: int = 64, escaper: ContentEscaper | None = None,
+                 max_bytes: int = MAX_BYTES):
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
         self._escaper = escaper
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the entries take (`_size`)
         self._entries: OrderedDict[tuple[str, str], tuple[array, list[tuple[int, int]]]] = OrderedDict()
         self._lock = threading.Lock()
         self._reuses = 0
@@ -134,11 +141,16 @@ class PrefixEncoder:
                 self._reuses += 1
                 self.reused_tokens += reused
                 verify = self._reuses % VERIFY_EVERY == 0
-            if keep_below is None or len(ids) < keep_below:
+            size = _size(text, len(ids), cuts)
+            if (keep_below is None or len(ids) < keep_below) and size <= self.max_bytes:
+                if key in self._entries:
+                    self.bytes -= _size(text, len(self._entries[key][0]), self._entries[key][1])
                 self._entries[key] = (array("i", ids), cuts)
                 self._entries.move_to_end(key)
-                while len(self._entries) > self.capacity:
-                    self._entries.popitem(last=False)
+                self.bytes += size
+                while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
+                    (_, old), (old_ids, old_cuts) = self._entries.popitem(last=False)
+                    self.bytes -= _size(old, len(old_ids), old_cuts)
         if reused and verify and self._reference(text) != ids:
             self._disable(f"mismatch on a {len(ids)}-token text")
             return self._reference(text)
@@ -149,6 +161,7 @@ class PrefixEncoder:
         self.reason = why
         with self._lock:
             self._entries.clear()
+            self.bytes = 0
 
     def _self_check(self, marks: list[str]) -> str | None:
         """Encode chat-like texts built around the cut tokens `marks` both ways; a difference turns the
@@ -168,8 +181,14 @@ class PrefixEncoder:
                     return "self-check failed: prefix reuse does not reproduce this tokenizer's ids"
         finally:
             self._entries.clear()
+            self.bytes = 0
             self._reuses = self.reused_tokens = self.hits = 0
         return None
+
+
+def _size(text: str, n_ids: int, cuts: list) -> int:
+    """Bytes an entry takes: its text, its int32 ids, its cut points (a tuple of two ints each)."""
+    return sys.getsizeof(text) + 4 * n_ids + 72 * len(cuts)
 
 
 def _cut_point(token: dict) -> bool:

@@ -40,6 +40,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def context_length(model_config, tokenizer) -> int:
+    """The context a model serves, from its config alone (so a process without the weights, the Ray ingress,
+    refuses the same prompts by length as a replica)."""
+    max_len = getattr(model_config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length
+    if not isinstance(max_len, int) or max_len > 10**7:
+        max_len = 32768
+    return int(max_len)
+
+
 @dataclass
 class ModelRuntime:
     """The loaded model, its tokenizer and adapter; `lock` serialises every forward pass on the model."""
@@ -116,10 +125,7 @@ class ModelRuntime:
         eos.update(_as_list(model.config.get_text_config().eos_token_id))
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        text_config = model.config.get_text_config()
-        max_len = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
-        if not isinstance(max_len, int) or max_len > 10**7:
-            max_len = 32768
+        max_len = context_length(model.config, tokenizer)
         log.info("tokenizer loaded: %d tokens, context %d tokens, chat template %s; ready in %.1f s", len(tokenizer),
                  max_len, "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
                  time.perf_counter() - start)

@@ -187,3 +187,71 @@ def test_the_fingerprint_follows_the_template_and_is_stable(runtimes):
     rt = runtimes("qwen3_5")
     assert fingerprint(rt, "a") == fingerprint(rt, "a") != fingerprint(rt, "b")
     assert fingerprint(rt, "a") != fingerprint(runtimes("qwen3_next"), "a")
+
+
+def forge(path, key: bytes) -> None:
+    """Rewrite a disk file as someone without the directory's key would plant a state for its tenant: another
+    state, in the right format, under an unkeyed checksum and a MAC of the forger's own key."""
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from hyserve.cache.disk import _signed
+    from hyserve.cache.serialize import checksum
+
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors = {k: t + 1 if t.is_floating_point() else t for k, t in tensors.items()}
+    meta["checksum"] = checksum(tensors, *_signed(meta))
+    try:
+        meta["mac"] = checksum(tensors, *_signed(meta), key=key)
+    except TypeError:  # the code before MACs (checking this test fails there): only the checksum counts
+        pass
+    safetensors.torch.save_file(tensors, str(path), metadata=meta)
+
+
+def test_a_file_forged_without_the_directory_key_is_refused_and_deleted(make_service, tmp_path):
+    (system, u1), (_, u2) = SCRIPT[:2]
+    first_turn = [{"role": "system", "content": system}, {"role": "user", "content": u1}]
+    off = make_service("qwen3_5", cache_enabled=False)
+    a1 = turn(off, first_turn)
+    second_turn = first_turn + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": u2}]
+    a2 = turn(off, second_turn)
+    first = make_service("qwen3_5", cache_dir=tmp_path)
+    assert turn(first, first_turn).token_ids == a1.token_ids
+    first.engine.stop()
+    files = list(tmp_path.glob("*.safetensors"))
+    assert files
+    for path in files:
+        forge(path, b"not the directory's key".ljust(32))
+    second = make_service("qwen3_5", cache_dir=tmp_path)
+    assert second.cache.stats()["tiers"]["disk"]["entries"] == len(files)  # indexed: the header reads fine
+    b2 = turn(second, second_turn)
+    assert b2.token_ids == a2.token_ids and b2.cached_tokens == 0
+    assert second.cache.stats()["tiers"]["disk"]["hits"] == 0
+    events = [(e["event"], e["reason"]) for e in second.cache.telemetry.events()]
+    assert ("miss", "disk_mac_mismatch") in events, events
+    assert not any(p.exists() for p in files)
+
+
+def test_the_directory_key_is_private_kept_across_restarts_and_a_planted_one_is_replaced(runtimes, tmp_path):
+    import stat
+
+    from hyserve.cache.secret import KEY_FILE
+
+    adapter = runtimes("mamba2").adapter
+    written(tier(tmp_path), "", adapter.snapshot(state_after(adapter, PROMPT))).close()
+    key = tmp_path / KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_bytes()) == 32
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".safetensors")] == [KEY_FILE]
+    disk = tier(tmp_path)  # the same key: the file verifies
+    assert disk.load(disk.find(PROMPT, "", 0, 100), adapter) is not None
+    disk.close()
+    planted = b"k" * 32
+    key.unlink()
+    key.write_bytes(planted)
+    key.chmod(0o644)  # readable by others: not a secret, maybe not ours
+    disk = tier(tmp_path)
+    assert key.read_bytes() != planted and stat.S_IMODE(key.stat().st_mode) == 0o600
+    with pytest.raises(Exception, match="disk_mac_mismatch"):  # written under the old key
+        disk.load(disk.find(PROMPT, "", 0, 100), adapter)
+    assert disk.usage() == (0, 0)

@@ -4,6 +4,8 @@ process's, and a replica killed under load loses no request that had not started
 
 import json
 import logging
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -117,6 +119,58 @@ def test_auth_is_a_single_process_auth(cluster, single):
             (b.status_code, b.json(), b.headers.get("www-authenticate")) == (401, b.json(), "Bearer")
     assert cluster.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert cluster.get("/health").json()["status"] == "ok"
+
+
+def test_a_prompt_over_the_context_is_refused_without_tokenizing_it_at_the_ingress(cluster, single):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    huge = "word " * ((7 << 20) // 5)  # 7 MB: millions of tokens with this tokenizer (it took 15 s on the ingress)
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": huge}]})):
+        t0 = time.time()
+        a, b = cluster.post(path, json=body), single.post(path, json=body)
+        assert (a.status_code, a.json()) == (b.status_code, b.json()) and a.status_code == 400
+        assert a.json()["error"]["code"] == "context_length_exceeded"
+        events = cluster.get("/v1/routing/events", params={"limit": 20}, headers=admin).json()["events"]
+        mine = [e for e in events if e["event"] == "routed" and e["ts"] >= t0]
+        assert mine and all(e["prompt_tokens"] == 0 for e in mine)  # routed by load: the ingress did not tokenize it
+
+
+def raw_chunked_post(base_url: str, path: str, size: int) -> tuple[int, dict]:
+    """POST `size` bytes as a chunked body that never ends (no last chunk): only a server that refuses it once
+    it is over the limit, without waiting for the rest, answers at all."""
+    host, port = base_url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+
+    def send():
+        try:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+            chunk = b"x" * (1 << 20)
+            for _ in range(-(-size // len(chunk))):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except OSError:  # the server answered and closed the connection
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    reply = b""
+    try:
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
+                reply.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+    finally:
+        sock.close()
+    head, body = reply.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_without_reading_it_whole(cluster, single):
+    size = (8 << 20) + (2 << 20)  # over the default 8 MiB limit
+    a = raw_chunked_post(str(cluster.base_url), "/v1/chat/completions", size)
+    b = raw_chunked_post(str(single.base_url), "/v1/chat/completions", size)
+    assert a == b and a[0] == 413 and a[1]["error"]["code"] == "request_too_large"
 
 
 def test_the_cache_routes_act_on_every_replica(cluster):

@@ -46,7 +46,7 @@ def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
     shutil.copytree(cache_dir, damaged)
     for path in damaged.glob("*.safetensors"):
         data = bytearray(path.read_bytes())
-        data[-3] ^= 0xFF  # a tensor byte: the header still reads, the checksum does not match
+        data[-3] ^= 0xFF  # a tensor byte: the header still reads, the MAC does not match
         path.write_bytes(bytes(data))
 
     second = served(model, "--cache-dir", str(cache_dir))
@@ -68,5 +68,5 @@ def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
     text3, usage3 = chat(third, turn2)
     assert usage3["prompt_tokens_details"]["cached_tokens"] == 0 and text3 == text
     events = httpx.get(f"{third.base}/v1/cache/events", timeout=30).json()["events"]
-    assert any(e["event"] == "miss" and e["reason"] == "disk_checksum_mismatch" for e in events), events
+    assert any(e["event"] == "miss" and e["reason"] == "disk_mac_mismatch" for e in events), events
     assert not any(e["event"] == "loaded" for e in events) and cache_stats(third)["tiers"]["disk"]["hits"] == 0

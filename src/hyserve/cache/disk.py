@@ -10,14 +10,16 @@ A file holds a standalone snapshot: the KV chain of a memory checkpoint (`hyserv
 when it is written, and a file loads as a chain of one.
 
 Each file's metadata holds the model fingerprint, the tenant salt, the token count and content hash of
-its prefix, the layout and a checksum over all of it and every tensor byte. A file is used only when all
-of these match; anything else (truncated, corrupted, another model's, unreadable) is a miss with an event
-and the file is deleted. LRU within a byte budget; last use is the file's mtime, so the order survives.
+its prefix, the layout and a MAC (HMAC-SHA256) over all of it and every tensor byte, keyed by the directory's
+secret (`secret`): a file written by anyone without that key, for any tenant, is refused. A file is used only
+when all of these match; anything else (truncated, corrupted, forged, another model's, unreadable) is a miss
+with an event and the file is deleted. LRU within a byte budget; last use is the file's mtime, so the order survives.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -34,6 +36,7 @@ from ..kv_chain import adopt, standalone
 from ..metrics import Metrics
 from ..state import Snapshot, token_hash
 from .namespace import tenant_of
+from .secret import directory_key
 from .serialize import checksum, from_tensors, to_tensors
 from .telemetry import CacheTelemetry
 
@@ -87,6 +90,7 @@ class DiskTier:
                  telemetry: CacheTelemetry, max_pending_bytes: int = 2 << 30):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._key = directory_key(self.dir)
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
         self.metrics = metrics
@@ -203,7 +207,7 @@ class DiskTier:
         tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items()}
         meta = {"format": "hyserve", "fingerprint": self.fingerprint, "salt": salt,
                 "num_tokens": str(snap.num_tokens), "prefix_hash": snap.prefix_hash, "layout": layout}
-        meta["checksum"] = checksum(tensors, *_signed(meta))
+        meta["mac"] = checksum(tensors, *_signed(meta), key=self._key)
         path, tmp = self.dir / name, self.dir / f"{_TMP}{name}"
         try:
             safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
@@ -297,8 +301,8 @@ class DiskTier:
             tensors = safetensors.torch.load(data)
         except Exception:
             raise DiskError("disk_corrupt") from None
-        if checksum(tensors, *_signed(meta)) != meta.get("checksum"):
-            raise DiskError("disk_checksum_mismatch")
+        if not hmac.compare_digest(checksum(tensors, *_signed(meta), key=self._key), str(meta.get("mac", ""))):
+            raise DiskError("disk_mac_mismatch")  # damaged, or written without this directory's key
         try:
             cache = from_tensors(adapter.new_state().cache, tensors, meta["layout"], adapter.model.device)
         except (ValueError, KeyError, TypeError, AttributeError):

@@ -8,6 +8,7 @@ the model's config and refuses (ValueError) any file whose layer classes or attr
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 
 import torch
@@ -74,9 +75,10 @@ def from_tensors(fresh_cache, tensors: dict[str, torch.Tensor], layout_json: str
     return fresh_cache
 
 
-def checksum(tensors: dict[str, torch.Tensor], *texts: str) -> str:
-    """blake2b over every tensor's key, dtype, shape and bytes (in key order) and the given texts."""
-    h = hashlib.blake2b(digest_size=16)
+def checksum(tensors: dict[str, torch.Tensor], *texts: str, key: bytes | None = None) -> str:
+    """blake2b over every tensor's key, dtype, shape and bytes (in key order) and the given texts; with `key`,
+    an HMAC-SHA256 of the same, which only a holder of the key can make."""
+    h = hmac.new(key, digestmod=hashlib.sha256) if key is not None else hashlib.blake2b(digest_size=16)
     for text in texts:
         h.update(text.encode())
         h.update(b"\0")

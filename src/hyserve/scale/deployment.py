@@ -164,12 +164,12 @@ class Ingress:
             return self.routing_events(request)
         if path in ("/v1/cache", "/v1/cache/events"):  # every replica's cache, not one's
             return await self.every_cache(request)
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.config.max_body_bytes:
-            body = b""  # the replica answers 413 from the header, as a single server does before reading it
-        else:
-            body = await request.body()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+        limit = self.config.max_body_bytes
+        body = await _capped_body(request, limit)
+        if body is None:  # the replica answers 413 from the length, as a single server does (after its auth check)
+            body = b""
+            headers = [(k, v) for k, v in headers if k.lower() not in _DROP] + [("content-length", str(limit + 1))]
         req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
                           headers, body)
         salt, tokens = await asyncio.get_running_loop().run_in_executor(
@@ -271,6 +271,21 @@ class Ingress:
                 continue
             texts[rid] = b"".join(c for c in chunks if isinstance(c, bytes)).decode()
         return b"".join([generate_latest(TELEMETRY.registry), _merged(texts)])
+
+
+async def _capped_body(request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is over `limit` bytes, declared or streamed (chunked): the rest
+    is never read, so a client cannot make the routing process hold more than a replica would."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return None
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _summed(stats: list[dict]) -> dict:
