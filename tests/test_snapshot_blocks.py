@@ -1,7 +1,9 @@
 """Snapshot blocks are recycled (`hyserve.snapshot_blocks`): a block comes back only when nothing views it,
 goes out again only to a snapshot of its size class, and never while a live snapshot still uses it."""
 
+import ctypes
 import gc
+import threading
 
 import pytest
 import torch
@@ -105,9 +107,6 @@ def test_two_threads_topping_up_at_once_never_keep_one_block_twice(monkeypatch):
     """Every engine's worker tops up the one process-wide pool (an idle engine wakes every half second): a
     block two of them prepared at once must be kept once, or two snapshots would share it and one overwrite
     the other."""
-    import ctypes
-    import threading
-
     pool = BlockPool(keep=4, spare=2, large=1, min_bytes=0)
     monkeypatch.setattr("hyserve.state.BLOCKS", pool)
     packed_clones(_tensors(0, rows=256))  # 1 MiB, one chunk: the size `top_up` prepares
