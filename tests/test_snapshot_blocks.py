@@ -1,7 +1,9 @@
 """Snapshot blocks are recycled (`hyserve.snapshot_blocks`): a block comes back only when nothing views it,
 goes out again only to a snapshot of its size class, and never while a live snapshot still uses it."""
 
+import ctypes
 import gc
+import threading
 
 import pytest
 import torch
@@ -99,3 +101,31 @@ def test_recycled_blocks_keep_cached_turns_equal_to_cache_off(make_service, arch
     off = run_chat(make_service(arch, cache_enabled=False))
     assert [r[0] for r in on] == [r[0] for r in off], [r[1] for r in on]  # a failure shows each turn's cached tokens
     assert pool.reused > 0 and sum(r[1] > 0 for r in on) >= 3  # blocks were reused, and turns were cached
+
+
+def test_two_threads_topping_up_at_once_never_keep_one_block_twice(monkeypatch):
+    """Every engine's worker tops up the one process-wide pool (an idle engine wakes every half second): a
+    block two of them prepared at once must be kept once, or two snapshots would share it and one overwrite
+    the other."""
+    pool = BlockPool(keep=4, spare=2, large=1, min_bytes=0)
+    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    packed_clones(_tensors(0, rows=256))  # 1 MiB, one chunk: the size `top_up` prepares
+    first_in, second_done, memset = threading.Event(), threading.Event(), ctypes.memset
+
+    def held_memset(ptr, value, n):  # the first caller stays inside its chunk until the second has run
+        if threading.current_thread() is first:
+            first_in.set()
+            second_done.wait(10)
+        return memset(ptr, value, n)
+
+    monkeypatch.setattr(ctypes, "memset", held_memset)
+    first = threading.Thread(target=pool.top_up)
+    first.start()
+    assert first_in.wait(10)
+    pool.top_up()
+    second_done.set()
+    first.join(10)
+    a, b = _tensors(1, rows=256), _tensors(2, rows=256)
+    copy_a, copy_b = packed_clones(a), packed_clones(b)
+    assert copy_a[0].data_ptr() != copy_b[0].data_ptr()
+    assert all(torch.equal(x, y) for x, y in zip(copy_a, a)) and all(torch.equal(x, y) for x, y in zip(copy_b, b))

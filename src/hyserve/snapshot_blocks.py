@@ -43,6 +43,7 @@ class BlockPool:
         self._lock = threading.Lock()  # blocks come back on whichever thread drops a snapshot's last tensor
         self._last_large = 0  # size class of the last large block taken: what `top_up` prepares
         self._preparing: list | None = None  # [block, bytes faulted in so far] of the spare `top_up` is making
+        self._topping_up = threading.Lock()  # held by the one `top_up` call that may advance `_preparing`
         self.reused = 0  # blocks handed out again (a count for tests and benchmarks)
 
     @property
@@ -76,7 +77,17 @@ class BlockPool:
         """Idle time: fault in the next `CHUNK` of a spare block of the last large snapshot's size (written
         with zeros, outside the GIL), keeping it once whole, until `spare` of that size are kept. One chunk
         a call, so a request that arrives meanwhile waits for one chunk at most. Returns whether it did any.
-        (Only the engine's worker thread calls this.)"""
+        Every engine's worker calls this on the one pool of the process, outside the model thread: one call
+        runs at a time and another meanwhile does nothing, else both could finish the same block and keep it
+        twice, and two snapshots would then be copied into it (one overwriting the other)."""
+        if not self._topping_up.acquire(blocking=False):
+            return False
+        try:
+            return self._top_up()
+        finally:
+            self._topping_up.release()
+
+    def _top_up(self) -> bool:
         with self._lock:
             if self._preparing is None:
                 size = self._last_large
