@@ -27,6 +27,7 @@ from typing import AsyncIterator
 from .. import model_thread
 from ..allocator import Trimmer
 from ..cache.manager import PrefixCache
+from ..cache.namespace import tenant_of
 from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
@@ -74,6 +75,7 @@ class Engine:
             self.make_proposer = lambda prompt: PromptLookup(speculative, prompt)
         self._stopping = False
         self._rebuilding = False
+        self._job = None  # the idle-time job being run (taken off the queue, still in flight)
         self._trimmer = Trimmer()
         self._live_sampled = 0.0
         self.watchdog = Watchdog(stall_after=stall_timeout)
@@ -101,7 +103,30 @@ class Engine:
 
     def submit(self, req: GenerationRequest, emit: Emit) -> None:
         """Queue `req`; `emit` is called from the worker thread. Raises QueueFull at capacity."""
-        self.scheduler.add(Run(req, emit))
+        self._queue(Run(req, emit))
+
+    def _queue(self, run: Run) -> None:
+        """Into the waiting queue; a request that arrived before a clear of its tenant (its prompt rendered
+        meanwhile) is stale, as if it had been in flight then. Under the scheduler's lock, as `clear_cache`."""
+        with self.scheduler.cond:
+            self.scheduler.add(run)
+            if self.cache.cleared_since(run.req.cache_salt, run.req.arrival):
+                self.cache.stale.add(run.req.request_id)
+
+    def clear_cache(self, tenant: str | None = None) -> int:
+        """`DELETE /v1/cache` (under the runtime lock): drop `tenant`'s checkpoints (all with None), cancel its
+        queued idle-time jobs and make its requests and jobs in flight stale: what they would still record
+        is refused (`PrefixCache.record`). Returns the number of checkpoints dropped."""
+        sched = self.scheduler
+        with sched.cond:  # nothing enters or leaves the queues meanwhile
+            for job in sched.take_background(lambda j: tenant is None or tenant_of(j.salt) == tenant):
+                self.cache.telemetry.emit("declined", "cleared", request_id=job.request_id, tenant=tenant_of(job.salt),
+                                          kind=",".join(b.kind for b in job.stops), tokens=len(job.tokens))
+            runs = [*sched.waiting, *sched.running]
+            in_flight = {r.req.request_id: r.req.cache_salt for r in runs}
+            jobs = [*sched.background, *([self._job] if self._job is not None else [])]
+            in_flight.update({j.request_id: j.salt for j in jobs})
+            return self.cache.clear(tenant, in_flight)
 
     def generate(self, req: GenerationRequest) -> Finished:
         """Blocking: run `req` to completion (benchmarks and tests without HTTP), its post-decode checkpoint
@@ -117,7 +142,7 @@ class Engine:
                 done.set()
 
         run = Run(req, emit)
-        self.scheduler.add(run)
+        self._queue(run)
         done.wait()
         if isinstance(out[0], Failed):
             raise RuntimeError(out[0].message)
@@ -217,11 +242,14 @@ class Engine:
         self.admission.drop_abandoned()
         new = self.admission.admit(guard)
         if not sched.busy and sched.background:
+            with sched.cond:  # (a clear may have cancelled it since)
+                job = self._job = sched.background.pop() if sched.background else None
             self._rebuilding = True
             try:
-                self.background.run(sched.background.pop())
+                if job is not None:
+                    self.background.run(job)
             finally:
-                self._rebuilding = False
+                self._rebuilding, self._job = False, None
             return
         with self.runtime.lock:
             held = time.perf_counter()

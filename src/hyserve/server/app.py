@@ -314,7 +314,7 @@ def create_app(service: Service) -> FastAPI:
     @app.delete("/v1/cache")
     async def cache_clear(request: Request):
         tenant = cache_scope(request.scope, cfg)
-        removed = await under_lock(service.cache.clear, tenant)
+        removed = await under_lock(service.engine.clear_cache, tenant)
         return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
     install_responses(app, service)
