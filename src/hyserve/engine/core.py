@@ -36,7 +36,7 @@ from ..snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
 from ..state import cache_nbytes
 from .admission import Admission
-from .api import ChatPrompt, Emit, Failed, Finished, GenerationRequest
+from .api import SHUTTING_DOWN, ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background
 from .decode import Decode
 from .finishing import Finishing
@@ -211,18 +211,28 @@ class Engine:
         self.runtime.adapter.drop_batch()
 
     def _stalled(self) -> None:
-        """The watchdog's thread, while a step has run too long: answer the requests it holds with a `Failed`
-        item and cancel them (the step releases them if it ever returns), and fail those waiting behind it.
-        Nothing else is touched from here."""
+        """The watchdog's thread, while a step has run too long: fail the requests the step holds and those
+        waiting behind it."""
+        runs = self._fail_all(Failed(f"the engine made no progress for {self.watchdog.stall_after:g} s"))
+        if runs:
+            log.error("an engine step has run for over %g s: failed %d request(s)", self.watchdog.stall_after, runs)
+
+    def cut_off(self, message: str) -> int:
+        """A stopping server's time is up: every request still running or waiting ends with a `Failed` item
+        (code "shutting_down"), so that each stream says it was cut, in its route's format, instead of just
+        stopping. Any thread; returns how many requests were failed."""
+        return self._fail_all(Failed(message, SHUTTING_DOWN))
+
+    def _fail_all(self, failed: Failed) -> int:
+        """Answer every running and waiting request with `failed` and cancel it (a step releases it, if one
+        ever returns). Nothing else is touched: this runs beside a step that may be stuck."""
         sched = self.scheduler
         runs = [r for r in list(sched.running) if not r.ended] + sched.take_waiting(lambda run: True)
-        if not runs:
-            return
-        log.error("an engine step has run for over %g s: failing %d request(s)", self.watchdog.stall_after, len(runs))
         for run in runs:
             run.req.cancelled.set()
-            run.end(Failed(f"the engine made no progress for {self.watchdog.stall_after:g} s"))
+            run.end(failed)
         self.outbox.flush()
+        return len(runs)
 
     def _sample_live_bytes(self) -> None:
         """Set the live-state gauge: what running requests hold beyond the cache's budget, the part of the

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..cache.namespace import tenant_of
 from ..chat import ChatRequestError, ChatTurn, template_message
-from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..engine import SHUTTING_DOWN, ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
 from ..grammar import GrammarError, Grammars
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
@@ -169,7 +169,7 @@ def create_app(service: Service) -> FastAPI:
                                 yield fmts[0].event(fmts[0]("usage", usage(*finals)))
                         elif isinstance(item, Failed):
                             status = "error"
-                            yield fmts[0].error_event(item.message, "server_error", None)
+                            yield fmts[0].error_event(item.message, "server_error", item.code)
                     if fmts[0].done is not None:
                         yield {"data": fmts[0].done}
                 except asyncio.CancelledError:
@@ -201,6 +201,8 @@ def create_app(service: Service) -> FastAPI:
         failed = next((r for r in results if isinstance(r, Failed) or r is None), False)
         if failed is not False:
             metrics.requests.labels(endpoint, "error").inc()
+            if failed and failed.code == SHUTTING_DOWN:
+                raise APIError(503, failed.message, "server_error", None, SHUTTING_DOWN)
             raise APIError(500, failed.message if failed else "generation failed", "server_error")
         if any(r.reason == "timeout" for r in results):
             metrics.requests.labels(endpoint, "timeout").inc()
