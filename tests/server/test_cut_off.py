@@ -18,11 +18,14 @@ ASK = [{"role": "user", "content": "Tell me a long story about a robot."}]
 
 
 @contextlib.contextmanager
-def stopping_server(make_service, budget: float = 0.5):
+def stopping_server(make_service, budget: float = 0.5, engine_cuts: bool = True):
     """A draining server on a thread (as `hyserve serve` runs it), whose engine is slowed down so that a long
-    reply cannot finish within `budget`; yields (base URL, stop()), stop() acting as SIGTERM does."""
+    reply cannot finish within `budget`; yields (base URL, stop()), stop() acting as SIGTERM does.
+    `engine_cuts=False`: the engine fails nothing at the limit, uvicorn cancels the stream (the fallback)."""
     svc = make_service("qwen3_5")
     eng, inner = svc.engine, svc.engine.step
+    if not engine_cuts:
+        eng.cut_off = lambda message: 0
 
     def slow_step():
         inner()
@@ -49,8 +52,9 @@ def stopping_server(make_service, budget: float = 0.5):
 LONG = dict(max_tokens=400, temperature=0)
 
 
-def test_a_chat_stream_cut_at_shutdown_raises_in_the_openai_client(make_service):
-    with stopping_server(make_service) as (base, stop):
+@pytest.mark.parametrize("engine_cuts", [True, False], ids=["engine", "cancelled"])
+def test_a_chat_stream_cut_at_shutdown_raises_in_the_openai_client(make_service, engine_cuts):
+    with stopping_server(make_service, engine_cuts=engine_cuts) as (base, stop):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
                                                 extra_body={"min_tokens": 400}, **LONG)
