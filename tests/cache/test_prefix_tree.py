@@ -113,8 +113,9 @@ def test_a_tenant_clear_drops_only_that_tenants_salts():
     assert t.base_for([1, 2, 3, 4], a_proj) is None and not list(t.snapshots())[2:]
     assert t.has([1, 2, 3], b) and t.has([1, 2, 3], keyless) and t.usage("") == (1, 10)
     assert t.entries == 3 and t.total_bytes == 30 and a not in t.roots  # an emptied salt keeps no root
+    assert t.usage() == (2, 30)  # the dead one is no one's entry; memory holds its bytes until it is unpinned
     t.unpin(node)
-    assert t.entries == 2 and t.total_bytes == 20 and not t.roots[a_proj].children
+    assert t.entries == 2 and t.dead == 0 and t.usage() == (2, 20) and not t.roots[a_proj].children
     assert t.clear() == 2 and t.entries == 0
 
 
@@ -126,6 +127,6 @@ def test_a_dead_checkpoint_recorded_again_takes_the_new_snapshot():
     t.clear()
     fresh = snap([1, 2], nbytes=7)
     assert t.insert([1, 2], fresh, "s")[:2] == (True, "recorded")
-    assert t.entries == 1 and t.total_bytes == 7 and t.lookup([1, 2, 3], 3, False, salt="s").snapshot is fresh
+    assert (t.entries, t.dead, t.total_bytes) == (1, 0, 7) and t.lookup([1, 2, 3], 3, False, salt="s").snapshot is fresh
     t.unpin(node)  # the holder of the old one ends: the new one stays
     assert t.has([1, 2], "s") and t.entries == 1

@@ -66,7 +66,7 @@ class PrefixCache:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
         self.metrics.cache_state_bytes.set(self.tree.state_bytes)
         self.metrics.cache_kv_bytes.set(self.tree.kv_bytes)
-        self.metrics.cache_entries.set(self.tree.entries)
+        self.metrics.cache_entries.set(self.tree.entries - self.tree.dead)
 
     def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "",
                 count: bool = True, keep_last: bool = True) -> Restored:

@@ -77,6 +77,7 @@ class PrefixTree:
         self.kv_bytes = 0  # attention-KV segments, each once
         self._segments: dict[int, list] = {}  # id -> [segment, holders]: snapshots with it as tail, held children
         self.entries = 0
+        self.dead = 0  # of `entries`: cleared while pinned, their bytes held until their last unpin
         self._clock = itertools.count(1)
         self.on_evict: Callable[[str, Snapshot], None] | None = None  # (salt, snapshot) of each budget eviction
         # (salt, snapshot, held) whenever a snapshot is stored (True) or dropped for any reason (False):
@@ -149,7 +150,7 @@ class PrefixTree:
         node = self._make_path(tokens, self._root(salt))
         if node.dead:  # recorded again after a clear: the new snapshot takes the dead one's place
             self._release(node.snapshot)
-            self.entries -= 1
+            self.entries, self.dead = self.entries - 1, self.dead - 1
             node.snapshot, node.dead = None, False
         if node.snapshot is not None:
             return False, "duplicate", []
@@ -236,7 +237,9 @@ class PrefixTree:
         return self._drop(node) if node.snapshot is not None else None
 
     def _drop(self, node: _Node) -> Snapshot:
-        if self.on_change is not None and not node.dead:  # (a dead one was reported gone when it died)
+        if node.dead:  # (reported gone when it died)
+            self.dead -= 1
+        elif self.on_change is not None:
             self.on_change(self.salt_of(node), node.snapshot, False)
         snap, node.snapshot, node.dead = node.snapshot, None, False
         self._release(snap)
@@ -273,7 +276,7 @@ class PrefixTree:
                 if node.pins == 0:
                     self._drop(node)
                 else:
-                    node.dead = True
+                    node.dead, self.dead = True, self.dead + 1
                     if self.on_change is not None:
                         self.on_change(salt, node.snapshot, False)
             if salt and not self.roots[salt].children:  # an emptied request salt keeps no root
@@ -287,9 +290,10 @@ class PrefixTree:
 
     def usage_split(self, tenant: str | None = None) -> tuple[int, int, int]:
         """(entries, state bytes, KV segment bytes) held by all salts, or by `tenant`'s (chains never
-        cross salts: a snapshot continues only a checkpoint of its own salt's tree)."""
+        cross salts: a snapshot continues only a checkpoint of its own salt's tree). Dead checkpoints are no
+        one's entries; all salts' bytes are what memory holds, theirs included."""
         if tenant is None:
-            return self.entries, self.state_bytes, self.kv_bytes
+            return self.entries - self.dead, self.state_bytes, self.kv_bytes
         entries = state = 0
         segments = {}
         for salt in self._salts(tenant):

@@ -97,7 +97,6 @@ class CutOffQuietly:
 
     async def __call__(self, scope, receive, send):
         started = complete = False
-
         events = False  # a server-sent event stream
 
         async def watching_send(message):
