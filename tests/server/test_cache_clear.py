@@ -159,3 +159,24 @@ def test_idle_time_jobs_of_the_tenant_are_cancelled_or_record_nothing(make_servi
     declined = {e["request_id"] for e in svc.cache.telemetry.events(None, 100)
                 if e["event"] == "declined" and e["reason"] == "cleared"}
     assert declined == {"running", "queued"}
+
+
+def test_the_tokenizer_forgets_the_tenants_texts():
+    """The tokenizer's reuse of earlier prompt texts keeps them (`prompt_tokens`): a clear drops the tenant's."""
+    from hyserve.cache.namespace import make_salt
+    from hyserve.prompt_tokens import PrefixEncoder
+    from hyserve.tiny import train_tokenizer
+
+    tok = train_tokenizer()
+    encoder = PrefixEncoder(tok)
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a private document " * 50}]
+    first = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    second = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    for salt in (make_salt("ta", None), make_salt("ta", "project"), make_salt("tb", None)):
+        encoder.encode(first, salt=salt)
+    encoder.forget("ta")
+    encoder.encode(second, salt=make_salt("ta", "project"))
+    assert encoder.reused_tokens == 0  # nothing of ta's left to reuse
+    encoder.encode(second, salt=make_salt("tb", None))
+    assert encoder.reused_tokens > 0  # tb's text stays

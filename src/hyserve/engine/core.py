@@ -116,8 +116,11 @@ class Engine:
     def clear_cache(self, tenant: str | None = None) -> int:
         """`DELETE /v1/cache` (under the runtime lock): drop `tenant`'s checkpoints (all with None), cancel its
         queued idle-time jobs and make its requests and jobs in flight stale: what they would still record
-        is refused (`PrefixCache.record`). Returns the number of checkpoints dropped."""
+        is refused (`PrefixCache.record`). The tokenizer forgets its texts too. Returns the number of
+        checkpoints dropped."""
         sched = self.scheduler
+        if self.runtime.prompt_encoder is not None:
+            self.runtime.prompt_encoder.forget(tenant)
         with sched.cond:  # nothing enters or leaves the queues meanwhile
             for job in sched.take_background(lambda j: tenant is None or tenant_of(j.salt) == tenant):
                 self.cache.telemetry.emit("declined", "cleared", request_id=job.request_id, tenant=tenant_of(job.salt),
