@@ -22,10 +22,11 @@ checks itself: at start-up against full encodes of chat-like texts, and then eve
 reuse, falling back to full encodes for good on any mismatch.
 
 Entries are namespaced by the tenant's salt (the prefix cache's), so one tenant's texts never speed up, and
-so never reveal, another's; a clear of the tenant's cache drops its texts (`forget`). A text of `keep_below` ids or more (a prompt the context cannot hold: it is
-refused) is not kept. Texts with content markers (`prompt_escape`) are spliced after each encode; the
-identity above holds for them too, the cut points being the template's own special tokens. Encodes go
-through `encode_batch`, which releases the GIL (`encode` holds it for the whole text).
+so never reveal, another's; a clear of the tenant's cache drops its texts (`forget`). A text of `keep_below`
+ids or more (a prompt the context cannot hold: it is refused) is not kept. Texts with content markers
+(`prompt_escape`) are spliced after each encode; the identity above holds for them too, the cut points being
+the template's own special tokens. Encodes go through `encode_batch`, which releases the GIL (`encode` holds
+it for the whole text).
 """
 
 from __future__ import annotations
