@@ -291,9 +291,9 @@ class PrefixTree:
     def usage_split(self, tenant: str | None = None) -> tuple[int, int, int]:
         """(entries, state bytes, KV segment bytes) held by all salts, or by `tenant`'s (chains never
         cross salts: a snapshot continues only a checkpoint of its own salt's tree). Dead checkpoints are no
-        one's entries; all salts' bytes are what memory holds, theirs included."""
-        if tenant is None:
-            return self.entries - self.dead, self.state_bytes, self.kv_bytes
+        one's: not counted (the byte budget counts what memory holds, theirs included)."""
+        if tenant is None and not self.dead:
+            return self.entries, self.state_bytes, self.kv_bytes
         entries = state = 0
         segments = {}
         for salt in self._salts(tenant):
