@@ -22,10 +22,11 @@ checks itself: at start-up against full encodes of chat-like texts, and then eve
 reuse, falling back to full encodes for good on any mismatch.
 
 Entries are namespaced by the tenant's salt (the prefix cache's), so one tenant's texts never speed up, and
-so never reveal, another's. A text of `keep_below` ids or more (a prompt the context cannot hold: it is
-refused) is not kept. Texts with content markers (`prompt_escape`) are spliced after each encode; the
-identity above holds for them too, the cut points being the template's own special tokens. Encodes go
-through `encode_batch`, which releases the GIL (`encode` holds it for the whole text).
+so never reveal, another's; a clear of the tenant's cache drops its texts (`forget`). A text of `keep_below`
+ids or more (a prompt the context cannot hold: it is refused) is not kept. Texts with content markers
+(`prompt_escape`) are spliced after each encode; the identity above holds for them too, the cut points being
+the template's own special tokens. Encodes go through `encode_batch`, which releases the GIL (`encode` holds
+it for the whole text).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from array import array
 from collections import OrderedDict
 from typing import Sequence
 
+from .cache.namespace import tenant_of
 from .prompt_escape import MARK, ContentEscaper
 
 log = logging.getLogger("hyserve.prompt_tokens")
@@ -155,6 +157,12 @@ class PrefixEncoder:
             self._disable(f"mismatch on a {len(ids)}-token text")
             return self._reference(text)
         return ids
+
+    def forget(self, tenant: str | None = None) -> None:
+        """Drop the texts of `tenant`'s salts (all with None): a cache clear leaves none of its texts behind."""
+        with self._lock:
+            for key in [k for k in self._entries if tenant is None or tenant_of(k[0]) == tenant]:
+                del self._entries[key]
 
     def _disable(self, why: str) -> None:
         log.error("prompt prefix reuse disabled, every prompt is tokenized in full from now on: %s", why)

@@ -105,10 +105,28 @@ def test_a_tenant_clear_drops_only_that_tenants_salts():
         t.insert([1, 2, 3], snap([1, 2, 3]), salt)
     t.insert([1, 2], snap([1, 2]), a)
     node = t.lookup([1, 2, 3, 4], 4, False, salt=a_proj).node
-    t.pin(node)  # in use by a running request: kept
+    t.pin(node)  # in use by a running request: dead, found by nothing, dropped when it is unpinned
     assert t.usage("ta") == (3, 30) and t.usage(None) == (5, 50)
-    assert t.clear("ta") == 2
-    assert t.usage("ta") == (1, 10) and t.has([1, 2, 3], a_proj) and not t.has([1, 2, 3], a)
+    assert t.clear("ta") == 3
+    assert t.usage("ta") == (0, 0) and not t.has([1, 2, 3], a_proj) and not t.has([1, 2, 3], a)
+    assert t.lookup([1, 2, 3, 4], 4, False, a_proj) is None and t.lookup([1, 2, 3, 4], 4, True, a_proj) is None
+    assert t.base_for([1, 2, 3, 4], a_proj) is None and not list(t.snapshots())[2:]
     assert t.has([1, 2, 3], b) and t.has([1, 2, 3], keyless) and t.usage("") == (1, 10)
     assert t.entries == 3 and t.total_bytes == 30 and a not in t.roots  # an emptied salt keeps no root
-    assert t.clear() == 2 and t.entries == 1
+    assert t.usage() == (2, 20) and t.total_bytes == 30  # no one's; memory holds its bytes until it is unpinned
+    t.unpin(node)
+    assert t.entries == 2 and t.dead == 0 and t.usage() == (2, 20) and not t.roots[a_proj].children
+    assert t.clear() == 2 and t.entries == 0
+
+
+def test_a_dead_checkpoint_recorded_again_takes_the_new_snapshot():
+    t = PrefixTree(1000)
+    t.insert([1, 2], snap([1, 2]), "s")
+    node = t.lookup([1, 2, 3], 3, False, salt="s").node
+    t.pin(node)
+    t.clear()
+    fresh = snap([1, 2], nbytes=7)
+    assert t.insert([1, 2], fresh, "s")[:2] == (True, "recorded")
+    assert (t.entries, t.dead, t.total_bytes) == (1, 0, 7) and t.lookup([1, 2, 3], 3, False, salt="s").snapshot is fresh
+    t.unpin(node)  # the holder of the old one ends: the new one stays
+    assert t.has([1, 2], "s") and t.entries == 1

@@ -11,13 +11,17 @@ the entry is dropped; the request then runs from an empty state, so output stays
 
 With `share_kv` (the default), a checkpoint recorded below another on the same path keeps only the
 attention KV of its own new tokens and links to the other's (`hyserve.kv_chain`).
+
+A clear leaves nothing of the tenant behind: the requests (and idle-time jobs) it had in flight are stale from
+then on, and what they would still record is refused, so a replay after the clear restores nothing.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..families import FamilyAdapter
 from ..kv_chain import KVChainError
@@ -55,12 +59,14 @@ class PrefixCache:
         self.lookups = 0
         self.hits = 0
         self._tenant_counts: dict[str, list[int]] = {}  # tenant -> [lookups, hits]
+        self.stale: set[str] = set()  # ids of requests in flight at a clear of their tenant: they record nothing
+        self._cleared: dict[str | None, float] = {}  # tenant (None: all) -> perf_counter() of its latest clear
 
     def _gauges(self) -> None:
         self.metrics.cache_bytes.set(self.tree.total_bytes)
         self.metrics.cache_state_bytes.set(self.tree.state_bytes)
         self.metrics.cache_kv_bytes.set(self.tree.kv_bytes)
-        self.metrics.cache_entries.set(self.tree.entries)
+        self.metrics.cache_entries.set(self.tree.entries - self.tree.dead)
 
     def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "",
                 count: bool = True, keep_last: bool = True) -> Restored:
@@ -155,6 +161,9 @@ class PrefixCache:
         if not self.enabled:
             return False
         base = dict(request_id=request_id, kind=kind, tokens=expected_tokens, tenant=tenant_of(salt))
+        if request_id in self.stale:
+            self.telemetry.emit("declined", "cleared", **base)
+            return False
         if state.position != expected_tokens:
             self.telemetry.emit("declined", "position_mismatch", position=state.position, **base)
             return False
@@ -193,14 +202,26 @@ class PrefixCache:
             self._evicted(self.tree.unpin(restored.node))
             restored.node = None
 
-    def clear(self, tenant: str | None = None) -> int:
-        """Drop every unpinned checkpoint (tenant None: an admin's clear) or only `tenant`'s."""
+    def clear(self, tenant: str | None = None, in_flight: Mapping[str, str] | None = None) -> int:
+        """Drop every checkpoint (tenant None: an admin's clear) or only `tenant`'s, in memory and on disk.
+        `in_flight`: request id -> salt of every request and job the engine holds; those of `tenant` become
+        stale, and stale ones no longer in flight are forgotten."""
+        self._cleared[tenant] = time.perf_counter()
+        if in_flight is not None:
+            self.stale = {rid for rid, salt in in_flight.items()
+                          if rid in self.stale or tenant is None or tenant_of(salt) == tenant}
         removed = self.tree.clear(tenant)
         if self.disk is not None:
             removed += self.disk.clear(tenant)
         self._gauges()
         self.telemetry.emit("cleared", "admin" if tenant is None else "tenant", entries=removed, tenant=tenant)
         return removed
+
+    def cleared_since(self, salt: str, arrival: float) -> bool:
+        """Whether `salt`'s tenant was cleared after `arrival` (a perf_counter() time): a request that arrived
+        before the clear but reaches the engine after it is stale too."""
+        last = max(self._cleared.get(None, -math.inf), self._cleared.get(tenant_of(salt), -math.inf))
+        return last > arrival
 
     def stats(self, tenant: str | None = None) -> dict:
         """Figures for the whole cache, or for `tenant`'s own salts (the byte budget is shared)."""

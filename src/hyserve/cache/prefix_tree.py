@@ -10,7 +10,8 @@ prefixes; the byte budget is shared. Memory is a byte budget over what the snaps
 state part, plus each attention-KV segment once however many snapshots' chains run through it
 (`hyserve.kv_chain`), so evicting an inner checkpoint whose KV a deeper one still uses frees only its state.
 Eviction is least-recently-used among unpinned snapshots, leaves (nothing cached below) before shared
-inner prefixes. A pinned snapshot is in use by a request.
+inner prefixes. A pinned snapshot is in use by a request: a clear cannot drop it, so it marks it dead (never
+found again, no longer counted as its tenant's) and the last unpin drops it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .namespace import tenant_of
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "depth", "snapshot", "pins", "last_used")
+    __slots__ = ("edge", "children", "parent", "depth", "snapshot", "pins", "last_used", "dead")
 
     def __init__(self, edge: tuple[int, ...], parent: "_Node | None", depth: int):
         self.edge = edge
@@ -34,6 +35,11 @@ class _Node:
         self.snapshot: Snapshot | None = None
         self.pins = 0
         self.last_used = 0
+        self.dead = False  # cleared while pinned: dropped at its last unpin, found by nothing meanwhile
+
+    @property
+    def usable(self) -> bool:
+        return self.snapshot is not None and not self.dead
 
     def path_tokens(self) -> list[int]:
         parts, node = [], self
@@ -71,6 +77,7 @@ class PrefixTree:
         self.kv_bytes = 0  # attention-KV segments, each once
         self._segments: dict[int, list] = {}  # id -> [segment, holders]: snapshots with it as tail, held children
         self.entries = 0
+        self.dead = 0  # of `entries`: cleared while pinned, their bytes held until their last unpin
         self._clock = itertools.count(1)
         self.on_evict: Callable[[str, Snapshot], None] | None = None  # (salt, snapshot) of each budget eviction
         # (salt, snapshot, held) whenever a snapshot is stored (True) or dropped for any reason (False):
@@ -117,11 +124,11 @@ class PrefixTree:
         if truncate and matched > 0:
             start = partial if partial is not None else path[-1]
             # the shallowest snapshot below the divergence point: least to copy and cut away
-            best = min((n for n in start.walk() if n.snapshot is not None), key=lambda n: n.depth, default=None)
+            best = min((n for n in start.walk() if n.usable), key=lambda n: n.depth, default=None)
             if best is not None:
                 return self._touch(Match(best, best.snapshot, matched))
         for node in reversed(path):
-            if node.snapshot is not None and node.depth > 0:
+            if node.usable and node.depth > 0:
                 return self._touch(Match(node, node.snapshot, node.depth))
         return None
 
@@ -131,7 +138,7 @@ class PrefixTree:
 
     def has(self, tokens: Sequence[int], salt: str = "") -> bool:
         path, matched, partial = self._descend(tokens, salt)
-        return partial is None and matched == len(tokens) and path[-1].snapshot is not None
+        return partial is None and matched == len(tokens) and path[-1].usable
 
     # -- insert / evict --------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], snapshot: Snapshot, salt: str = "") -> tuple[bool, str, list[Snapshot]]:
@@ -141,6 +148,10 @@ class PrefixTree:
         if snapshot.nbytes > self.budget_bytes:
             return False, "over_budget", []
         node = self._make_path(tokens, self._root(salt))
+        if node.dead:  # recorded again after a clear: the new snapshot takes the dead one's place
+            self._release(node.snapshot)
+            self.entries, self.dead = self.entries - 1, self.dead - 1
+            node.snapshot, node.dead = None, False
         if node.snapshot is not None:
             return False, "duplicate", []
         node.snapshot = snapshot
@@ -182,7 +193,7 @@ class PrefixTree:
         """The deepest snapshot above depth len(tokens) on the path of `tokens`: whose KV chain a snapshot
         there may continue."""
         path, _, _ = self._descend(tokens, salt)
-        return next((n.snapshot for n in reversed(path) if n.snapshot is not None and 0 < n.depth < len(tokens)),
+        return next((n.snapshot for n in reversed(path) if n.usable and 0 < n.depth < len(tokens)),
                     None)
 
     def _make_path(self, tokens: Sequence[int], root: _Node) -> _Node:
@@ -226,9 +237,11 @@ class PrefixTree:
         return self._drop(node) if node.snapshot is not None else None
 
     def _drop(self, node: _Node) -> Snapshot:
-        if self.on_change is not None:
+        if node.dead:  # (reported gone when it died)
+            self.dead -= 1
+        elif self.on_change is not None:
             self.on_change(self.salt_of(node), node.snapshot, False)
-        snap, node.snapshot = node.snapshot, None
+        snap, node.snapshot, node.dead = node.snapshot, None, False
         self._release(snap)
         self.entries -= 1
         self._prune(node)
@@ -253,13 +266,19 @@ class PrefixTree:
         return [s for s in self.roots if tenant is None or tenant_of(s) == tenant]
 
     def clear(self, tenant: str | None = None) -> int:
-        """Drop every unpinned snapshot, or only those of `tenant`'s salts."""
+        """Drop every snapshot, or only those of `tenant`'s salts; a pinned one dies (see the module's doc)."""
         removed = 0
         for salt in self._salts(tenant):
             for node in list(self.roots[salt].walk()):
-                if node.snapshot is not None and node.pins == 0:
+                if not node.usable:
+                    continue
+                removed += 1
+                if node.pins == 0:
                     self._drop(node)
-                    removed += 1
+                else:
+                    node.dead, self.dead = True, self.dead + 1
+                    if self.on_change is not None:
+                        self.on_change(salt, node.snapshot, False)
             if salt and not self.roots[salt].children:  # an emptied request salt keeps no root
                 del self.roots[salt]
         return removed
@@ -271,14 +290,15 @@ class PrefixTree:
 
     def usage_split(self, tenant: str | None = None) -> tuple[int, int, int]:
         """(entries, state bytes, KV segment bytes) held by all salts, or by `tenant`'s (chains never
-        cross salts: a snapshot continues only a checkpoint of its own salt's tree)."""
-        if tenant is None:
+        cross salts: a snapshot continues only a checkpoint of its own salt's tree). Dead checkpoints are no
+        one's: not counted (the byte budget counts what memory holds, theirs included)."""
+        if tenant is None and not self.dead:
             return self.entries, self.state_bytes, self.kv_bytes
         entries = state = 0
         segments = {}
         for salt in self._salts(tenant):
             for node in self.roots[salt].walk():
-                if node.snapshot is not None:
+                if node.usable:
                     entries, state = entries + 1, state + node.snapshot.state_nbytes
                     seg = node.snapshot.kv
                     while seg is not None and id(seg) not in segments:
@@ -292,13 +312,15 @@ class PrefixTree:
 
     def unpin(self, node: _Node) -> list[Snapshot]:
         node.pins -= 1
-        if node.pins == 0 and node.snapshot is None:
+        if node.pins == 0 and node.dead:
+            self._drop(node)
+        elif node.pins == 0 and node.snapshot is None:
             self._prune(node)
         return self._evict()
 
     def snapshots(self) -> Iterator[tuple[_Node, Snapshot]]:
         for node in self._all_nodes():
-            if node.snapshot is not None:
+            if node.usable:
                 yield node, node.snapshot
 
 

@@ -3,7 +3,7 @@
 and result types) and `run` (what is kept per running request)."""
 
 from ..scheduler import QueueFull
-from .api import ChatPrompt, Delta, Failed, Finished, GenerationRequest
+from .api import SHUTTING_DOWN, ChatPrompt, Delta, Failed, Finished, GenerationRequest
 from .core import Engine
 
-__all__ = ["ChatPrompt", "Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]
+__all__ = ["SHUTTING_DOWN", "ChatPrompt", "Delta", "Engine", "Failed", "Finished", "GenerationRequest", "QueueFull"]

@@ -60,6 +60,10 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    code: str | None = None  # "shutting_down": cut off by a stopping server (the routes answer 503)
+
+
+SHUTTING_DOWN = "shutting_down"
 
 
 Emit = Callable[[object], None]

@@ -154,10 +154,11 @@ class Background(Phase):
         if restored is not None:
             self.cache.release(restored)
 
-    def cancel(self, pred) -> int:
-        """Drop the jobs `pred` accepts, the active one included (under the runtime lock). Returns how many."""
+    def cancel(self, pred) -> list[Job]:
+        """Drop the jobs `pred` accepts, the one being built included, with what it has not recorded yet (a
+        clear of their tenant's cache: `Engine.clear_cache`, under the runtime lock). Returns them."""
         dropped = self.scheduler.take_background(pred)
         if self.active is not None and pred(self.active):
             dropped.append(self.active)
             self._finish()
-        return len(dropped)
+        return dropped

@@ -29,6 +29,7 @@ from typing import AsyncIterator
 from .. import model_thread
 from ..allocator import Trimmer
 from ..cache.manager import PrefixCache
+from ..cache.namespace import tenant_of
 from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
@@ -37,7 +38,7 @@ from ..snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
 from ..state import cache_nbytes
 from .admission import Admission
-from .api import ChatPrompt, Emit, Failed, Finished, GenerationRequest
+from .api import SHUTTING_DOWN, ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background
 from .decode import Decode
 from .finishing import Finishing
@@ -103,7 +104,31 @@ class Engine:
 
     def submit(self, req: GenerationRequest, emit: Emit) -> None:
         """Queue `req`; `emit` is called from the worker thread. Raises QueueFull at capacity."""
-        self.scheduler.add(Run(req, emit))
+        self._queue(Run(req, emit))
+
+    def _queue(self, run: Run) -> None:
+        """Into the waiting queue; a request that arrived before a clear of its tenant (its prompt rendered
+        meanwhile) is stale, as if it had been in flight then. Under the scheduler's lock, as `clear_cache`."""
+        with self.scheduler.cond:
+            self.scheduler.add(run)
+            if self.cache.cleared_since(run.req.cache_salt, run.req.arrival):
+                self.cache.stale.add(run.req.request_id)
+
+    def clear_cache(self, tenant: str | None = None) -> int:
+        """`DELETE /v1/cache` (under the runtime lock): drop `tenant`'s checkpoints (all with None), cancel its
+        queued idle-time jobs and make its requests and jobs in flight stale: what they would still record
+        is refused (`PrefixCache.record`). The tokenizer forgets its texts too. Returns the number of
+        checkpoints dropped."""
+        sched = self.scheduler
+        if self.runtime.prompt_encoder is not None:
+            self.runtime.prompt_encoder.forget(tenant)
+        with sched.cond:  # nothing enters or leaves the queues meanwhile
+            for job in self.background.cancel(lambda j: tenant is None or tenant_of(j.salt) == tenant):
+                self.cache.telemetry.emit("declined", "cleared", request_id=job.request_id, tenant=tenant_of(job.salt),
+                                          kind=",".join(b.kind for b in job.stops), tokens=len(job.tokens))
+            runs = [*sched.waiting, *sched.running]
+            in_flight = {r.req.request_id: r.req.cache_salt for r in runs}
+            return self.cache.clear(tenant, in_flight)
 
     def generate(self, req: GenerationRequest) -> Finished:
         """Blocking: run `req` to completion (benchmarks and tests without HTTP), its post-decode checkpoint
@@ -119,7 +144,7 @@ class Engine:
                 done.set()
 
         run = Run(req, emit)
-        self.scheduler.add(run)
+        self._queue(run)
         done.wait()
         if isinstance(out[0], Failed):
             raise RuntimeError(out[0].message)
@@ -188,18 +213,28 @@ class Engine:
         self.runtime.adapter.drop_batch()
 
     def _stalled(self) -> None:
-        """The watchdog's thread, while a step has run too long: answer the requests it holds with a `Failed`
-        item and cancel them (the step releases them if it ever returns), and fail those waiting behind it.
-        Nothing else is touched from here."""
+        """The watchdog's thread, while a step has run too long: fail the requests the step holds and those
+        waiting behind it."""
+        runs = self._fail_all(Failed(f"the engine made no progress for {self.watchdog.stall_after:g} s"))
+        if runs:
+            log.error("an engine step has run for over %g s: failed %d request(s)", self.watchdog.stall_after, runs)
+
+    def cut_off(self, message: str) -> int:
+        """A stopping server's time is up: every request still running or waiting ends with a `Failed` item
+        (code "shutting_down"), so that each stream says it was cut, in its route's format, instead of just
+        stopping. Any thread; returns how many requests were failed."""
+        return self._fail_all(Failed(message, SHUTTING_DOWN))
+
+    def _fail_all(self, failed: Failed) -> int:
+        """Answer every running and waiting request with `failed` and cancel it (a step releases it, if one
+        ever returns). Nothing else is touched: this runs beside a step that may be stuck."""
         sched = self.scheduler
         runs = [r for r in list(sched.running) if not r.ended] + sched.take_waiting(lambda run: True)
-        if not runs:
-            return
-        log.error("an engine step has run for over %g s: failing %d request(s)", self.watchdog.stall_after, len(runs))
         for run in runs:
             run.req.cancelled.set()
-            run.end(Failed(f"the engine made no progress for {self.watchdog.stall_after:g} s"))
+            run.end(failed)
         self.outbox.flush()
+        return len(runs)
 
     def _sample_live_bytes(self) -> None:
         """Set the live-state gauge: what running requests hold beyond the cache's budget, the part of the

@@ -78,7 +78,7 @@ class Finishing(Phase):
                     rebuilds = self.record_post_decode(run, reason, text)
                 except Exception:  # the reply is out: the next turn just misses this checkpoint
                     log.exception("request %s: recording its post-decode checkpoint failed", run.req.request_id)
-                if self.cache.enabled:
+                if self.cache.enabled and run.req.request_id not in self.cache.stale:  # (a clear's: not kept)
                     self.background.queue_for(run, rebuilds)
                 self.metrics.snapshots_per_request.observe(run.snapshots)
             finally:

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..cache.namespace import tenant_of
 from ..chat import ChatRequestError, ChatTurn, template_message
-from ..engine import ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
+from ..engine import SHUTTING_DOWN, ChatPrompt, Delta, Failed, Finished, GenerationRequest, QueueFull
 from ..grammar import GrammarError, Grammars
 from ..prompt_bound import PromptTooLong
 from ..sampling import SamplingParams
@@ -180,7 +180,7 @@ def create_app(service: Service) -> FastAPI:
                                 yield fmts[0].event(fmts[0]("usage", usage(*finals)))
                         elif isinstance(item, Failed):
                             status = "error"
-                            yield fmts[0].error_event(item.message, "server_error", None)
+                            yield fmts[0].error_event(item.message, "server_error", item.code)
                     if fmts[0].done is not None:
                         yield {"data": fmts[0].done}
                 except asyncio.CancelledError:
@@ -212,6 +212,8 @@ def create_app(service: Service) -> FastAPI:
         failed = next((r for r in results if isinstance(r, Failed) or r is None), False)
         if failed is not False:
             metrics.requests.labels(endpoint, "error").inc()
+            if failed and failed.code == SHUTTING_DOWN:
+                raise APIError(503, failed.message, "server_error", None, SHUTTING_DOWN)
             raise APIError(500, failed.message if failed else "generation failed", "server_error")
         if any(r.reason == "timeout" for r in results):
             metrics.requests.labels(endpoint, "timeout").inc()
@@ -322,7 +324,7 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/v1/cache")
     async def cache_stats(request: Request):
         tenant = cache_scope(request.scope, cfg)
-        return service.cache.stats() if tenant is None else await under_lock(service.cache.stats, tenant)
+        return await under_lock(service.cache.stats, tenant)  # (a clear's dead checkpoints are walked past)
 
     @app.get("/v1/cache/events")
     async def cache_events(request: Request, limit: int = 100):
@@ -331,7 +333,7 @@ def create_app(service: Service) -> FastAPI:
     @app.delete("/v1/cache")
     async def cache_clear(request: Request):
         tenant = cache_scope(request.scope, cfg)
-        removed = await under_lock(service.cache.clear, tenant)
+        removed = await under_lock(service.engine.clear_cache, tenant)
         return {"cleared": removed, **(await under_lock(service.cache.stats, tenant))}
 
     install_responses(app, service)

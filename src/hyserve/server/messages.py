@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..chat import ChatRequestError, ChatTurn, template_message
 from ..chat.reply import CallEvent, ParsedReply
-from ..engine import Finished
+from ..engine import SHUTTING_DOWN, Finished
 from ..prompt_bound import PromptTooLong
 from ..service import Service
 from .errors import APIError, anthropic_body
@@ -64,7 +64,7 @@ class MessagesFormat(_Format):
         return {"event": chunk["type"], "data": json.dumps(chunk)}
 
     def error_event(self, message: str, type_: str, code: str | None) -> dict:
-        return self.event(anthropic_body(408 if type_ == "timeout" else 500, message))
+        return self.event(anthropic_body(408 if type_ == "timeout" else 503 if code == SHUTTING_DOWN else 500, message))
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -12,11 +13,16 @@ import time
 
 import uvicorn
 
+from ..engine import SHUTTING_DOWN
 from ..service import Service
 from .app import create_app
+from .errors import ANTHROPIC_PATH, anthropic_body, error_body
 from .guards import send_error
 
 log = logging.getLogger("hyserve.server")
+
+CUT_OFF = "server is shutting down: the reply was cut off at the --graceful-shutdown limit"
+CUT_OFF_DELIVERY = 2.0  # seconds the streams cut off get to send their error event before the sockets close
 
 
 def free_port() -> int:
@@ -29,7 +35,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, plus: on SIGTERM/SIGINT mark the service draining and keep listening while requests are
     in flight, so a request arriving then gets a 503 with an OpenAI error body (uvicorn alone would stop
     accepting connections at once). Once none is left, or after `timeout_graceful_shutdown` seconds,
-    uvicorn's own shutdown closes the sockets and cancels whatever still runs. It says what it waits for;
+    uvicorn's own shutdown closes the sockets and cancels whatever still runs: first the engine fails the
+    requests still running, so each reply ends with an explicit error in its route's format, never looking
+    complete (`Engine.cut_off`). It says what it waits for;
     a second signal exits at once. A graceful stop ends with exit status 0 and no traceback (uvicorn
     would re-raise the signal, and Python turns a SIGINT into a KeyboardInterrupt traceback)."""
 
@@ -67,6 +75,10 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if self.service.inflight:
             log.warning("graceful shutdown time is up: ending %d request(s) still running", self.service.inflight)
+            if self.service.engine.cut_off(CUT_OFF):
+                end = loop.time() + CUT_OFF_DELIVERY
+                while self.service.inflight and not self.force_exit and loop.time() < end:
+                    await asyncio.sleep(0.02)
         elif waiting:
             log.info("all requests finished")
         if deadline is not None:  # what is left of the budget is uvicorn's
@@ -77,17 +89,22 @@ class DrainingServer(uvicorn.Server):
 class CutOffQuietly:
     """When the graceful budget runs out, uvicorn cancels the requests still running and logs each as an
     "Exception in ASGI application" traceback. A cut-off is a designed end, not a failure: answer one that
-    has not started its response with the 503 that draining requests get, and end a started one's body."""
+    has not started its response with the 503 that draining requests get, and end a started stream with an
+    error event in its route's format (one the engine had not cut off first: `Engine.cut_off`)."""
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send):
         started = complete = False
+        events = False  # a server-sent event stream
 
         async def watching_send(message):
-            nonlocal started, complete
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, complete, events
+            if message["type"] == "http.response.start":
+                started = True
+                events = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", ()))
             complete = complete or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
 
@@ -99,7 +116,20 @@ class CutOffQuietly:
             if not started:
                 await send_error(send, 503, "server is shutting down", "server_error", "shutting_down", close=True)
             elif not complete:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                body = cut_off_event(scope.get("path", "")) if events else b""
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def cut_off_event(path: str) -> bytes:
+    """The last event of a stream cut off at shutdown, in its route's format: Anthropic's `error` event, the
+    Responses API's `error` event, else an OpenAI `data: {"error": ...}` line (the openai SDK raises on it)."""
+    if path.startswith(ANTHROPIC_PATH):
+        return b"event: error\r\ndata: " + json.dumps(anthropic_body(503, CUT_OFF)).encode() + b"\r\n\r\n"
+    if path.startswith("/v1/responses"):
+        data = {"type": "error", "code": SHUTTING_DOWN, "message": CUT_OFF, "param": None}
+        return b"event: error\r\ndata: " + json.dumps(data).encode() + b"\r\n\r\n"
+    body = error_body(CUT_OFF, "server_error", None, SHUTTING_DOWN)
+    return b"data: " + json.dumps(body).encode() + b"\r\n\r\n"
 
 
 def exit_now(sig: int, inflight: int) -> None:
@@ -112,19 +142,24 @@ def exit_now(sig: int, inflight: int) -> None:
     os._exit(128 + sig)
 
 
-def serve_forever(service: Service, sock: socket.socket, graceful_seconds: float = 30.0) -> None:
-    """Serve on `sock` (bound and listening, see `preflight.bind`) until a signal, then drain."""
+def draining_server(service: Service, host: str, port: int, graceful_seconds: float | None) -> DrainingServer:
+    """The server `serve_forever` runs (tests run it on a thread of their own)."""
     from sse_starlette.sse import AppStatus
 
     # sse-starlette would cut every open stream on SIGTERM; let them finish, bounded by uvicorn's timeout.
     AppStatus.disable_automatic_graceful_drain()
-    host, port = sock.getsockname()[:2]
     # log_config=None: the CLI has set logging up (`logs.configure`); hyserve writes the access lines
     app = CutOffQuietly(create_app(service), service)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=graceful_seconds)
+    return DrainingServer(config, service)
+
+
+def serve_forever(service: Service, sock: socket.socket, graceful_seconds: float = 30.0) -> None:
+    """Serve on `sock` (bound and listening, see `preflight.bind`) until a signal, then drain."""
+    host, port = sock.getsockname()[:2]
     try:
-        DrainingServer(config, service).run(sockets=[sock])
+        draining_server(service, host, port, graceful_seconds).run(sockets=[sock])
     finally:
         service.engine.stop()
         if service.cache.disk is not None:
