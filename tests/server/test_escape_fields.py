@@ -27,6 +27,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "descripti
                                            "opts": {"type": "object", "properties": {"unit": {"type": "string"}}}},
           "required": ["city"]}
 ARGS = {"city": "Paris", "opts": {"unit": "C", "list": ["x", {"y": "z"}]}}
+ARGS_TEXT = json.dumps(ARGS)  # arguments as clients send them, a JSON string
 
 CHAT = {
     "model": "tpl", "max_tokens": 1, "temperature": 0, "stop": ["zzz"], "cache_salt": "salt", "user": "u",
@@ -40,6 +41,8 @@ CHAT = {
         {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "Sunny."},
         {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "Rain."}]},
         {"role": "assistant", "content": "Done.", "reasoning": "Old."},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": ARGS_TEXT}},
+        {"role": "function", "name": "get_weather", "content": "Windy."},
         {"role": "user", "content": "Thanks."}],
     "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
                                                 "parameters": SCHEMA, "strict": True, "extra": NESTED}}],
@@ -84,17 +87,28 @@ MESSAGES = {
     "thinking": {"type": "disabled", "extra": "x"},
     "chat_template_kwargs": {"custom": NESTED},
 }
+# the legacy form of tools (`functions`, `function_call`), which cannot be sent beside `tools`
+CHAT_FUNCTIONS = {
+    "model": "tpl", "max_tokens": 1, "temperature": 0,
+    "messages": [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": ARGS_TEXT}},
+                 {"role": "function", "name": "get_weather", "content": "Sunny."}],
+    "functions": [{"name": "get_weather", "description": "Weather.", "parameters": SCHEMA}],
+    "function_call": {"name": "get_weather"},
+}
 TOKENIZE = {"model": "tpl", "messages": CHAT["messages"], "tools": CHAT["tools"], "add_generation_prompt": True,
             "chat_template_kwargs": CHAT["chat_template_kwargs"]}
 # fields a seed leaves out: they never reach the template (a grammar, token ids, one constraint at most)
 GRAMMAR = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
            "logit_bias"}
 ROUTES = {  # path: (request model, seed body, fields it leaves out)
-    "/v1/chat/completions": (ChatCompletionRequest, CHAT, GRAMMAR),
-    "/v1/responses": (ResponsesRequest, RESPONSES, GRAMMAR | {"previous_response_id"}),
+    "/v1/chat/completions": (ChatCompletionRequest, CHAT, GRAMMAR | {"functions", "function_call"}),  # see below
+    "/v1/responses": (ResponsesRequest, RESPONSES, GRAMMAR | {"previous_response_id", "text"}),  # (text.format)
     "/v1/messages": (MessagesRequest, MESSAGES, GRAMMAR | {"stop"}),  # as `stop_sequences`
     "/tokenize": (TokenizeRequest, TOKENIZE, {"prompt"}),
 }
+# more seeds of a route, walked like the first: "path#name" is posted to "path"
+WALKS = {**{r: seed for r, (_, seed, _) in ROUTES.items()}, "/v1/chat/completions#functions": CHAT_FUNCTIONS}
 _NESTING = ("anyOf", "oneOf", "allOf")  # a field's branches, each walked
 
 
@@ -179,7 +193,7 @@ def _variants(value, text: str):
 def _control_tokens(srv, route: str, body: dict, captured: list) -> tuple[int, int | None]:
     """(status, control tokens in the prompt the route rendered: None when it rendered none)."""
     captured.clear()
-    resp = httpx.post(srv.base_url + route, json=body, timeout=120)
+    resp = httpx.post(srv.base_url + route.split("#")[0], json=body, timeout=120)
     ids = resp.json()["tokens"] if route == "/tokenize" and resp.status_code == 200 else \
         (captured[0] if captured else None)
     assert resp.status_code < 500, resp.text
@@ -213,13 +227,15 @@ KEYS = {"/v1/chat/completions": [".tools[0].function.parameters.properties{city}
                                  ".messages[2].tool_calls[1].function.arguments{city}"],
         "/v1/messages": [".tools[0].input_schema.properties{city}", ".messages[1].content[2].input{city}"],
         "/v1/responses": [".tools[0].parameters.properties{city}", ".input[4].arguments{city}"],
-        "/tokenize": [".tools[0].function.parameters.properties{city}"]}
+        "/tokenize": [".tools[0].function.parameters.properties{city}"],
+        "/v1/chat/completions#functions": [".functions[0].parameters.properties{city}",
+                                           ".messages[1].function_call.arguments{city}"]}
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("route", sorted(WALKS))
 def test_no_field_or_key_of_a_request_forges_a_control_token(server, route):
     srv, captured = server
-    seed = ROUTES[route][1]
+    seed = WALKS[route]
     base = _control_tokens(srv, route, seed, captured)
     assert base[1] > 0, base
     rendered, forged = set(), []
