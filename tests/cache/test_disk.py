@@ -223,6 +223,7 @@ def test_a_file_forged_without_the_directory_key_is_refused_and_deleted(make_ser
     assert files
     for path in files:
         forge(path, b"not the directory's key".ljust(32))
+    forged = {p: p.read_bytes() for p in files}
     second = make_service("qwen3_5", cache_dir=tmp_path)
     assert second.cache.stats()["tiers"]["disk"]["entries"] == len(files)  # indexed: the header reads fine
     b2 = turn(second, second_turn)
@@ -230,7 +231,11 @@ def test_a_file_forged_without_the_directory_key_is_refused_and_deleted(make_ser
     assert second.cache.stats()["tiers"]["disk"]["hits"] == 0
     events = [(e["event"], e["reason"]) for e in second.cache.telemetry.events()]
     assert ("miss", "disk_mac_mismatch") in events, events
-    assert not any(p.exists() for p in files)
+    assert not all(p.exists() for p in files)  # the forged file looked up is deleted
+    b1 = turn(second, first_turn)
+    assert b1.token_ids == a1.token_ids and second.cache.stats()["tiers"]["disk"]["hits"] == 0
+    # no forged file is left: each one is deleted, or written again by this server (under the directory's key)
+    assert not any(p.exists() and p.read_bytes() == forged[p] for p in files)
 
 
 def test_the_directory_key_is_private_kept_across_restarts_and_a_planted_one_is_replaced(runtimes, tmp_path):
