@@ -2,7 +2,7 @@
 symmetric (no zero point), values in [-127, 127]. A Q8_0 block is (d: float16, qs: 32 x int8); here the qs of a
 weight [n, k] are one int8 tensor [n, k] and the d one float16 tensor [n, k / 32], so a GGUF file's Q8_0 blocks
 can be held as they are (split, not re-quantized) and a weight quantized here is bit for bit what llama.cpp's
-`quantize_row_q8_0` makes of the same float16-rounded scale.
+`quantize_row_q8_0_ref` makes of it.
 
 The modules hold the quantized form only (no float copy of the weight): a decode step's few rows run the C
 product over it (`native.Q8Products`, once checked at load), anything else dequantizes and multiplies in the
@@ -22,14 +22,16 @@ CHUNK = 1 << 22  # weights dequantized at once by `dequantized_linear` (16 MiB i
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qs int8 [n, k], d float16 [n, k / 32]) of a float weight [n, k], k a multiple of 32, as Q8_0: d =
-    max|w| / 127 over the block (rounded to float16, the stored scale), q = round(w / d)."""
+    """(qs int8 [n, k], d float16 [n, k / 32]) of a float weight [n, k], k a multiple of 32, as ggml's
+    `quantize_row_q8_0_ref` makes them: d = max|w| / 127 over the block in float32, q = roundf(w * (1 / d))
+    (halves away from zero), d stored as float16."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    d = (w.abs().amax(-1) / 127).to(torch.float16)
-    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d.float())
-    q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(n, k), d
+    d = w.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
+    x = (w * inv[..., None]).double()  # roundf, exactly: |x| + 0.5 is exact in float64
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d.to(torch.float16)
 
 
 def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,233 @@
+"""`--quantization int8`: weights held once as GGUF Q8_0 blocks, the C product of a decode step's few rows checked
+at load (a wrong build is refused), and the standards every dtype keeps: cache on == cache off token for token
+for every family, a batched decode step == each row decoded alone."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from hyserve import model_thread, quant
+from hyserve.quant import layout
+from hyserve.quant import native as qnative
+from hyserve.runtime import ModelRuntime
+
+from .conftest import FAMILIES
+from .test_engine_cache import run_chat
+
+
+@pytest.fixture(scope="module")
+def quantized(model_dirs):
+    """get(arch, dtype): a runtime of the tiny `arch` with int8 weights, loaded once per module."""
+    loaded = {}
+
+    def get(arch: str, dtype: str = "float32") -> ModelRuntime:
+        if (arch, dtype) not in loaded:
+            loaded[arch, dtype] = ModelRuntime.load(model_dirs[arch], dtype=dtype, device="cpu", quantization="int8")
+        return loaded[arch, dtype]
+
+    return get
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """Each load builds or refuses anew, into a cache folder of the test's own."""
+    monkeypatch.setenv("HYSERVE_NATIVE_CACHE", str(tmp_path / "native"))
+    qnative.library.cache_clear()
+    yield
+    qnative.library.cache_clear()
+
+
+def _q8_0_blocks(w: np.ndarray) -> bytes:
+    """ggml's quantize_row_q8_0_ref, in numpy: per 32 weights d = amax / 127 and roundf(w * (1 / d)) in float32,
+    d stored as float16."""
+    out = b""
+    for block in w.reshape(-1, 32).astype(np.float32):
+        d = np.float32(np.abs(block).max() / np.float32(127))
+        x = block * (np.float32(1) / d if d else np.float32(0))
+        q = np.sign(x) * np.floor(np.abs(x).astype(np.float64) + 0.5)  # roundf: halves away from zero
+        out += np.float16(d).tobytes() + q.astype(np.int8).tobytes()
+    return out
+
+
+def test_the_layout_holds_q8_0_blocks_as_they_are():
+    """A GGUF Q8_0 block is 2 bytes of float16 scale then 32 int8: split into `d` and `qs` they are the layout's
+    own tensors; what `quantize` makes of a weight is byte for byte what ggml makes, and dequantizes within half
+    a step (plus the scale's float16 rounding)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 96, generator=g) * 0.05
+    w[2, :32] = 0  # an all-zero block: scale 0, values 0
+    blocks = np.frombuffer(_q8_0_blocks(w.numpy()), dtype=np.uint8).reshape(-1, 34)
+    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).reshape(6, 3)
+    qs = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(6, 96)
+    got_qs, got_d = layout.quantize(w)
+    assert got_d.dtype == torch.float16 and got_qs.dtype == torch.int8
+    assert torch.equal(got_d, d)
+    assert torch.equal(got_qs, qs)
+    tie = torch.zeros(1, 32)
+    tie[0, :5] = torch.tensor([127.0, 0.5, -0.5, 2.5, -2.5])  # d = 1: halves go away from zero, as roundf
+    assert layout.quantize(tie)[0][0, :5].tolist() == [127, 1, -1, 3, -3]
+    back = layout.dequantize(qs, d, torch.float32)
+    assert torch.all((back - w).abs()[1:] <= d.float().repeat_interleave(32, 1)[1:] * 0.6)
+    assert torch.equal(back[2, :32], torch.zeros(32))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_weights_are_held_once_as_int8(quantized, arch):
+    """No float copy of a quantized weight stays in the model: what is left in the model's dtype is the norms',
+    convolutions' and recurrent layers' small parameters, the routers and the routed experts (listed)."""
+    rt = quantized(arch)
+    q = rt.quantization
+    assert q.layers > 0 and q.bytes_after < q.bytes_before / 3
+    linears = [n for n, m in rt.model.named_modules() if type(m) is torch.nn.Linear]
+    assert all(n in q.kept for n in linears), (linears, q.kept)
+    assert not any(type(m) is torch.nn.Embedding for m in rt.model.modules())
+    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, (layout.Q8Linear, layout.Q8Embedding))}
+    floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
+              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
+    assert not floats, floats
+    head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
+    if rt.model.config.get_text_config().tie_word_embeddings:
+        assert head.qs is embedding.qs and head.d is embedding.d  # one tensor for both
+    if arch == "qwen3_next":
+        assert any("experts" in n for n in q.kept) and any(n.endswith("shared_expert_gate") for n in q.kept)
+    else:
+        assert not q.kept, q.kept
+    assert rt.kernels.on("native_int8"), rt.kernels.status
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype):
+    """Every weight of the model (the head among them), 1 to ROWS rows with a row stride of their own: within
+    the dtype's rounding of dequantize-then-matmul; a row's result the same whatever batch it is in; more rows
+    than ROWS left to the reference."""
+    rt = quantized("qwen3_5", dtype)
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.Q8Linear)]
+    assert layers and all(m.native is not None for m in layers)
+    products = layers[0].native
+    g = torch.Generator().manual_seed(0)
+    extra = layout.Q8Linear(*layout.quantize(torch.randn(300, 1024, generator=g) * 0.05),
+                            torch.randn(300, generator=g), torch.float32)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    with torch.inference_mode():
+        for m in [*layers, extra]:
+            k = m.in_features
+            x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(getattr(torch, dtype))[..., 3:3 + k]
+            got = products(x, m)
+            want = layout.dequantized_linear(x, m.qs, m.d, None if m.bias is None else m.bias.to(x.dtype))
+            assert got.dtype == x.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            for r in range(products.ROWS):
+                assert torch.equal(products(x[r:r + 1], m), got[r:r + 1])
+            assert products(torch.zeros(products.ROWS + 1, 1, k), m) is None
+
+
+def _greedy(rt, n=10, together=True):
+    """Greedy tokens of two requests of different lengths, decoded in one batch or each alone."""
+
+    def run():
+        ad = rt.adapter
+        states = [ad.new_state(), ad.new_state()]
+        logits = [ad.forward(states[0], list(range(5, 40))), ad.forward(states[1], list(range(50, 61)))]
+        ids = [[int(x.argmax())] for x in logits]
+        for _ in range(n):
+            if together:
+                out = ad.forward_batch(states, [i[-1] for i in ids])
+                ad_ids = out.argmax(-1).tolist()
+            else:
+                ad_ids = [int(ad.forward_batch([s], [i[-1]])[0].argmax()) for s, i in zip(states, ids)]
+            for i, t in zip(ids, ad_ids):
+                i.append(t)
+        ad.drop_batch()
+        return ids
+
+    return model_thread.run(run)
+
+
+@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES] + [("qwen3_5", "bfloat16")])
+def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype):
+    rt = quantized(arch, dtype)
+    assert rt.kernels.on("native_int8"), rt.kernels.status
+    assert _greedy(rt, together=True) == _greedy(rt, together=False)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_six_turn_chat_matches_cache_off_with_int8_weights(make_service, arch):
+    on_service = make_service(arch, quantization="int8")
+    assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
+    on = run_chat(on_service)
+    off = run_chat(make_service(arch, quantization="int8", cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+    assert all(on[turn][1] >= on[turn - 1][3] for turn in (1, 2, 4, 5))  # whole histories reused
+
+
+def test_six_turn_chat_matches_cache_off_with_int8_weights_in_bfloat16(make_service):
+    on = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization="int8"))
+    off = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization="int8", cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+
+
+def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, caplog):
+    """The source with one mistake (each block weighted by the next block's scale) builds and runs; the
+    load-time check refuses it, with a warning, and every product dequantizes first."""
+    right = "const float scale = h2f(d[b]);"
+    source = qnative.SOURCE.read_text()
+    assert source.count(right) == 3  # one per instruction set
+    (tmp_path / "q8_products.c").write_text(source.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);"))
+    monkeypatch.setattr(qnative, "SOURCE", tmp_path / "q8_products.c")
+    with caplog.at_level(logging.WARNING, logger="hyserve.runtime"):
+        rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int8")
+    assert rt.kernels.status["native_int8"].startswith("off: max |diff|"), rt.kernels.status
+    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.Q8Linear))
+    assert any("int8 C product is off" in r.message for r in caplog.records)
+    assert _greedy(rt, n=3)  # still serves
+
+
+@pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
+                                        ({"HYSERVE_NATIVE": "0"}, "off: disabled"),
+                                        ({"HYSERVE_KERNELS": "0"}, "off: disabled")])
+def test_without_the_c_product_every_product_dequantizes_first(model_dirs, monkeypatch, fresh_library, env, reason):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int8")
+    assert rt.kernels.status["native_int8"].startswith(reason), rt.kernels.status
+    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.Q8Linear))
+
+
+def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
+    """An input width that is not a multiple of 32 (here attention's 4 heads x 20): that layer keeps its float
+    weight, the start-up line names it, and the model still computes what it did within int8's rounding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=20, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config).eval()
+    ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        want = model(ids).logits
+    done = quant.apply(model, "int8")
+    assert set(done.kept) == {f"model.layers.{i}.self_attn.o_proj" for i in range(2)}
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert "2 layer(s) whose input width is not a multiple of 32 (model.layers.0.self_attn.o_proj" in done.describe()
+    with torch.inference_mode():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def test_a_scheme_or_device_it_cannot_serve_is_one_clear_error(model_dirs):
+    with pytest.raises(ValueError, match="quantization must be one of int8"):
+        ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        ModelRuntime.load(model_dirs["qwen3"], device="cuda", quantization="int8")
+
+
+def test_hyserve_env_reports_the_quantization_and_its_check(model_dirs, capsys):
+    from hyserve.cli import main
+
+    assert main(["env", str(model_dirs["qwen3"]), "--quantization", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: int8 (Q8_0 blocks of 32)" in out
+    assert "kernel native_int8: on" in out and f"int8 products: {qnative.ISAS[qnative.library()[0].q8_isa()]}" in out
