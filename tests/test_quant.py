@@ -5,8 +5,9 @@ for every family, a batched decode step == each row decoded alone."""
 from __future__ import annotations
 
 import logging
+import math
+import struct
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,15 +42,15 @@ def fresh_library(monkeypatch, tmp_path):
     qnative.library.cache_clear()
 
 
-def _q8_0_blocks(w: np.ndarray) -> bytes:
-    """ggml's quantize_row_q8_0_ref, in numpy: per 32 weights d = amax / 127 and roundf(w * (1 / d)) in float32,
-    d stored as float16."""
+def _q8_0_blocks(w: torch.Tensor) -> bytes:
+    """ggml's quantize_row_q8_0_ref: per 32 weights d = amax / 127 and roundf(w * (1 / d)) in float32 (halves away
+    from zero), written as GGUF does: d as float16, then the 32 int8."""
     out = b""
-    for block in w.reshape(-1, 32).astype(np.float32):
-        d = np.float32(np.abs(block).max() / np.float32(127))
-        x = block * (np.float32(1) / d if d else np.float32(0))
-        q = np.sign(x) * np.floor(np.abs(x).astype(np.float64) + 0.5)  # roundf: halves away from zero
-        out += np.float16(d).tobytes() + q.astype(np.int8).tobytes()
+    for block in w.float().reshape(-1, 32):
+        d = block.abs().max() / 127
+        x = (block * (1 / d if d else torch.zeros(()))).tolist()
+        q = [int(math.copysign(math.floor(abs(v) + 0.5), v)) for v in x]
+        out += struct.pack("<e", d.item()) + struct.pack("32b", *q)
     return out
 
 
@@ -60,9 +61,9 @@ def test_the_layout_holds_q8_0_blocks_as_they_are():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 96, generator=g) * 0.05
     w[2, :32] = 0  # an all-zero block: scale 0, values 0
-    blocks = np.frombuffer(_q8_0_blocks(w.numpy()), dtype=np.uint8).reshape(-1, 34)
-    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).reshape(6, 3)
-    qs = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(6, 96)
+    blocks = torch.frombuffer(bytearray(_q8_0_blocks(w)), dtype=torch.uint8).reshape(-1, 34)
+    d = blocks[:, :2].clone().view(torch.float16).reshape(6, 3)
+    qs = blocks[:, 2:].clone().view(torch.int8).reshape(6, 96)
     got_qs, got_d = layout.quantize(w)
     assert got_d.dtype == torch.float16 and got_qs.dtype == torch.int8
     assert torch.equal(got_d, d)
