@@ -1,6 +1,6 @@
-"""`--quantization int8`: weights held once as GGUF Q8_0 blocks, the C product of a decode step's few rows checked
-at load (a wrong build is refused), and the standards every dtype keeps: cache on == cache off token for token
-for every family, a batched decode step == each row decoded alone."""
+"""`--quantization int8|int4`: weights held once as GGUF Q8_0 / Q4_0 blocks, the C products of a decode step's few
+rows checked at load (a wrong build is refused), and the standards every dtype keeps: cache on == cache off token
+for token for every family, a batched decode step == each row decoded alone."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from .test_engine_cache import run_chat
 
 @pytest.fixture(scope="module")
 def quantized(model_dirs):
-    """get(arch, dtype): a runtime of the tiny `arch` with int8 weights, loaded once per module."""
+    """get(arch, dtype, scheme): a runtime of the tiny `arch` with quantized weights, loaded once per module."""
     loaded = {}
 
-    def get(arch: str, dtype: str = "float32") -> ModelRuntime:
-        if (arch, dtype) not in loaded:
-            loaded[arch, dtype] = ModelRuntime.load(model_dirs[arch], dtype=dtype, device="cpu", quantization="int8")
-        return loaded[arch, dtype]
+    def get(arch: str, dtype: str = "float32", scheme: str = "int8") -> ModelRuntime:
+        if (arch, dtype, scheme) not in loaded:
+            loaded[arch, dtype, scheme] = ModelRuntime.load(model_dirs[arch], dtype=dtype, device="cpu",
+                                                            quantization=scheme)
+        return loaded[arch, dtype, scheme]
 
     return get
 
@@ -76,51 +77,98 @@ def test_the_layout_holds_q8_0_blocks_as_they_are():
     assert torch.equal(back[2, :32], torch.zeros(32))
 
 
+def _q4_0_blocks(w: torch.Tensor) -> bytes:
+    """ggml's quantize_row_q4_0_ref: per 32 weights d = (the weight of largest magnitude) / -8, u = min(15,
+    (int8_t)(w * (1 / d) + 8.5f)) in float32, weight i in the low nibble of byte i, weight 16 + i in its high one."""
+    out = b""
+    for block in w.float().reshape(-1, 32):
+        top = block[int(block.abs().argmax())]
+        d = top / -8
+        u = ((block * (1 / d if d else torch.zeros(()))) + 8.5).tolist()  # float32 operations, as ggml's
+        u = [min(15, int(v)) for v in u]
+        out += struct.pack("<e", d.item()) + bytes(u[i] | (u[16 + i] << 4) for i in range(16))
+    return out
+
+
+def test_the_layout_holds_q4_0_blocks_as_they_are():
+    """A GGUF Q4_0 block is 2 bytes of float16 scale then 16 bytes of nibbles: split into `d` and `qs`, the
+    layout's own tensors, byte for byte what `quantize` makes; dequantized within half a step (a whole one
+    where Q4_0 clamps)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(5, 64, generator=g) * 0.05
+    w[1, 32:] = 0
+    blocks = torch.frombuffer(bytearray(_q4_0_blocks(w)), dtype=torch.uint8).reshape(-1, 18)
+    d = blocks[:, :2].clone().view(torch.float16).reshape(5, 2)
+    qs = blocks[:, 2:].clone().reshape(5, 32)
+    got_qs, got_d = layout.quantize(w, "int4")
+    assert got_qs.dtype == torch.uint8 and torch.equal(got_qs, qs) and torch.equal(got_d, d)
+    back = layout.dequantize(qs, d, torch.float32)
+    step = d.float().abs().repeat_interleave(32, 1)
+    err = (back - w).abs()
+    assert torch.all(err <= step + 1e-6)  # a full step where +8 steps clamp to +7, as in Q4_0
+    assert (err <= step * 0.51 + 1e-6).float().mean() > 0.95
+    assert torch.equal(back[1, 32:], torch.zeros(32))
+    one = torch.zeros(1, 32)
+    one[0, 0], one[0, 17] = -8.0, 3.0  # d = 1: u = w + 8 (the high nibble of byte 1 holds weight 17)
+    qs1, d1 = layout.quantize(one, "int4")
+    assert d1.item() == 1.0 and qs1[0, 0].item() == 0 | (8 << 4) and qs1[0, 1].item() == 8 | (11 << 4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_the_weights_are_held_once_as_int8(quantized, arch):
+def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     """No float copy of a quantized weight stays in the model: what is left in the model's dtype is the norms',
     convolutions' and recurrent layers' small parameters, the routers and the routed experts (listed)."""
-    rt = quantized(arch)
+    rt = quantized(arch, scheme=scheme)
     q = rt.quantization
     assert q.layers > 0 and q.bytes_after < q.bytes_before / 3
     linears = [n for n, m in rt.model.named_modules() if type(m) is torch.nn.Linear]
     assert all(n in q.kept for n in linears), (linears, q.kept)
     assert not any(type(m) is torch.nn.Embedding for m in rt.model.modules())
-    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, (layout.Q8Linear, layout.Q8Embedding))}
+    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, (layout.QuantLinear, layout.QuantEmbedding))}
     floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
               if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
     assert not floats, floats
     head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
+    assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
     if rt.model.config.get_text_config().tie_word_embeddings:
         assert head.qs is embedding.qs and head.d is embedding.d  # one tensor for both
+    else:
+        assert embedding.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
+    body = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear) and m is not head]
+    assert body and all(m.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8) for m in body)
     if arch == "qwen3_next":
         assert any("experts" in n for n in q.kept) and any(n.endswith("shared_expert_gate") for n in q.kept)
     else:
         assert not q.kept, q.kept
-    assert rt.kernels.on("native_int8"), rt.kernels.status
+    assert rt.kernels.on("native_int8") and rt.kernels.on("native_int4") == (scheme == "int4"), rt.kernels.status
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype):
-    """Every weight of the model (the head among them), 1 to ROWS rows with a row stride of their own: within
-    the dtype's rounding of dequantize-then-matmul; a row's result the same whatever batch it is in; more rows
+def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
+    """Every weight of the model (the head among them), 1 to ROWS rows with a row stride of their own: the
+    numbers of dequantize-then-matmul but for a last-place rounding; a row's result the same whatever batch it is in; more rows
     than ROWS left to the reference."""
-    rt = quantized("qwen3_5", dtype)
-    layers = [m for m in rt.model.modules() if isinstance(m, layout.Q8Linear)]
-    assert layers and all(m.native is not None for m in layers)
-    products = layers[0].native
+    rt = quantized("qwen3_5", dtype, scheme)
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs) for m in layers)
     g = torch.Generator().manual_seed(0)
-    extra = layout.Q8Linear(*layout.quantize(torch.randn(300, 1024, generator=g) * 0.05),
-                            torch.randn(300, generator=g), torch.float32)
+    extra = layout.QuantLinear(*layout.quantize(torch.randn(300, 1024, generator=g) * 0.05, scheme),
+                               torch.randn(300, generator=g), torch.float32)
+    extra.native = next(m.native for m in layers if m.native.format == layout.format_of(extra.qs))
     tol = 1e-4 if dtype == "float32" else 2e-2
     with torch.inference_mode():
         for m in [*layers, extra]:
+            products = m.native
             k = m.in_features
             x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(getattr(torch, dtype))[..., 3:3 + k]
             got = products(x, m)
-            want = layout.dequantized_linear(x, m.qs, m.d, None if m.bias is None else m.bias.to(x.dtype))
+            want = layout.dequantized_linear(x, m.qs, m.d, m.bias)
             assert got.dtype == x.dtype and got.shape == want.shape
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            if dtype == "bfloat16":  # both sum the exact weights in float32 (in another order) and round once to
+                assert (got == want).float().mean() > 0.99  # bfloat16: the same numbers but for a rare tie
             for r in range(products.ROWS):
                 assert torch.equal(products(x[r:r + 1], m), got[r:r + 1])
             assert products(torch.zeros(products.ROWS + 1, 1, k), m) is None
@@ -148,42 +196,54 @@ def _greedy(rt, n=10, together=True):
     return model_thread.run(run)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES] + [("qwen3_5", "bfloat16")])
-def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype):
-    rt = quantized(arch, dtype)
+def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
+    rt = quantized(arch, dtype, scheme)
     assert rt.kernels.on("native_int8"), rt.kernels.status
     assert _greedy(rt, together=True) == _greedy(rt, together=False)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_six_turn_chat_matches_cache_off_with_int8_weights(make_service, arch):
-    on_service = make_service(arch, quantization="int8")
+def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
+    on_service = make_service(arch, quantization=scheme)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
     on = run_chat(on_service)
-    off = run_chat(make_service(arch, quantization="int8", cache_enabled=False))
+    off = run_chat(make_service(arch, quantization=scheme, cache_enabled=False))
     assert [r[0] for r in on] == [r[0] for r in off]
     assert all(on[turn][1] >= on[turn - 1][3] for turn in (1, 2, 4, 5))  # whole histories reused
 
 
-def test_six_turn_chat_matches_cache_off_with_int8_weights_in_bfloat16(make_service):
-    on = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization="int8"))
-    off = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization="int8", cache_enabled=False))
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_six_turn_chat_matches_cache_off_with_quantized_weights_in_bfloat16(make_service, scheme):
+    on = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme))
+    off = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme, cache_enabled=False))
     assert [r[0] for r in on] == [r[0] for r in off]
 
 
-def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, caplog):
-    """The source with one mistake (each block weighted by the next block's scale) builds and runs; the
-    load-time check refuses it, with a warning, and every product dequantizes first."""
+@pytest.mark.parametrize("kernel,function", [("native_int8", "dot_q8"), ("native_int4", "dot_q4")])
+def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, caplog, kernel, function):
+    """The source with one mistake in one format's product (each block weighted by the next block's scale) builds
+    and runs; the load-time check refuses that product, with a warning, and its layers dequantize first; the
+    other format's product stays on."""
     right = "const float scale = h2f(d[b]);"
     source = qnative.SOURCE.read_text()
-    assert source.count(right) == 3  # one per instruction set
-    (tmp_path / "q8_products.c").write_text(source.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);"))
-    monkeypatch.setattr(qnative, "SOURCE", tmp_path / "q8_products.c")
+    parts = source.split(f"static float {function}(")
+    assert len(parts) == 4  # one per instruction set
+    parts = [parts[0]] + [p.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);", 1)
+                          for p in parts[1:]]
+    (tmp_path / "products.c").write_text(f"static float {function}(".join(parts))
+    monkeypatch.setattr(qnative, "SOURCE", tmp_path / "products.c")
     with caplog.at_level(logging.WARNING, logger="hyserve.runtime"):
-        rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int8")
-    assert rt.kernels.status["native_int8"].startswith("off: max |diff|"), rt.kernels.status
-    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.Q8Linear))
-    assert any("int8 C product is off" in r.message for r in caplog.records)
+        rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
+    status = rt.kernels.status
+    assert status[kernel].startswith("off: max |diff|"), status
+    other = "native_int4" if kernel == "native_int8" else "native_int8"
+    assert rt.kernels.on(other), status
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert all((m.native is None) == (qnative.KERNELS[layout.format_of(m.qs)] == kernel) for m in layers)
+    assert any(f"the C product {kernel} is off" in r.message for r in caplog.records)
     assert _greedy(rt, n=3)  # still serves
 
 
@@ -193,9 +253,10 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
 def test_without_the_c_product_every_product_dequantizes_first(model_dirs, monkeypatch, fresh_library, env, reason):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int8")
+    rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
     assert rt.kernels.status["native_int8"].startswith(reason), rt.kernels.status
-    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.Q8Linear))
+    assert rt.kernels.status["native_int4"].startswith(reason), rt.kernels.status
+    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.QuantLinear))
 
 
 def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
@@ -219,8 +280,8 @@ def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
 
 
 def test_a_scheme_or_device_it_cannot_serve_is_one_clear_error(model_dirs):
-    with pytest.raises(ValueError, match="quantization must be one of int8"):
-        ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="fp8")
     with pytest.raises(ValueError, match="runs on CPU only"):
         ModelRuntime.load(model_dirs["qwen3"], device="cuda", quantization="int8")
 
@@ -228,7 +289,8 @@ def test_a_scheme_or_device_it_cannot_serve_is_one_clear_error(model_dirs):
 def test_hyserve_env_reports_the_quantization_and_its_check(model_dirs, capsys):
     from hyserve.cli import main
 
-    assert main(["env", str(model_dirs["qwen3"]), "--quantization", "int8"]) == 0
+    assert main(["env", str(model_dirs["qwen3"]), "--quantization", "int4"]) == 0
     out = capsys.readouterr().out
-    assert "quantization: int8 (Q8_0 blocks of 32)" in out
-    assert "kernel native_int8: on" in out and f"int8 products: {qnative.ISAS[qnative.library()[0].q8_isa()]}" in out
+    assert "quantization: int4 (Q4_0, the head Q8_0, blocks of 32)" in out
+    assert "kernel native_int8: on" in out and "kernel native_int4: on" in out
+    assert f"quantized products: {qnative.ISAS[qnative.library()[0].q8_isa()]}" in out

@@ -37,9 +37,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as `model` (default: the folder's name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and activations")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="hold the weights as int8 (GGUF Q8_0 blocks: 32 weights, one scale), made at load from the "
-                        "folder's weights; activations stay in --dtype; CPU only")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="hold the weights as int8 or int4 (GGUF Q8_0 / Q4_0 blocks: 32 weights, one scale; the head "
+                        "Q8_0), made at load from the folder's weights; activations stay in --dtype; CPU only")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("env", "print the versions hyserve runs on and, for a model, its kernels' load-time check", cmd_env)
     p.add_argument("model_dir", nargs="?", default=None, help="a model folder to load on the CPU and check")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
-    p.add_argument("--quantization", default=None, choices=["int8"], help="quantize the weights at load, as serve")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize the weights at load, as serve")
     return parser
 
 

@@ -28,10 +28,10 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
         if rt.quantization is not None:
             lines.append(f"quantization: {rt.quantization.describe()}")
-            from .quant.layout import Q8Linear
+            from .quant.layout import QuantLinear
 
-            isa = next((m.native.isa for m in rt.model.modules() if isinstance(m, Q8Linear) and m.native), None)
-            lines.append(f"int8 products: {isa or 'dequantized, then the dtype product'}")
+            isa = next((m.native.isa for m in rt.model.modules() if isinstance(m, QuantLinear) and m.native), None)
+            lines.append(f"quantized products: {isa or 'dequantized, then the dtype product'}")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
         from .experts import current
 

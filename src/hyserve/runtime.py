@@ -215,13 +215,22 @@ class ModelRuntime:
 
 
 def _install_quantized_products(model, adapter, dtype) -> None:
-    """The int8 weights' C product (`native_int8` in the kernel report, so that the disk cache's fingerprint
-    tells quantized states from others), or why it is off: then every product dequantizes first."""
-    why = "disabled (HYSERVE_KERNELS=0)" if not kernels.enabled() else quant.install_products(model, dtype)
-    adapter.kernels.set("native_int8", not why, why)
-    if why and not why.startswith("disabled"):
-        log.warning("the int8 C product is off, the int8 weights are dequantized for every product (slower, same "
-                    "results): %s", why)
+    """The quantized weights' C products (`native_int8`, `native_int4` in the kernel report, so that the disk
+    cache's fingerprint tells quantized states from others), or why each is off: then its products
+    dequantize first."""
+    from .quant import native
+
+    if not kernels.enabled():
+        found = {native.KERNELS[quant.layout.format_of(m.qs)] for m in model.modules()
+                 if isinstance(m, quant.QuantLinear)}
+        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(found)}
+    else:
+        decided = quant.install_products(model, dtype)
+    for name, why in decided.items():
+        adapter.kernels.set(name, not why, why)
+        if why and not why.startswith("disabled"):
+            log.warning("the C product %s is off, its weights are dequantized for every product (slower, same "
+                        "results): %s", name, why)
 
 
 def _as_list(value) -> list[int]:

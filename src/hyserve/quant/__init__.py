@@ -1,13 +1,15 @@
-"""Weight-only quantization applied at load (`--quantization int8`): the weights held once, as int8.
+"""Weight-only quantization applied at load (`--quantization int8|int4`): the weights held once, quantized.
 
-What is quantized, as llama.cpp's Q8_0 files have it (`layout`: GGUF's Q8_0 blocks, 32 weights and one
-float16 scale each):
-- every `nn.Linear` of the decoder (attention, Gated DeltaNet and Mamba2 projections, MLPs, shared experts);
-- the output head, Q8_0 like the rest: llama.cpp keeps `output.weight` at Q8_0 in a Q8_0 file (Q6_K in
-  Q4_K_M), never below the body's bits, because its errors land on every logit;
-- the token embedding, Q8_0 too (llama.cpp's `token_embd` in Q8_0 files): a lookup dequantizes only the rows
-  it reads, so it costs a quarter of float32's memory for no time; a tied head and embedding share one
-  quantized tensor.
+What is quantized, as llama.cpp's Q8_0 and Q4_0 files have it (`layout`: GGUF's Q8_0 / Q4_0 blocks, 32 weights
+and one float16 scale each):
+- every `nn.Linear` of the decoder (attention, Gated DeltaNet and Mamba2 projections, MLPs, shared experts):
+  Q8_0 for int8, Q4_0 for int4;
+- the output head at Q8_0 for both: its errors land on every logit, so llama.cpp never puts it below the
+  body's bits (Q8_0 in a Q8_0 file, Q6_K in Q4_0 and Q4_K_M files; Q8_0 is the nearest format here that is
+  not below Q6_K);
+- the token embedding at the body's format (llama.cpp's `token_embd` is Q8_0 in Q8_0 files, Q4_0 in Q4_0
+  files): a lookup dequantizes only the rows it reads, so it costs no time. A head tied to the embedding is
+  one tensor, quantized as the head (as llama.cpp quantizes `token_embd` when there is no `output`).
 
 What stays in the model's dtype, with one start-up line saying so:
 - MoE routers (`gate`, `shared_expert_gate`, `router`): llama.cpp keeps `ffn_gate_inp` unquantized, since a
@@ -25,11 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import human_bytes
-from .layout import BLOCK, Q8Embedding, Q8Linear, quantize
+from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
 
 log = logging.getLogger("hyserve.quant")
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "int4")
+HEAD = "int8"  # the output head's (and a tied embedding's) format under every scheme
 ROUTERS = ("gate", "shared_expert_gate", "router")
 
 
@@ -44,8 +47,9 @@ class Quantized:
     kept: dict[str, str] = field(default_factory=dict)  # a weight left in the model's dtype -> why
 
     def describe(self) -> str:
-        line = (f"{self.scheme} (Q8_0 blocks of {BLOCK}): {self.layers} layers, {human_bytes(self.bytes_before)} "
-                f"-> {human_bytes(self.bytes_after)}")
+        blocks = "Q8_0" if self.scheme == "int8" else "Q4_0, the head Q8_0"
+        line = (f"{self.scheme} ({blocks}, blocks of {BLOCK}): {self.layers} layers, "
+                f"{human_bytes(self.bytes_before)} -> {human_bytes(self.bytes_after)}")
         if self.kept:
             reasons: dict[str, list[str]] = {}
             for name, why in self.kept.items():
@@ -69,12 +73,13 @@ def apply(model, scheme: str) -> Quantized:
     if device.type != "cpu":
         raise ValueError(f"--quantization {scheme} runs on CPU only (the model is on {device.type})")
     done = Quantized(scheme)
-    embedding = model.get_input_embeddings()
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qs, d): a tied weight quantized once
 
-    def q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def q(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(weight) not in made:
-            made[id(weight)] = quantize(weight)
+            made[id(weight)] = quantize(weight, HEAD if weight is head_weight else scheme)
             done.bytes_before += _nbytes(weight)
             done.bytes_after += _nbytes(*made[id(weight)])
         return made[id(weight)]
@@ -88,13 +93,13 @@ def apply(model, scheme: str) -> Quantized:
                 elif child.in_features % BLOCK:
                     done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
                 else:
-                    setattr(parent, name, Q8Linear(*q8(child.weight), child.bias, child.weight.dtype))
+                    setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
                     done.layers += 1
             elif type(child) is torch.nn.Embedding and child is embedding:
                 if child.embedding_dim % BLOCK:
                     done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
                 else:
-                    setattr(parent, name, Q8Embedding(*q8(child.weight), child.weight.dtype))
+                    setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
                     done.layers += 1
     made.clear()
     for module_name, module in model.named_modules():
@@ -105,8 +110,9 @@ def apply(model, scheme: str) -> Quantized:
     return done
 
 
-def install_products(model, dtype: torch.dtype) -> str:
-    """The C product for a decode step's few rows over the int8 weights (`native.install`): "" or why off."""
+def install_products(model, dtype: torch.dtype) -> dict[str, str]:
+    """The C products for a decode step's few rows over the quantized weights (`native.install`): per kernel
+    name, "" or why off."""
     from . import native
 
     return native.install(model, dtype)

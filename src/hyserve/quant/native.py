@@ -1,4 +1,4 @@
-"""The C product of a decode step's few rows over Q8_0 weights (`q8_products.c`), built at load with the
+"""The C products of a decode step's few rows over Q8_0 and Q4_0 weights (`products.c`), built at load with the
 machine's compiler as `kernels.native` builds `decode_step.c` (same flags, cache folder, OpenMP guard and
 `HYSERVE_NATIVE=0` switch), then checked on every weight shape of the model against `dequantized_linear`;
 off, with the reason, when it cannot be built or does not match."""
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ..kernels import native, verify
-from .layout import Q8Linear, dequantized_linear
+from .layout import QuantLinear, dequantized_linear, format_of
 
-SOURCE = Path(__file__).with_name("q8_products.c")
+SOURCE = Path(__file__).with_name("products.c")
 ISAS = ("portable C", "AVX2", "AVX512F")
 
 
@@ -63,33 +63,36 @@ def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
 def library() -> tuple[ctypes.CDLL | None, str]:
     lib, why = build(SOURCE)
     if lib is not None:
-        lib.q8_products.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [
-            ctypes.c_int]
-        lib.q8_products.restype = ctypes.c_int
+        for f in (lib.q8_products, lib.q4_products):
+            f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+            f.restype = ctypes.c_int
         lib.q8_isa.restype = ctypes.c_int
     return lib, why
 
 
-class Q8Products:
+class Products:
     """x @ W^T (+ bias) for a few rows (`ROWS`: a decode batch of the default `--max-running`) over a
-    `Q8Linear`'s int8 values, in C: the weight streamed once as int8, not dequantized first."""
+    `QuantLinear`'s values of one format (`layout.format_of`), in C: the weight streamed as it is held, not
+    dequantized first."""
 
     ROWS = 8
 
-    def __init__(self, lib):
-        self.lib = lib
+    def __init__(self, lib, fmt: str):
+        self.format = fmt
+        self.product = lib.q4_products if fmt == "q4_0" else lib.q8_products
         self.isa = ISAS[lib.q8_isa()]
 
-    def __call__(self, x: torch.Tensor, layer: Q8Linear) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if not (0 < rows <= self.ROWS and k == layer.in_features and x.is_floating_point() and x.device.type == "cpu"):
+        if not (0 < rows <= self.ROWS and k == layer.in_features and x.is_floating_point() and x.device.type == "cpu"
+                and format_of(layer.qs) == self.format):
             return None
         flat = x.reshape(rows, k).float().contiguous()  # a few rows: the copy costs nothing next to the weight
         n = layer.out_features
         y = torch.empty(rows, n, dtype=torch.float32)
-        if self.lib.q8_products(rows, n, k, flat.data_ptr(), k, layer.qs.data_ptr(), layer.d.data_ptr(),
+        if self.product(rows, n, k, flat.data_ptr(), k, layer.qs.data_ptr(), layer.d.data_ptr(),
                                 y.data_ptr(), torch.get_num_threads()) != 0:
             return None
         if layer.bias is not None:
@@ -97,16 +100,23 @@ class Q8Products:
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
-def install(model, dtype: torch.dtype) -> str:
-    """Give every `Q8Linear` of `model` the C product once it matches `dequantized_linear` on each of the
-    model's weight shapes, for one row and for `ROWS`; "" when on, else why not."""
-    layers = [m for m in model.modules() if isinstance(m, Q8Linear)]
-    if not layers:
-        return "no int8 layers"
+KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
+
+
+def install(model, dtype: torch.dtype) -> dict[str, str]:
+    """Give the `QuantLinear`s of `model` of each format the C product of that format once it matches
+    `dequantized_linear` on each of their weight shapes, for one row and for `ROWS`. Returns, per kernel name
+    (`KERNELS`) of the formats present, "" when on, else why not."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
+    formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
     if lib is None:
-        return why
-    products = Q8Products(lib)
+        return {KERNELS[fmt]: why for fmt in formats}
+    return {KERNELS[fmt]: _install(Products(lib, fmt), group, dtype) for fmt, group in formats.items()}
+
+
+def _install(products: Products, layers: list[QuantLinear], dtype: torch.dtype) -> str:
     g = torch.Generator().manual_seed(0)
     shapes = {}
     for layer in layers:
