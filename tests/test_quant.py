@@ -294,3 +294,28 @@ def test_hyserve_env_reports_the_quantization_and_its_check(model_dirs, capsys):
     assert "quantization: int4 (Q4_0, the head Q8_0, blocks of 32)" in out
     assert "kernel native_int8: on" in out and "kernel native_int4: on" in out
     assert f"quantized products: {qnative.ISAS[qnative.library()[0].q8_isa()]}" in out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_speculation_equals_plain_decode_with_quantized_weights(make_service, arch, scheme):
+    """A verification pass (a few rows: the C product, each row as it would be alone) accepts exactly what
+    plain decoding makes."""
+    from hyserve.speculative import SpeculativeConfig
+
+    from .test_speculative import OracleProposer, generate
+
+    plain = make_service(arch, quantization=scheme)
+    spec = make_service(arch, quantization=scheme, speculative=SpeculativeConfig())
+    ref = generate(plain, 24)
+    spec.engine.make_proposer = lambda prompt: OracleProposer(prompt, ref.token_ids)
+    assert generate(spec, 24).token_ids == ref.token_ids
+    assert spec.metrics.spec_accepted._value.get() >= 8
+
+
+def test_the_disk_cache_tells_quantized_states_from_others(quantized, runtimes):
+    """A state saved by the float model (or by the other scheme) is never restored into a quantized one."""
+    from hyserve.cache.fingerprint import fingerprint
+
+    prints = {fingerprint(rt, "") for rt in (runtimes("qwen3"), quantized("qwen3"), quantized("qwen3", scheme="int4"))}
+    assert len(prints) == 3
