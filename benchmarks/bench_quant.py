@@ -1,12 +1,14 @@
-"""Decode step time and memory of a model's own dtype against `--quantization int8`, in one process, interleaved.
+"""Decode step time and memory of a model's own dtype against `--quantization int8` / `int4`, in one process,
+interleaved.
 
-Both runtimes are loaded into this process (the dtype's first, then the int8 one) and their decode steps are
-timed block by block in turn (`--blocks` blocks of `--steps` steps per side, one request after a `--prompt`-token
+The runtimes are loaded into this process (the dtype's first, then each scheme of `--schemes`) and their decode
+steps are timed block by block in turn (`--blocks` blocks of `--steps` steps per side, one request after a `--prompt`-token
 prompt, and a batch of `--batch` requests); the result is the median of the per-block ratios, so that the
 machine's drift between blocks cancels. Memory: the bytes each model holds (its parameters and buffers, exact)
 and the growth of this process's resident set over each load (approximate: the allocator may keep freed pages).
 
     python benchmarks/bench_quant.py --size real-0.8b --dtype bfloat16 --json benchmarks/results/quant.json
+    python benchmarks/bench_quant.py --size real-0.8b --dtype float32 --schemes int8
     python benchmarks/bench_quant.py --quick      # tiny model, a few blocks (tests)
 """
 
@@ -30,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="decode steps per block (default 6)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens before decoding (default 512)")
     p.add_argument("--batch", type=int, default=4, help="requests of the batched rows (default 4)")
+    p.add_argument("--schemes", default="int8,int4", help="quantizations to compare (default int8,int4)")
     return p.parse_args(argv)
 
 
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
 
     model_dir = C.ensure_model(args.arch, args.size)
     memory, runtimes = {}, {}
-    for name, quantization in ((args.dtype, None), ("int8", "int8")):
+    schemes = [x for x in args.schemes.split(",") if x]
+    for name, quantization in ((args.dtype, None), *((x, x) for x in schemes)):
         gc.collect()
         before = rss_bytes()
         rt = ModelRuntime.load(model_dir, dtype=args.dtype, device="cpu", quantization=quantization)
@@ -90,14 +94,17 @@ def main(argv=None) -> int:
     rows = []
     for batch in sorted({1, args.batch}):
         times = step_times(runtimes, args.prompt, batch, args.blocks, args.steps)
-        base, q = times[args.dtype], times["int8"]
-        rows.append({"requests": batch, f"{args.dtype}_step_s": C.median(base), "int8_step_s": C.median(q),
-                     "int8_over_dtype": C.median_ratio(base, q)})
+        row = {"requests": batch, f"{args.dtype}_step_s": C.median(times[args.dtype])}
+        for x in schemes:
+            row[f"{x}_step_s"] = C.median(times[x])
+            row[f"{x}_over_dtype"] = C.median_ratio(times[args.dtype], times[x])
+        rows.append(row)
     result = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "prompt_tokens": args.prompt,
               "blocks": args.blocks, "steps": args.steps, "rows": rows, "memory": memory}
-    headers = ["requests", f"{args.dtype} step (s)", "int8 step (s)", "int8 / dtype"]
-    print(C.table(headers, [[r["requests"], C.fmt_s(r[f"{args.dtype}_step_s"], 4), C.fmt_s(r["int8_step_s"], 4),
-                             C.fmt_ratio(r["int8_over_dtype"])] for r in rows]))
+    headers = ["requests", f"{args.dtype} step (s)", *(h for x in schemes for h in (f"{x} step (s)", f"{x} / dtype"))]
+    print(C.table(headers, [[r["requests"], C.fmt_s(r[f"{args.dtype}_step_s"], 4),
+                             *(v for x in schemes for v in (C.fmt_s(r[f"{x}_step_s"], 4),
+                                                            C.fmt_ratio(r[f"{x}_over_dtype"])))] for r in rows]))
     print(C.table(["weights", "held", "RSS growth at load"],
                   [[k, v["held_bytes"], v["rss_growth_bytes"]] for k, v in memory.items()]))
     if args.json_out:
