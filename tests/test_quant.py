@@ -319,3 +319,13 @@ def test_the_disk_cache_tells_quantized_states_from_others(quantized, runtimes):
 
     prints = {fingerprint(rt, "") for rt in (runtimes("qwen3"), quantized("qwen3"), quantized("qwen3", scheme="int4"))}
     assert len(prints) == 3
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_weight_is_quantized_the_same_a_slice_of_rows_at_a_time(monkeypatch, scheme):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g) * 0.03
+    whole = layout.quantize(w, scheme)
+    monkeypatch.setattr(layout, "CHUNK", 96 * 8)  # 8 rows a slice, the last one short
+    sliced = layout.quantize(w, scheme)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))

@@ -28,17 +28,26 @@ CHUNK = 1 << 22  # weights dequantized at once by `dequantized_linear` (16 MiB i
 
 
 def quantize(weight: torch.Tensor, scheme: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, d float16 [n, k / 32]) of a float weight [n, k], k a multiple of 32, as ggml makes them."""
+    """(values, d float16 [n, k / 32]) of a float weight [n, k], k a multiple of 32, as ggml makes them; a slice
+    of rows at a time (`CHUNK`), so that a 248k-row head needs no whole float32 copy."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    step = max(1, CHUNK // k)
+    parts = [_quantize(weight[a:a + step].detach().float().reshape(-1, k // BLOCK, BLOCK), scheme)
+             for a in range(0, n, step)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, blocks, _ = w.shape
     if scheme == "int4":
-        return _q4_0(w, n, k)
-    # Q8_0: d = max|w| / 127 in float32, q = roundf(w * (1 / d)) (halves away from zero), d stored as float16
+        return _q4_0(w, n, blocks * BLOCK)
+    # Q8_0: d = max|w| / 127 in float32, q = roundf(w * (1 / d)), d stored as float16
     d = w.abs().amax(-1) / 127
     inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
-    x = (w * inv[..., None]).double()  # roundf, exactly: |x| + 0.5 is exact in float64
-    q = (x.sign() * (x.abs() + 0.5).floor()).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(n, k), d.to(torch.float16)
+    x = w * inv[..., None]
+    t = x.trunc()
+    q = torch.where((x - t).abs() == 0.5, t + x.sign(), x.round())  # roundf: halves away from zero (round: to even)
+    return q.clamp_(-127, 127).to(torch.int8).reshape(n, blocks * BLOCK), d.to(torch.float16)
 
 
 def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
