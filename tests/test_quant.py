@@ -125,7 +125,8 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     linears = [n for n, m in rt.model.named_modules() if type(m) is torch.nn.Linear]
     assert all(n in q.kept for n in linears), (linears, q.kept)
     assert not any(type(m) is torch.nn.Embedding for m in rt.model.modules())
-    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, (layout.QuantLinear, layout.QuantEmbedding))}
+    held = (layout.QuantLinear, layout.QuantEmbedding)
+    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, held)}
     floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
               if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
     assert not floats, floats
@@ -148,8 +149,8 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
     """Every weight of the model (the head among them), 1 to ROWS rows with a row stride of their own: the
-    numbers of dequantize-then-matmul but for a last-place rounding; a row's result the same whatever batch it is in; more rows
-    than ROWS left to the reference."""
+    numbers of dequantize-then-matmul but for a last-place rounding; a row's result the same whatever batch it is
+    in; more rows than ROWS left to the reference."""
     rt = quantized("qwen3_5", dtype, scheme)
     layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
     assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs) for m in layers)

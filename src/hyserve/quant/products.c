@@ -1,6 +1,7 @@
-/* `q8_products` (and `q4_products`, at the end): y = x @ W^T for a few float32 rows x [rows, k] against a weight held as GGUF's Q8_0 values
- * (quant/layout.py): int8 q [n, k] row-major and one float16 scale d [n, k / 32] per block of 32 weights along
- * k, W[j, i] = d[j, i / 32] * q[j, i]. Sums in float32; the caller rounds to the activation's dtype.
+/* `q8_products` (and `q4_products`, at the end): y = x @ W^T for a few float32 rows x [rows, k] against a
+ * weight held as GGUF's Q8_0 values (quant/layout.py): int8 q [n, k] row-major and one float16 scale
+ * d [n, k / 32] per block of 32 weights along k, W[j, i] = d[j, i / 32] * q[j, i]. Sums in float32; the caller
+ * rounds to the activation's dtype.
  *
  * Each thread streams its own contiguous stretch of W's rows; every input row takes the same dot product in
  * the same order whatever the number of rows, so a row's result does not depend on its batch. The
