@@ -37,6 +37,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as `model` (default: the folder's name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and activations")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="hold the weights as int8 or int4 (GGUF Q8_0 / Q4_0 blocks: 32 weights, one scale; the head "
+                        "Q8_0), made at load from the folder's weights; activations stay in --dtype; CPU only")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
@@ -127,7 +130,7 @@ def service_config_from_args(args) -> "ServiceConfig":
     admin_api_key = args.admin_api_key if args.admin_api_key is not None else os.environ.get("HYSERVE_ADMIN_API_KEY")
     return ServiceConfig(
         model_dir=Path(args.model_dir), served_model_name=args.served_model_name, dtype=args.dtype,
-        device=args.device, cache_enabled=not args.no_cache,
+        quantization=args.quantization, device=args.device, cache_enabled=not args.no_cache,
         cache_bytes=args.cache_bytes,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_disk_bytes=args.cache_disk_bytes,
         kv_sharing=not args.no_kv_sharing, policy=policy, log_cache_events=args.log_cache_events,
@@ -222,7 +225,7 @@ def cmd_demo(args) -> int:
 def cmd_env(args) -> int:
     from .env import report
 
-    print(report(args.model_dir, args.dtype))
+    print(report(args.model_dir, args.dtype, args.quantization))
     return 0
 
 
@@ -277,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("env", "print the versions hyserve runs on and, for a model, its kernels' load-time check", cmd_env)
     p.add_argument("model_dir", nargs="?", default=None, help="a model folder to load on the CPU and check")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize the weights at load, as serve")
     return parser
 
 

@@ -19,13 +19,19 @@ def versions() -> dict[str, str]:
     return out
 
 
-def report(model_dir: str | None = None, dtype: str = "float32") -> str:
+def report(model_dir: str | None = None, dtype: str = "float32", quantization: str | None = None) -> str:
     lines = [f"{k}: {v}" for k, v in versions().items()]
     if model_dir is not None:
         from .runtime import ModelRuntime
 
-        rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu")
+        rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu", quantization=quantization)
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
+        if rt.quantization is not None:
+            lines.append(f"quantization: {rt.quantization.describe()}")
+            from .quant.layout import QuantLinear
+
+            isa = next((m.native.isa for m in rt.model.modules() if isinstance(m, QuantLinear) and m.native), None)
+            lines.append(f"quantized products: {isa or 'dequantized, then the dtype product'}")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
         from .experts import current
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import experts, kernels, model_thread, next_turn
+from . import experts, kernels, model_thread, next_turn, quant
 from .allocator import huge_page_bytes, keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
@@ -64,6 +64,7 @@ class ModelRuntime:
     special_tokens_in_content: bool = False  # True: special-token strings in message content are control tokens
     escaper: ContentEscaper | None = None  # keeps them text otherwise (`prompt_escape`)
     chars_per_token: int | None = None  # a prompt longer than this many characters per context token is refused
+    quantization: quant.Quantized | None = None  # what `--quantization` did to the weights (None: not asked)
 
     def __post_init__(self) -> None:
         if self.escaper is None:
@@ -77,13 +78,15 @@ class ModelRuntime:
             self.chars_per_token = max_chars_per_token(self.tokenizer)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> "ModelRuntime":
-        """Load on the model thread, where all later model work runs (see `model_thread`)."""
+    def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto",
+             quantization: str | None = None) -> "ModelRuntime":
+        """Load on the model thread, where all later model work runs (see `model_thread`). `quantization`:
+        a scheme of `quant.SCHEMES` applied to the weights at load, or None."""
         keep_freed_memory()  # before the model thread's first allocation
-        return model_thread.run(cls._load, model_dir, dtype, device)
+        return model_thread.run(cls._load, model_dir, dtype, device, quantization)
 
     @classmethod
-    def _load(cls, model_dir: str | Path, dtype: str, device: str) -> "ModelRuntime":
+    def _load(cls, model_dir: str | Path, dtype: str, device: str, quantization: str | None = None) -> "ModelRuntime":
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -93,7 +96,11 @@ class ModelRuntime:
         model_type = read_model_type(model_dir)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
+        if quantization is not None and quantization not in quant.SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(quant.SCHEMES)}")
         device = resolve_device(device)
+        if quantization is not None and device != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
         weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
         log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
@@ -103,11 +110,18 @@ class ModelRuntime:
         log.info("weights loaded in %.1f s: %s, %s parameters", time.perf_counter() - start,
                  type(model).__name__, human_count(sum(p.numel() for p in model.parameters())))
         adapter = adapter_for(model)
+        quantized = None
+        if quantization is not None:
+            t0 = time.perf_counter()
+            quantized = quant.apply(model, quantization)
+            log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
         if impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
+        if quantized is not None:
+            _install_quantized_products(model, adapter, _DTYPES[dtype])
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
         log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),
                  len(adapter.kernels.status), "" if len(on) == len(adapter.kernels.status) else
@@ -129,7 +143,8 @@ class ModelRuntime:
         log.info("tokenizer loaded: %d tokens, context %d tokens, chat template %s; ready in %.1f s", len(tokenizer),
                  max_len, "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
                  time.perf_counter() - start)
-        return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock())
+        return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock(),
+                   quantization=quantized)
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "",
@@ -203,6 +218,25 @@ class ModelRuntime:
     @property
     def has_recurrent_layers(self) -> bool:
         return self.adapter.has_recurrent_layers
+
+
+def _install_quantized_products(model, adapter, dtype) -> None:
+    """The quantized weights' C products (`native_int8`, `native_int4` in the kernel report, so that the disk
+    cache's fingerprint tells quantized states from others), or why each is off: then its products
+    dequantize first."""
+    from .quant import native
+
+    if not kernels.enabled():
+        found = {native.KERNELS[quant.layout.format_of(m.qs)] for m in model.modules()
+                 if isinstance(m, quant.QuantLinear)}
+        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(found)}
+    else:
+        decided = quant.install_products(model, dtype)
+    for name, why in decided.items():
+        adapter.kernels.set(name, not why, why)
+        if why and not why.startswith("disabled"):
+            log.warning("the C product %s is off, its weights are dequantized for every product (slower, same "
+                        "results): %s", name, why)
 
 
 def _as_list(value) -> list[int]:

@@ -40,6 +40,7 @@ class ServiceConfig:
     model_dir: Path
     served_model_name: str | None = None
     dtype: str = "float32"
+    quantization: str | None = None  # a scheme of `quant.SCHEMES`: the weights held as int8, made at load
     device: str = "auto"
     cache_enabled: bool = True
     cache_bytes: int | None = None  # None: `default_cache_bytes` of the device the model is on
@@ -88,7 +89,8 @@ class Service:
 def build_service(config: ServiceConfig) -> Service:
     """Raises ValueError for an unknown parser name (before the model is loaded)."""
     choose_parsers("", config.tool_call_parser, config.reasoning_parser)
-    runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device)
+    runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)
     parsers = choose_parsers(template_text(runtime.tokenizer), config.tool_call_parser, config.reasoning_parser)
     if parsers.tool is not None and not renders_parallel_calls(runtime.tokenizer):
         parsers = replace(parsers, single_tool_call=True)

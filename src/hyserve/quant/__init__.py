@@ -1,0 +1,118 @@
+"""Weight-only quantization applied at load (`--quantization int8|int4`): the weights held once, quantized.
+
+What is quantized, as llama.cpp's Q8_0 and Q4_0 files have it (`layout`: GGUF's Q8_0 / Q4_0 blocks, 32 weights
+and one float16 scale each):
+- every `nn.Linear` of the decoder (attention, Gated DeltaNet and Mamba2 projections, MLPs, shared experts):
+  Q8_0 for int8, Q4_0 for int4;
+- the output head at Q8_0 for both: its errors land on every logit, so llama.cpp never puts it below the
+  body's bits (Q8_0 in a Q8_0 file, Q6_K in Q4_0 and Q4_K_M files; Q8_0 is the nearest format here that is
+  not below Q6_K);
+- the token embedding at the body's format (llama.cpp's `token_embd` is Q8_0 in Q8_0 files, Q4_0 in Q4_0
+  files): a lookup dequantizes only the rows it reads, so it costs no time. A head tied to the embedding is
+  one tensor, quantized as the head (as llama.cpp quantizes `token_embd` when there is no `output`).
+
+What stays in the model's dtype, with one start-up line saying so:
+- MoE routers (`gate`, `shared_expert_gate`, `router`): llama.cpp keeps `ffn_gate_inp` unquantized, since a
+  rounding there changes which experts run;
+- the routed experts of MoE blocks (transformers' fused 3-D expert weights): not quantized yet;
+- a layer whose input width is not a multiple of 32 (no whole Q8_0 blocks).
+Norms, convolutions and the recurrent layers' small parameters stay as they are (llama.cpp keeps them F32).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..logs import human_bytes
+from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
+
+log = logging.getLogger("hyserve.quant")
+
+SCHEMES = ("int8", "int4")
+HEAD = "int8"  # the output head's (and a tied embedding's) format under every scheme
+ROUTERS = ("gate", "shared_expert_gate", "router")
+
+
+@dataclass
+class Quantized:
+    """What `apply` did to a model: for the start-up log, `hyserve env` and the tests."""
+
+    scheme: str
+    layers: int = 0  # linear layers and embeddings now held as int8
+    bytes_before: int = 0  # of the weights quantized, in the model's dtype
+    bytes_after: int = 0  # of their int8 values and scales
+    kept: dict[str, str] = field(default_factory=dict)  # a weight left in the model's dtype -> why
+
+    def describe(self) -> str:
+        blocks = "Q8_0" if self.scheme == "int8" else "Q4_0, the head Q8_0"
+        line = (f"{self.scheme} ({blocks}, blocks of {BLOCK}): {self.layers} layers, "
+                f"{human_bytes(self.bytes_before)} -> {human_bytes(self.bytes_after)}")
+        if self.kept:
+            reasons: dict[str, list[str]] = {}
+            for name, why in self.kept.items():
+                reasons.setdefault(why, []).append(name)
+            line += "; left unquantized: " + "; ".join(
+                f"{len(names)} {why} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                for why, names in reasons.items())
+        return line
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def apply(model, scheme: str) -> Quantized:
+    """Replace `model`'s linear layers and embedding by int8 ones (see the module docstring), in place, so that
+    no float copy of their weights stays referenced. Raises ValueError for a scheme or device it cannot serve."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)} (got {scheme!r})")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {scheme} runs on CPU only (the model is on {device.type})")
+    done = Quantized(scheme)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qs, d): a tied weight quantized once
+
+    def q(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if id(weight) not in made:
+            made[id(weight)] = quantize(weight, HEAD if weight is head_weight else scheme)
+            done.bytes_before += _nbytes(weight)
+            done.bytes_after += _nbytes(*made[id(weight)])
+        return made[id(weight)]
+
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is torch.nn.Linear:
+                if name in ROUTERS:
+                    done.kept[full] = "MoE router(s), kept as llama.cpp keeps them"
+                elif child.in_features % BLOCK:
+                    done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
+                else:
+                    setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
+                    done.layers += 1
+            elif type(child) is torch.nn.Embedding and child is embedding:
+                if child.embedding_dim % BLOCK:
+                    done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
+                else:
+                    setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
+                    done.layers += 1
+    made.clear()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.modules.conv._ConvNd):  # a conv's weight is 3-D too
+            for name, p in module.named_parameters(recurse=False):
+                if p.dim() == 3:
+                    done.kept[f"{module_name}.{name}"] = "routed expert weight(s) of MoE blocks (not quantized yet)"
+    return done
+
+
+def install_products(model, dtype: torch.dtype) -> dict[str, str]:
+    """The C products for a decode step's few rows over the quantized weights (`native.install`): per kernel
+    name, "" or why off."""
+    from . import native
+
+    return native.install(model, dtype)

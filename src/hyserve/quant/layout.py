@@ -1,0 +1,145 @@
+"""Weights as GGUF's Q8_0 and Q4_0 blocks hold them: one float16 scale `d` per block of 32 weights along the input
+dimension, no zero point.
+
+- int8, Q8_0: a block is (d, 32 x int8 in [-127, 127]); here the values of a weight [n, k] are one int8 tensor
+  [n, k] and the scales one float16 tensor [n, k / 32].
+- int4, Q4_0: a block is (d, 16 bytes): byte i holds weight i in its low nibble and weight 16 + i in its high
+  one, a nibble u standing for u - 8; here one uint8 tensor [n, k / 2] of those bytes, block after block.
+
+The dtype of the values says which (int8: Q8_0, uint8: Q4_0). A GGUF file's blocks can be held as they are
+(split into values and scales, not re-quantized), and a weight quantized here is what ggml's reference
+quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`) make of it.
+
+The modules hold the quantized form only (no float copy of the weight): a decode step's few rows run the C
+product over it (`native.Products`, once checked at load), anything else dequantizes and multiplies in
+float32 (`dequantized_linear`), a slice of output rows at a time so that a 248k-row head never holds a whole
+float copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.seam import active
+
+BLOCK = 32
+CHUNK = 1 << 22  # weights dequantized at once by `dequantized_linear` (16 MiB in float32)
+
+
+def quantize(weight: torch.Tensor, scheme: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, d float16 [n, k / 32]) of a float weight [n, k], k a multiple of 32, as ggml makes them; a slice
+    of rows at a time (`CHUNK`), so that a 248k-row head needs no whole float32 copy."""
+    n, k = weight.shape
+    step = max(1, CHUNK // k)
+    parts = [_quantize(weight[a:a + step].detach().float().reshape(-1, k // BLOCK, BLOCK), scheme)
+             for a in range(0, n, step)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, blocks, _ = w.shape
+    if scheme == "int4":
+        return _q4_0(w, n, blocks * BLOCK)
+    # Q8_0: d = max|w| / 127 in float32, q = roundf(w * (1 / d)), d stored as float16
+    d = w.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
+    x = w * inv[..., None]
+    t = x.trunc()
+    q = torch.where((x - t).abs() == 0.5, t + x.sign(), x.round())  # roundf: halves away from zero (round: to even)
+    return q.clamp_(-127, 127).to(torch.int8).reshape(n, blocks * BLOCK), d.to(torch.float16)
+
+
+def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0: d = (the block's weight of largest magnitude, its sign kept) / -8, u = min(15, trunc(w / d + 8.5))
+    in float32, two weights to a byte (see the module docstring)."""
+    top = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]  # the first of equal magnitudes, as ggml
+    d = top / -8
+    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
+    u = (w * inv[..., None] + 8.5).floor().clamp_(0, 15).to(torch.uint8)  # >= 0.5 here: trunc is floor
+    packed = u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << 4)
+    return packed.reshape(n, k // 2), d.to(torch.float16)
+
+
+def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [n, k] in `dtype`: value * d in float32 (exact), rounded once."""
+    n, blocks = d.shape
+    if qs.dtype == torch.uint8:  # Q4_0
+        q = qs.reshape(n, blocks, BLOCK // 2)
+        values = torch.cat([q & 0x0F, q >> 4], dim=-1).float() - 8
+    else:
+        values = qs.reshape(n, blocks, BLOCK).float()
+    return (values * d.float()[..., None]).reshape(n, blocks * BLOCK).to(dtype)
+
+
+def dequantized_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) with W dequantized, in float32 whatever x's dtype, rounded once to x's dtype: the
+    reference every quantized product is checked against, and the prefill path. Not in bfloat16: a bfloat16
+    weight cannot hold d * q exactly (up to 18 significant bits), the C product uses the exact weight, and a
+    token's result must not depend on which of the two its piece took (a cached turn prefills shorter pieces:
+    cache on == cache off). A slice of output rows at a time (`CHUNK`)."""
+    n, k = d.shape[0], d.shape[1] * BLOCK
+    xf = x.float()
+    bias = None if bias is None else bias.float()
+    step = max(1, CHUNK // k)
+    if n <= step:
+        return F.linear(xf, dequantize(qs, d, torch.float32), bias).to(x.dtype)
+    parts = [F.linear(xf, dequantize(qs[a:a + step], d[a:a + step], torch.float32),
+                      None if bias is None else bias[a:a + step]).to(x.dtype) for a in range(0, n, step)]
+    return torch.cat(parts, dim=-1)
+
+
+def format_of(qs: torch.Tensor) -> str:
+    return "q4_0" if qs.dtype == torch.uint8 else "q8_0"
+
+
+class QuantLinear(torch.nn.Module):
+    """An `nn.Linear` whose weight is held as Q8_0 or Q4_0 values (`quantize`), computing in `dtype` (the
+    model's)."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = d.shape[0], d.shape[1] * BLOCK
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.dtype = dtype
+        self.native = None  # `native.Products`, set once the load-time check passed
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, made on each access and not kept: for code that reads `.weight` (its dtype,
+        its device); products run over the int8 values."""
+        return dequantize(self.qs, self.d, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and active() and (y := self.native(x, self)) is not None:
+            return y
+        return dequantized_linear(x, self.qs, self.d, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {format_of(self.qs)}, {self.dtype}"
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An `nn.Embedding` held as Q8_0 or Q4_0 values: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = d.shape[0], d.shape[1] * BLOCK
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """As `QuantLinear.weight`: made on access, not kept."""
+        return dequantize(self.qs, self.d, self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(self.qs[flat], self.d[flat], self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {format_of(self.qs)}, {self.dtype}"

@@ -1,0 +1,135 @@
+"""The C products of a decode step's few rows over Q8_0 and Q4_0 weights (`products.c`), built at load with the
+machine's compiler as `kernels.native` builds `decode_step.c` (same flags, cache folder, OpenMP guard and
+`HYSERVE_NATIVE=0` switch), then checked on every weight shape of the model against `dequantized_linear`;
+off, with the reason, when it cannot be built or does not match."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..kernels import native, verify
+from .layout import QuantLinear, dequantized_linear, format_of
+
+SOURCE = Path(__file__).with_name("products.c")
+ISAS = ("portable C", "AVX2", "AVX512F")
+
+
+def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the library built from `source` for this CPU, "") or (None, why not)."""
+    if not native.enabled():
+        return None, "disabled (HYSERVE_NATIVE=0)"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler (cc) to build it with"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"the C compiler does not run: {exc}"
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(native.FLAGS).encode(), version.encode(),
+                                     native._cpu().encode()]))
+    target = native._cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                run = subprocess.run([compiler, *native.FLAGS, "-o", str(built), str(source), "-lm"],
+                                     capture_output=True, text=True, timeout=300)
+                if run.returncode != 0:
+                    return None, f"the C build failed: {run.stderr.strip()[-300:]}"
+                os.replace(built, target)  # atomic: a concurrent loader sees the whole file or none
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"the C build failed: {exc}"
+    before = native._openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        return None, f"the built library does not load: {exc}"
+    if len(after := native._openmp_runtimes()) > 1 and after != before:
+        return None, f"it brought a second OpenMP runtime into the process ({', '.join(sorted(after))})"
+    return lib, ""
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = build(SOURCE)
+    if lib is not None:
+        for f in (lib.q8_products, lib.q4_products):
+            f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+            f.restype = ctypes.c_int
+        lib.q8_isa.restype = ctypes.c_int
+    return lib, why
+
+
+class Products:
+    """x @ W^T (+ bias) for a few rows (`ROWS`: a decode batch of the default `--max-running`) over a
+    `QuantLinear`'s values of one format (`layout.format_of`), in C: the weight streamed as it is held, not
+    dequantized first."""
+
+    ROWS = 8
+
+    def __init__(self, lib, fmt: str):
+        self.format = fmt
+        self.product = lib.q4_products if fmt == "q4_0" else lib.q8_products
+        self.isa = ISAS[lib.q8_isa()]
+
+    def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
+        """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not (0 < rows <= self.ROWS and k == layer.in_features and x.is_floating_point() and x.device.type == "cpu"
+                and format_of(layer.qs) == self.format):
+            return None
+        flat = x.reshape(rows, k).float().contiguous()  # a few rows: the copy costs nothing next to the weight
+        n = layer.out_features
+        y = torch.empty(rows, n, dtype=torch.float32)
+        if self.product(rows, n, k, flat.data_ptr(), k, layer.qs.data_ptr(), layer.d.data_ptr(),
+                                y.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
+
+
+def install(model, dtype: torch.dtype) -> dict[str, str]:
+    """Give the `QuantLinear`s of `model` of each format the C product of that format once it matches
+    `dequantized_linear` on each of their weight shapes, for one row and for `ROWS`. Returns, per kernel name
+    (`KERNELS`) of the formats present, "" when on, else why not."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
+    formats = {fmt: group for fmt, group in formats.items() if group}
+    lib, why = library()
+    if lib is None:
+        return {KERNELS[fmt]: why for fmt in formats}
+    return {KERNELS[fmt]: _install(Products(lib, fmt), group, dtype) for fmt, group in formats.items()}
+
+
+def _install(products: Products, layers: list[QuantLinear], dtype: torch.dtype) -> str:
+    g = torch.Generator().manual_seed(0)
+    shapes = {}
+    for layer in layers:
+        shapes.setdefault((layer.out_features, layer.in_features, layer.bias is not None), layer)
+    for layer in shapes.values():
+        for rows in (1, products.ROWS):
+            x = torch.randn(rows, 1, layer.in_features, generator=g).to(dtype)
+            with torch.inference_mode():
+                got, want = products(x, layer), dequantized_linear(x, layer.qs, layer.d, layer.bias)
+            if got is None:
+                return "does not apply to this model's weights"
+            if why := verify.mismatch(got, want, dtype):
+                return why
+    for layer in layers:
+        layer.native = products
+    return ""

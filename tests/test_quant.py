@@ -1,0 +1,332 @@
+"""`--quantization int8|int4`: weights held once as GGUF Q8_0 / Q4_0 blocks, the C products of a decode step's few
+rows checked at load (a wrong build is refused), and the standards every dtype keeps: cache on == cache off token
+for token for every family, a batched decode step == each row decoded alone."""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+
+import pytest
+import torch
+
+from hyserve import model_thread, quant
+from hyserve.quant import layout
+from hyserve.quant import native as qnative
+from hyserve.runtime import ModelRuntime
+
+from .conftest import FAMILIES
+from .test_engine_cache import run_chat
+
+
+@pytest.fixture(scope="module")
+def quantized(model_dirs):
+    """get(arch, dtype, scheme): a runtime of the tiny `arch` with quantized weights, loaded once per module."""
+    loaded = {}
+
+    def get(arch: str, dtype: str = "float32", scheme: str = "int8") -> ModelRuntime:
+        if (arch, dtype, scheme) not in loaded:
+            loaded[arch, dtype, scheme] = ModelRuntime.load(model_dirs[arch], dtype=dtype, device="cpu",
+                                                            quantization=scheme)
+        return loaded[arch, dtype, scheme]
+
+    return get
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """Each load builds or refuses anew, into a cache folder of the test's own."""
+    monkeypatch.setenv("HYSERVE_NATIVE_CACHE", str(tmp_path / "native"))
+    qnative.library.cache_clear()
+    yield
+    qnative.library.cache_clear()
+
+
+def _q8_0_blocks(w: torch.Tensor) -> bytes:
+    """ggml's quantize_row_q8_0_ref: per 32 weights d = amax / 127 and roundf(w * (1 / d)) in float32 (halves away
+    from zero), written as GGUF does: d as float16, then the 32 int8."""
+    out = b""
+    for block in w.float().reshape(-1, 32):
+        d = block.abs().max() / 127
+        x = (block * (1 / d if d else torch.zeros(()))).tolist()
+        q = [int(math.copysign(math.floor(abs(v) + 0.5), v)) for v in x]
+        out += struct.pack("<e", d.item()) + struct.pack("32b", *q)
+    return out
+
+
+def test_the_layout_holds_q8_0_blocks_as_they_are():
+    """A GGUF Q8_0 block is 2 bytes of float16 scale then 32 int8: split into `d` and `qs` they are the layout's
+    own tensors; what `quantize` makes of a weight is byte for byte what ggml makes, and dequantizes within half
+    a step (plus the scale's float16 rounding)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 96, generator=g) * 0.05
+    w[2, :32] = 0  # an all-zero block: scale 0, values 0
+    blocks = torch.frombuffer(bytearray(_q8_0_blocks(w)), dtype=torch.uint8).reshape(-1, 34)
+    d = blocks[:, :2].clone().view(torch.float16).reshape(6, 3)
+    qs = blocks[:, 2:].clone().view(torch.int8).reshape(6, 96)
+    got_qs, got_d = layout.quantize(w)
+    assert got_d.dtype == torch.float16 and got_qs.dtype == torch.int8
+    assert torch.equal(got_d, d)
+    assert torch.equal(got_qs, qs)
+    tie = torch.zeros(1, 32)
+    tie[0, :5] = torch.tensor([127.0, 0.5, -0.5, 2.5, -2.5])  # d = 1: halves go away from zero, as roundf
+    assert layout.quantize(tie)[0][0, :5].tolist() == [127, 1, -1, 3, -3]
+    back = layout.dequantize(qs, d, torch.float32)
+    assert torch.all((back - w).abs()[1:] <= d.float().repeat_interleave(32, 1)[1:] * 0.6)
+    assert torch.equal(back[2, :32], torch.zeros(32))
+
+
+def _q4_0_blocks(w: torch.Tensor) -> bytes:
+    """ggml's quantize_row_q4_0_ref: per 32 weights d = (the weight of largest magnitude) / -8, u = min(15,
+    (int8_t)(w * (1 / d) + 8.5f)) in float32, weight i in the low nibble of byte i, weight 16 + i in its high one."""
+    out = b""
+    for block in w.float().reshape(-1, 32):
+        top = block[int(block.abs().argmax())]
+        d = top / -8
+        u = ((block * (1 / d if d else torch.zeros(()))) + 8.5).tolist()  # float32 operations, as ggml's
+        u = [min(15, int(v)) for v in u]
+        out += struct.pack("<e", d.item()) + bytes(u[i] | (u[16 + i] << 4) for i in range(16))
+    return out
+
+
+def test_the_layout_holds_q4_0_blocks_as_they_are():
+    """A GGUF Q4_0 block is 2 bytes of float16 scale then 16 bytes of nibbles: split into `d` and `qs`, the
+    layout's own tensors, byte for byte what `quantize` makes; dequantized within half a step (a whole one
+    where Q4_0 clamps)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(5, 64, generator=g) * 0.05
+    w[1, 32:] = 0
+    blocks = torch.frombuffer(bytearray(_q4_0_blocks(w)), dtype=torch.uint8).reshape(-1, 18)
+    d = blocks[:, :2].clone().view(torch.float16).reshape(5, 2)
+    qs = blocks[:, 2:].clone().reshape(5, 32)
+    got_qs, got_d = layout.quantize(w, "int4")
+    assert got_qs.dtype == torch.uint8 and torch.equal(got_qs, qs) and torch.equal(got_d, d)
+    back = layout.dequantize(qs, d, torch.float32)
+    step = d.float().abs().repeat_interleave(32, 1)
+    err = (back - w).abs()
+    assert torch.all(err <= step + 1e-6)  # a full step where +8 steps clamp to +7, as in Q4_0
+    assert (err <= step * 0.51 + 1e-6).float().mean() > 0.95
+    assert torch.equal(back[1, 32:], torch.zeros(32))
+    one = torch.zeros(1, 32)
+    one[0, 0], one[0, 17] = -8.0, 3.0  # d = 1: u = w + 8 (the high nibble of byte 1 holds weight 17)
+    qs1, d1 = layout.quantize(one, "int4")
+    assert d1.item() == 1.0 and qs1[0, 0].item() == 0 | (8 << 4) and qs1[0, 1].item() == 8 | (11 << 4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
+    """No float copy of a quantized weight stays in the model: what is left in the model's dtype is the norms',
+    convolutions' and recurrent layers' small parameters, the routers and the routed experts (listed)."""
+    rt = quantized(arch, scheme=scheme)
+    q = rt.quantization
+    assert q.layers > 0 and q.bytes_after < q.bytes_before / 3
+    linears = [n for n, m in rt.model.named_modules() if type(m) is torch.nn.Linear]
+    assert all(n in q.kept for n in linears), (linears, q.kept)
+    assert not any(type(m) is torch.nn.Embedding for m in rt.model.modules())
+    held = (layout.QuantLinear, layout.QuantEmbedding)
+    shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, held)}
+    floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
+              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
+    assert not floats, floats
+    head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
+    assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
+    if rt.model.config.get_text_config().tie_word_embeddings:
+        assert head.qs is embedding.qs and head.d is embedding.d  # one tensor for both
+    else:
+        assert embedding.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
+    body = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear) and m is not head]
+    assert body and all(m.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8) for m in body)
+    if arch == "qwen3_next":
+        assert any("experts" in n for n in q.kept) and any(n.endswith("shared_expert_gate") for n in q.kept)
+    else:
+        assert not q.kept, q.kept
+    assert rt.kernels.on("native_int8") and rt.kernels.on("native_int4") == (scheme == "int4"), rt.kernels.status
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
+    """Every weight of the model (the head among them), 1 to ROWS rows with a row stride of their own: the
+    numbers of dequantize-then-matmul but for a last-place rounding; a row's result the same whatever batch it is
+    in; more rows than ROWS left to the reference."""
+    rt = quantized("qwen3_5", dtype, scheme)
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs) for m in layers)
+    g = torch.Generator().manual_seed(0)
+    extra = layout.QuantLinear(*layout.quantize(torch.randn(300, 1024, generator=g) * 0.05, scheme),
+                               torch.randn(300, generator=g), torch.float32)
+    extra.native = next(m.native for m in layers if m.native.format == layout.format_of(extra.qs))
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    with torch.inference_mode():
+        for m in [*layers, extra]:
+            products = m.native
+            k = m.in_features
+            x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(getattr(torch, dtype))[..., 3:3 + k]
+            got = products(x, m)
+            want = layout.dequantized_linear(x, m.qs, m.d, m.bias)
+            assert got.dtype == x.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            if dtype == "bfloat16":  # both sum the exact weights in float32 (in another order) and round once to
+                assert (got == want).float().mean() > 0.99  # bfloat16: the same numbers but for a rare tie
+            for r in range(products.ROWS):
+                assert torch.equal(products(x[r:r + 1], m), got[r:r + 1])
+            assert products(torch.zeros(products.ROWS + 1, 1, k), m) is None
+
+
+def _greedy(rt, n=10, together=True):
+    """Greedy tokens of two requests of different lengths, decoded in one batch or each alone."""
+
+    def run():
+        ad = rt.adapter
+        states = [ad.new_state(), ad.new_state()]
+        logits = [ad.forward(states[0], list(range(5, 40))), ad.forward(states[1], list(range(50, 61)))]
+        ids = [[int(x.argmax())] for x in logits]
+        for _ in range(n):
+            if together:
+                out = ad.forward_batch(states, [i[-1] for i in ids])
+                ad_ids = out.argmax(-1).tolist()
+            else:
+                ad_ids = [int(ad.forward_batch([s], [i[-1]])[0].argmax()) for s, i in zip(states, ids)]
+            for i, t in zip(ids, ad_ids):
+                i.append(t)
+        ad.drop_batch()
+        return ids
+
+    return model_thread.run(run)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES] + [("qwen3_5", "bfloat16")])
+def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
+    rt = quantized(arch, dtype, scheme)
+    assert rt.kernels.on("native_int8"), rt.kernels.status
+    assert _greedy(rt, together=True) == _greedy(rt, together=False)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
+    on_service = make_service(arch, quantization=scheme)
+    assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
+    on = run_chat(on_service)
+    off = run_chat(make_service(arch, quantization=scheme, cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+    assert all(on[turn][1] >= on[turn - 1][3] for turn in (1, 2, 4, 5))  # whole histories reused
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_six_turn_chat_matches_cache_off_with_quantized_weights_in_bfloat16(make_service, scheme):
+    on = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme))
+    off = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme, cache_enabled=False))
+    assert [r[0] for r in on] == [r[0] for r in off]
+
+
+@pytest.mark.parametrize("kernel,function", [("native_int8", "dot_q8"), ("native_int4", "dot_q4")])
+def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, caplog, kernel, function):
+    """The source with one mistake in one format's product (each block weighted by the next block's scale) builds
+    and runs; the load-time check refuses that product, with a warning, and its layers dequantize first; the
+    other format's product stays on."""
+    right = "const float scale = h2f(d[b]);"
+    source = qnative.SOURCE.read_text()
+    parts = source.split(f"static float {function}(")
+    assert len(parts) == 4  # one per instruction set
+    parts = [parts[0]] + [p.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);", 1)
+                          for p in parts[1:]]
+    (tmp_path / "products.c").write_text(f"static float {function}(".join(parts))
+    monkeypatch.setattr(qnative, "SOURCE", tmp_path / "products.c")
+    with caplog.at_level(logging.WARNING, logger="hyserve.runtime"):
+        rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
+    status = rt.kernels.status
+    assert status[kernel].startswith("off: max |diff|"), status
+    other = "native_int4" if kernel == "native_int8" else "native_int8"
+    assert rt.kernels.on(other), status
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert all((m.native is None) == (qnative.KERNELS[layout.format_of(m.qs)] == kernel) for m in layers)
+    assert any(f"the C product {kernel} is off" in r.message for r in caplog.records)
+    assert _greedy(rt, n=3)  # still serves
+
+
+@pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
+                                        ({"HYSERVE_NATIVE": "0"}, "off: disabled"),
+                                        ({"HYSERVE_KERNELS": "0"}, "off: disabled")])
+def test_without_the_c_product_every_product_dequantizes_first(model_dirs, monkeypatch, fresh_library, env, reason):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="int4")
+    assert rt.kernels.status["native_int8"].startswith(reason), rt.kernels.status
+    assert rt.kernels.status["native_int4"].startswith(reason), rt.kernels.status
+    assert all(m.native is None for m in rt.model.modules() if isinstance(m, layout.QuantLinear))
+
+
+def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
+    """An input width that is not a multiple of 32 (here attention's 4 heads x 20): that layer keeps its float
+    weight, the start-up line names it, and the model still computes what it did within int8's rounding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=20, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config).eval()
+    ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        want = model(ids).logits
+    done = quant.apply(model, "int8")
+    assert set(done.kept) == {f"model.layers.{i}.self_attn.o_proj" for i in range(2)}
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert "2 layer(s) whose input width is not a multiple of 32 (model.layers.0.self_attn.o_proj" in done.describe()
+    with torch.inference_mode():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def test_a_scheme_or_device_it_cannot_serve_is_one_clear_error(model_dirs):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="fp8")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        ModelRuntime.load(model_dirs["qwen3"], device="cuda", quantization="int8")
+
+
+def test_hyserve_env_reports_the_quantization_and_its_check(model_dirs, capsys):
+    from hyserve.cli import main
+
+    assert main(["env", str(model_dirs["qwen3"]), "--quantization", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: int4 (Q4_0, the head Q8_0, blocks of 32)" in out
+    assert "kernel native_int8: on" in out and "kernel native_int4: on" in out
+    assert f"quantized products: {qnative.ISAS[qnative.library()[0].q8_isa()]}" in out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_speculation_equals_plain_decode_with_quantized_weights(make_service, arch, scheme):
+    """A verification pass (a few rows: the C product, each row as it would be alone) accepts exactly what
+    plain decoding makes."""
+    from hyserve.speculative import SpeculativeConfig
+
+    from .test_speculative import OracleProposer, generate
+
+    plain = make_service(arch, quantization=scheme)
+    spec = make_service(arch, quantization=scheme, speculative=SpeculativeConfig())
+    ref = generate(plain, 24)
+    spec.engine.make_proposer = lambda prompt: OracleProposer(prompt, ref.token_ids)
+    assert generate(spec, 24).token_ids == ref.token_ids
+    assert spec.metrics.spec_accepted._value.get() >= 8
+
+
+def test_the_disk_cache_tells_quantized_states_from_others(quantized, runtimes):
+    """A state saved by the float model (or by the other scheme) is never restored into a quantized one."""
+    from hyserve.cache.fingerprint import fingerprint
+
+    prints = {fingerprint(rt, "") for rt in (runtimes("qwen3"), quantized("qwen3"), quantized("qwen3", scheme="int4"))}
+    assert len(prints) == 3
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_weight_is_quantized_the_same_a_slice_of_rows_at_a_time(monkeypatch, scheme):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g) * 0.03
+    whole = layout.quantize(w, scheme)
+    monkeypatch.setattr(layout, "CHUNK", 96 * 8)  # 8 rows a slice, the last one short
+    sliced = layout.quantize(w, scheme)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
