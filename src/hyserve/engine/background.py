@@ -67,11 +67,11 @@ class Background(Phase):
         return any(j.extended_by(req.prompt, req.cache_salt) for j in jobs)
 
     # -- building -------------------------------------------------------------------------------------
-    def idle(self) -> None:
-        """No request waits or runs: build jobs, newest first, one piece per lock hold, until none is left or
-        a request arrives (the job then pauses with its state; the next step sees whether the request needs
-        it)."""
-        while not self.scheduler.busy:
+    def idle(self, stopping=lambda: False) -> None:
+        """No request waits or runs: build jobs, newest first, one piece per lock hold, until none is left, a
+        request arrives (the job then pauses with its state; the next step sees whether the request needs
+        it) or the engine is `stopping`."""
+        while not self.scheduler.busy and not stopping():
             with self.runtime.lock:
                 if not self._select(lambda job: True):
                     return

@@ -256,7 +256,7 @@ class Engine:
         if not sched.busy and self.background.pending():
             self._rebuilding = True
             try:
-                self.background.idle()
+                self.background.idle(lambda: self._stopping)
             finally:
                 self._rebuilding = False
             return
