@@ -118,7 +118,12 @@ def machine_info() -> dict:
         "cuda": torch.cuda.is_available(),
         "loadavg_start": _loadavg(),
         **provenance(),
+        **{k: STARTED[k] for k in ("commit", "dirty")},  # the code the run loaded, not what git holds at its end
     }
+
+
+def _started() -> dict:
+    return provenance()
 
 
 def provenance() -> dict:
@@ -514,3 +519,6 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.t0
+
+
+STARTED = _started()  # at import, when a benchmark starts: the commit of the code it measures
