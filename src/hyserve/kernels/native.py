@@ -77,27 +77,26 @@ class _Attention(ctypes.Structure):
         ("out", ctypes.c_void_p)]
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> tuple[ctypes.CDLL | None, str]:
-    """(the built library, "") or (None, why not)."""
+def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the library built from the C file `source` for this CPU and compiler, cached by their hash, and loaded,
+    "") or (None, why not). Also `hyserve.quant`'s products."""
     if not enabled():
         return None, "disabled (HYSERVE_NATIVE=0)"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return None, "no C compiler (cc) to build it with"
-    source = SOURCE.read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"the C compiler does not run: {exc}"
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
-    target = _cache_dir() / f"decode_step-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                run = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                run = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
                                      capture_output=True, text=True, timeout=300)
                 if run.returncode != 0:
                     return None, f"the C build failed: {run.stderr.strip()[-300:]}"
@@ -111,6 +110,15 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"the built library does not load: {exc}"
     if len(after := _openmp_runtimes()) > 1 and after != before:
         return None, f"it brought a second OpenMP runtime into the process ({', '.join(sorted(after))})"
+    return lib, ""
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """(the built library, "") or (None, why not)."""
+    lib, why = build(SOURCE)
+    if lib is None:
+        return None, why
     lib.gdn_step.argtypes = [ctypes.POINTER(_GdnStep)]
     lib.gdn_step.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ctypes.POINTER(_Attention)]

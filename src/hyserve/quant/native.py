@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,45 +18,9 @@ SOURCE = Path(__file__).with_name("products.c")
 ISAS = ("portable C", "AVX2", "AVX512F")
 
 
-def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
-    """(the library built from `source` for this CPU, "") or (None, why not)."""
-    if not native.enabled():
-        return None, "disabled (HYSERVE_NATIVE=0)"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return None, "no C compiler (cc) to build it with"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"the C compiler does not run: {exc}"
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(native.FLAGS).encode(), version.encode(),
-                                     native._cpu().encode()]))
-    target = native._cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                run = subprocess.run([compiler, *native.FLAGS, "-o", str(built), str(source), "-lm"],
-                                     capture_output=True, text=True, timeout=300)
-                if run.returncode != 0:
-                    return None, f"the C build failed: {run.stderr.strip()[-300:]}"
-                os.replace(built, target)  # atomic: a concurrent loader sees the whole file or none
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"the C build failed: {exc}"
-    before = native._openmp_runtimes()
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        return None, f"the built library does not load: {exc}"
-    if len(after := native._openmp_runtimes()) > 1 and after != before:
-        return None, f"it brought a second OpenMP runtime into the process ({', '.join(sorted(after))})"
-    return lib, ""
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build(SOURCE)
+    lib, why = native.build(SOURCE)
     if lib is not None:
         for f in (lib.q8_products, lib.q4_products):
             f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
