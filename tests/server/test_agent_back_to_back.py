@@ -41,10 +41,10 @@ SCRIPT = [
 ]
 
 
-def agent_loop(srv, force, template: str, sends_reasoning: bool) -> list[tuple]:
+def agent_loop(srv, force, template: str, sends_reasoning: bool, first=ASK) -> list[tuple]:
     """Run the script back to back; per request (greedy token ids or None, cached tokens, history tokens)."""
     rt = srv.service.runtime
-    messages, out = list(ASK), []
+    messages, out = list(first), []
     for step, then in SCRIPT:
         if step is None:
             extra = {"max_tokens": 8}
@@ -53,7 +53,7 @@ def agent_loop(srv, force, template: str, sends_reasoning: bool) -> list[tuple]:
             call = CALLS[template].format(city=city) if city else None
             extra = {"seed": force(rt, STYLES[template](why, text, call))}
         history = 0
-        if len(messages) > len(ASK):  # the messages before this request's new trailing ones, as it renders them
+        if len(messages) > len(first):  # the messages before this request's new trailing ones, as it renders them
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             history = len(rt.render_next_turn([template_message(m) for m in messages[: last + 1]],
                                               template_kwargs={"tools": TOOLS}))
@@ -124,3 +124,36 @@ def test_back_to_back_chat_reuses_its_whole_history_on_every_template(template_s
     assert [t[0] for t in on] == [t[0] for t in off]
     ratios = [round(cached / history, 3) for _, cached, history in on[1:]]
     assert min(ratios) >= 0.98, (ratios, on)
+
+
+def test_agents_side_by_side_each_reuse_their_whole_history(template_servers, force):
+    """Three agents at once, each back to back: their jobs pause for each other's requests (recording where they
+    stand) and each next turn waits for its own; every request still reuses its whole history, and the greedy
+    replies equal the cache-off server's."""
+    import threading
+
+    pair = ("qwen3_5", QWEN35_TEMPLATE)
+    firsts = [[{"role": "system", "content": f"You are agent {i}. Be terse."}, ASK[1]] for i in range(3)]
+
+    def together(srv):
+        out, errors = [None] * 3, []
+
+        def one(i):
+            try:
+                out[i] = agent_loop(srv, force, pair[1], i != 1, first=firsts[i])
+            except Exception as exc:  # (reported below, with the others' results)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        return out
+
+    on, off = together(template_servers(*pair)), together(template_servers(*pair, cache_enabled=False))
+    for a, b in zip(on, off):
+        assert [t[0] for t in a] == [t[0] for t in b]
+        ratios = [round(cached / history, 3) for _, cached, history in a[1:]]
+        assert min(ratios) >= 0.98, (ratios, a)
