@@ -221,7 +221,14 @@ def cmd_demo(args) -> int:
 
 def cmd_env(args) -> int:
     from .env import report
+    from .preflight import StartupError, check_model_dir
 
+    try:
+        if args.model_dir is not None:
+            check_model_dir(args.model_dir)
+    except StartupError as exc:
+        log.error("cannot load model: %s", exc)
+        return 2
     print(report(args.model_dir, args.dtype))
     return 0
 
@@ -254,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = command("serve", "serve a Hugging Face model folder over the OpenAI API", cmd_serve)
-    p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    p = command("serve", "serve a Hugging Face model folder or a GGUF file over the OpenAI API", cmd_serve)
+    p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer), or a "
+                   ".gguf file (llama, qwen2, qwen3, lfm2; dequantized to --dtype)")
     _add_serve_options(p)
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)
@@ -275,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
     p.add_argument("--cache-dir", default=None, help="where the tiny model is kept (default: ~/.cache/hyserve)")
     p = command("env", "print the versions hyserve runs on and, for a model, its kernels' load-time check", cmd_env)
-    p.add_argument("model_dir", nargs="?", default=None, help="a model folder to load on the CPU and check")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="a model folder or GGUF file to load on the CPU and check")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
     return parser
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-PACKAGES = ("hyserve", "torch", "transformers", "kernels", "tokenizers", "fastapi", "uvicorn", "openai")
+from . import gguf_file
+
+PACKAGES = ("hyserve", "torch", "transformers", "kernels", "tokenizers", "fastapi", "uvicorn", "openai", "gguf")
 
 
 def versions() -> dict[str, str]:
@@ -24,8 +26,12 @@ def report(model_dir: str | None = None, dtype: str = "float32") -> str:
     if model_dir is not None:
         from .runtime import ModelRuntime
 
+        info = gguf_file.inspect(model_dir) if gguf_file.is_gguf(model_dir) else None  # parsed once, before loading
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu")
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
+        if info is not None:
+            lines.append(f"gguf: {info.path.name}, architecture {info.architecture}, tensors {info.describe()}: "
+                         f"all dequantized to {dtype} (none kept quantized)")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
         from .experts import current
 
