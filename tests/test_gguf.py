@@ -100,3 +100,27 @@ def test_serve_and_env_say_one_line_for_a_bad_file(qwen3_gguf, tmp_path):
         r = _cli(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert [line for line in r.stderr.splitlines() if "cut.gguf" in line and "truncated" in line]
+
+
+def test_env_says_what_was_dequantized(qwen3_gguf):
+    r = _cli("env", str(qwen3_gguf))
+    assert r.returncode == 0, r.stderr
+    assert "gguf: tiny-qwen3.gguf, architecture qwen3, tensors 25 F32: all dequantized to float32" in r.stdout
+
+
+def test_the_disk_cache_fingerprint_covers_the_gguf_file(runtimes, model_dirs, qwen3_gguf, tmp_path):
+    """Checkpoints on disk belong to one file: another file of the same config never restores them."""
+    from types import SimpleNamespace
+
+    from hyserve.cache.fingerprint import fingerprint
+
+    rt = runtimes("qwen3")
+    other = write_from_folder(model_dirs["qwen3"], tmp_path / "tiny-qwen3.gguf", quantize="Q8_0")
+
+    def of(path):
+        return fingerprint(SimpleNamespace(model=rt.model, kernels=rt.kernels, model_dir=path), "t")
+
+    assert of(qwen3_gguf) != of(other) and of(qwen3_gguf) == of(qwen3_gguf)
+    shutil.copy(other, tmp_path / "folder.gguf")
+    (tmp_path / "tiny-qwen3.gguf").unlink()
+    assert of(tmp_path) == of(tmp_path / "folder.gguf")  # a folder holding one: that file
