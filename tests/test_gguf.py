@@ -1,6 +1,7 @@
 """`hyserve serve FILE.gguf`: a GGUF file serves as the model it holds (same logits as its HF folder, cache on ==
 cache off), and a file it cannot serve is refused at start with one line."""
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -33,12 +34,15 @@ def _logits(rt: ModelRuntime) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("quantize", [None, "Q8_0"])
-def test_gguf_gives_the_logits_of_its_hf_folder(runtimes, model_dirs, tmp_path, quantize):
+def test_gguf_gives_the_logits_of_its_hf_folder(runtimes, model_dirs, tmp_path, quantize, caplog):
     path = write_from_folder(model_dirs["qwen3"], tmp_path / "m.gguf", quantize=quantize)
     info = gguf_file.inspect(path)
     assert info.model_type == "qwen3" and info.has_chat_template
     assert set(info.tensor_types) == ({"F32", "Q8_0"} if quantize else {"F32"})
-    folder, rt = runtimes("qwen3"), ModelRuntime.load(path, device="cpu")
+    with caplog.at_level(logging.INFO, logger="hyserve.runtime"):
+        folder, rt = runtimes("qwen3"), ModelRuntime.load(path, device="cpu")
+    assert info.describe() == ("15 Q8_0, 10 F32" if quantize else "25 F32")
+    assert f"KiB): tensors {info.describe()}, dequantized to float32 on cpu" in caplog.text
     assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)  # tokenizer and template from GGUF
     assert rt.eos_token_ids == folder.eos_token_ids and rt.max_model_len == folder.max_model_len
     assert rt.kernels.status == folder.kernels.status
@@ -91,6 +95,12 @@ def test_files_it_cannot_serve_are_refused_before_loading(qwen3_gguf, tmp_path):
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "hyserve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_replicas_refuse_a_gguf_file(qwen3_gguf):
+    r = _cli("serve", str(qwen3_gguf), "--port", "0", "--replicas", "2")
+    assert r.returncode == 2 and "serve Hugging Face folders only, not a GGUF file" in r.stderr
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr
 
 
 def test_serve_and_env_say_one_line_for_a_bad_file(qwen3_gguf, tmp_path):

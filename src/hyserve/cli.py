@@ -145,6 +145,7 @@ def service_config_from_args(args) -> "ServiceConfig":
 
 def cmd_serve(args) -> int:
     """Check everything that can be checked cheaply, take the port, then load the weights and serve."""
+    from .gguf_file import is_gguf
     from .preflight import StartupError, bind, check_device, check_model_dir
 
     try:
@@ -157,6 +158,10 @@ def cmd_serve(args) -> int:
         return 2
     if args.replicas < 1:
         log.error("cannot start: --replicas must be at least 1")
+        return 2
+    if (args.replicas > 1 or args.ray_address) and is_gguf(args.model_dir):  # its router reads HF folders only
+        log.error("cannot start: --replicas and --ray-address serve Hugging Face folders only, not a GGUF file yet")
+        sock.close()
         return 2
     if args.replicas > 1 or args.ray_address:
         sock.close()  # Ray Serve's proxy takes the port itself
