@@ -93,6 +93,17 @@ def test_files_it_cannot_serve_are_refused_before_loading(qwen3_gguf, tmp_path):
     assert "part 1 of a GGUF split in 2 files" in _refused(split)
 
 
+def test_a_missing_gguf_package_is_named_with_the_extra(qwen3_gguf, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else
+                        find_spec(name, *a))
+    assert "needs the accelerate package: pip install 'hyserve[gguf]'" in _refused(qwen3_gguf)
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert "needs the gguf and accelerate packages: pip install 'hyserve[gguf]'" in _refused(qwen3_gguf)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "hyserve.cli", *args], capture_output=True, text=True, timeout=300)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ def reader(path: Path):
         from gguf import GGUFReader
     except ImportError as exc:
         raise GGUFError(f"serving a GGUF file needs the gguf and accelerate packages: {INSTALL_HINT}") from exc
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader refuses to run without it
+        raise GGUFError(f"serving a GGUF file needs the accelerate package: {INSTALL_HINT}")
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _readers:
