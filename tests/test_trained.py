@@ -82,7 +82,7 @@ def test_greedy_answers_are_right(trained):
     svc.engine.stop()
 
 
-def run_chat(svc, max_tokens=24):
+def run_chat(svc, max_tokens=16):
     """The replies' tokens and cached prompt tokens of CHAT, each reply's text sent back; the engine is stopped
     after (engines in one process share the snapshot block pool, which expects one worker thread)."""
     history, replies, cached = [], [], []
