@@ -105,8 +105,8 @@ def inspect(path: str | Path) -> GGUFInfo:
     if any(int(t.data_offset) + int(t.n_bytes) > size for t in r.tensors):
         raise GGUFError(f"{path} is truncated: its tensors need more bytes than the file's {size}")
     arch = _field(r, "general.architecture")
-    name = (_field(r, "general.name") or "").lower()
-    model_type = "mistral" if arch == "llama" and "mistral" in name else arch  # as transformers' loader reads it
+    # as transformers' loader reads it: a llama file named exactly "mistral" loads as Mistral (not served)
+    model_type = "mistral" if "llama" in arch and _field(r, "general.name") == "mistral" else arch
     supported = supported_architectures()
     if model_type not in supported.values():
         raise GGUFError(f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: "
