@@ -148,6 +148,7 @@ def service_config_from_args(args) -> "ServiceConfig":
 
 def cmd_serve(args) -> int:
     """Check everything that can be checked cheaply, take the port, then load the weights and serve."""
+    from .gguf_file import is_gguf
     from .preflight import StartupError, bind, check_device, check_model_dir
 
     try:
@@ -160,6 +161,10 @@ def cmd_serve(args) -> int:
         return 2
     if args.replicas < 1:
         log.error("cannot start: --replicas must be at least 1")
+        return 2
+    if (args.replicas > 1 or args.ray_address) and is_gguf(args.model_dir):  # its router reads HF folders only
+        log.error("cannot start: --replicas and --ray-address serve Hugging Face folders only, not a GGUF file yet")
+        sock.close()
         return 2
     if args.replicas > 1 or args.ray_address:
         sock.close()  # Ray Serve's proxy takes the port itself
@@ -224,7 +229,14 @@ def cmd_demo(args) -> int:
 
 def cmd_env(args) -> int:
     from .env import report
+    from .preflight import StartupError, check_model_dir
 
+    try:
+        if args.model_dir is not None:
+            check_model_dir(args.model_dir)
+    except StartupError as exc:
+        log.error("cannot load model: %s", exc)
+        return 2
     print(report(args.model_dir, args.dtype, args.quantization))
     return 0
 
@@ -257,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = command("serve", "serve a Hugging Face model folder over the OpenAI API", cmd_serve)
-    p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    p = command("serve", "serve a Hugging Face model folder or a GGUF file over the OpenAI API", cmd_serve)
+    p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer), or a "
+                   ".gguf file (llama, qwen2, qwen3, lfm2; dequantized to --dtype)")
     _add_serve_options(p)
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)
@@ -278,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen3_5", choices=ARCHS, help="model family")
     p.add_argument("--cache-dir", default=None, help="where the tiny model is kept (default: ~/.cache/hyserve)")
     p = command("env", "print the versions hyserve runs on and, for a model, its kernels' load-time check", cmd_env)
-    p.add_argument("model_dir", nargs="?", default=None, help="a model folder to load on the CPU and check")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="a model folder or GGUF file to load on the CPU and check")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize the weights at load, as serve")

@@ -1,6 +1,7 @@
 """Start-up checks that run before any weight is read, so a mistake costs a second, not a model load:
 the model folder (readable, a supported `model_type`, weights and a tokenizer present, a chat template or
-a warning), the device, and the listening socket, bound here and handed to uvicorn."""
+a warning) or GGUF file (complete, a supported architecture), the device, and the listening socket, bound
+here and handed to uvicorn."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import socket
 from pathlib import Path
+
+from .gguf_file import is_gguf
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -54,9 +57,11 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
     path = Path(model_dir)
     if not path.exists():
         raise StartupError(f"model folder {path} does not exist")
+    if is_gguf(path):
+        return check_gguf(path)
     if not path.is_dir():
         raise StartupError(f"{path} is not a folder: pass a Hugging Face model folder (config.json, weights, "
-                           "tokenizer)")
+                           "tokenizer) or a .gguf file")
     if not os.access(path, os.R_OK | os.X_OK):
         raise StartupError(f"model folder {path} is not readable by this user")
     try:
@@ -77,6 +82,22 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
         warnings.append(f"{path} has no chat template: /v1/chat/completions will answer 400, only /v1/completions "
                         "(a raw prompt) works")
     return warnings
+
+
+def check_gguf(path: Path) -> list[str]:
+    """A GGUF file (or a folder holding one): its header parsed and checked (`gguf_file.inspect`)."""
+    from .gguf_file import GGUFError, gguf_path, inspect
+
+    try:
+        if not os.access(gguf_path(path), os.R_OK):
+            raise GGUFError(f"{gguf_path(path)} is not readable by this user")
+        info = inspect(path)
+    except GGUFError as exc:
+        raise StartupError(str(exc)) from exc
+    if not info.has_chat_template:
+        return [f"{info.path} has no chat template in its metadata: /v1/chat/completions will answer 400, only "
+                "/v1/completions (a raw prompt) works"]
+    return []
 
 
 def check_device(device: str) -> None:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory and hold what every request needs from it.
+"""Load a Hugging Face model directory (or a GGUF file, `gguf_file`) and hold what every request needs from it.
 
 Weights come only from the local directory (never a hub download). The family adapter is chosen from
 `config.model_type`, so an unknown family fails at start-up with the list of supported ones.
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import experts, kernels, model_thread, next_turn, quant
+from . import experts, gguf_file, kernels, model_thread, next_turn, quant
 from .allocator import huge_page_bytes, keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
@@ -93,7 +93,6 @@ class ModelRuntime:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         model_dir = Path(model_dir)
-        model_type = read_model_type(model_dir)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         if quantization is not None and quantization not in quant.SCHEMES:
@@ -102,11 +101,19 @@ class ModelRuntime:
         if quantization is not None and device != "cpu":
             raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
-        weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
-        log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
-                 human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
-        model.to(device).eval()
+        is_gguf = gguf_file.is_gguf(model_dir)
+        if is_gguf:
+            info = gguf_file.inspect(model_dir)
+            log.info("loading %s (GGUF %s, %s): tensors %s, dequantized to %s on %s", info.path, info.architecture,
+                     human_bytes(info.path.stat().st_size), info.describe(), dtype, device)
+            model, tokenizer = gguf_file.load(info.path, _DTYPES[dtype], device)
+        else:
+            model_type = read_model_type(model_dir)
+            weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
+            log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
+                     human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
+            model.to(device).eval()
         log.info("weights loaded in %.1f s: %s, %s parameters", time.perf_counter() - start,
                  type(model).__name__, human_count(sum(p.numel() for p in model.parameters())))
         adapter = adapter_for(model)
@@ -129,11 +136,12 @@ class ModelRuntime:
         if device == "cpu" and (huge := huge_page_bytes()) is not None:
             log.info("weights and buffers on transparent huge pages: %s%s", human_bytes(huge), "" if huge else
                      " (none: torch was imported before hyserve, or the kernel's transparent_hugepage is 'never')")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if not is_gguf:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
-        try:
-            gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-            eos.update(_as_list(gen.eos_token_id))
+        try:  # a GGUF file has none: its end-of-turn token is the tokenizer's and the config's
+            if not is_gguf:
+                eos.update(_as_list(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id))
         except OSError:
             pass
         eos.update(_as_list(model.config.get_text_config().eos_token_id))

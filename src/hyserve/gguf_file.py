@@ -1,0 +1,187 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio): find the file, check it before any weight is read, and load it.
+
+transformers' GGUF loader builds the config, tokenizer and chat template from the file's metadata and
+dequantizes every tensor to float; the model is then served like any folder. Only architectures both that
+loader and hyserve's families cover are accepted, so a file either loads as the model it is or is refused
+at start with one line. The file is parsed once per load (`parsed_once`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+INSTALL_HINT = "pip install 'hyserve[gguf]'"
+
+
+class GGUFError(ValueError):
+    """A GGUF file hyserve cannot serve, worded for the person who passed it."""
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: Path
+    architecture: str  # the file's `general.architecture`
+    model_type: str  # the transformers model_type it loads as
+    tensor_types: dict[str, int]  # GGML tensor type name -> tensor count, most frequent first
+    has_chat_template: bool
+
+    def describe(self) -> str:
+        return ", ".join(f"{count} {name}" for name, count in self.tensor_types.items())
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A .gguf file, or a folder without config.json holding .gguf files: what `gguf_path` resolves."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
+def gguf_path(path: str | Path) -> Path:
+    """The one GGUF file `path` names (itself, or the folder's only one). Split files are refused: transformers'
+    loader reads a single file."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) != 1 and not all(SPLIT_PART.search(f.name) for f in files):
+            raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
+                            "pass the one to serve")
+        path = files[0]
+    if m := SPLIT_PART.search(path.name):
+        raise GGUFError(f"{path.name} is part {int(m.group(1))} of a GGUF split in {int(m.group(2))} files, which "
+                        "hyserve cannot load yet: merge them first (llama.cpp's `llama-gguf-split --merge`)")
+    return path
+
+
+def supported_architectures() -> dict[str, str]:
+    """GGUF architecture -> model_type, for those transformers' loader reads and hyserve serves."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from .families import SUPPORTED_MODEL_TYPES
+
+    return {a: a for a in GGUF_SUPPORTED_ARCHITECTURES if a in SUPPORTED_MODEL_TYPES}
+
+
+_readers: dict[tuple, object] = {}
+
+
+def reader(path: Path):
+    """A parsed `gguf.GGUFReader` of `path`, kept until the file changes (see `parsed_once`)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise GGUFError(f"serving a GGUF file needs the gguf and accelerate packages: {INSTALL_HINT}") from exc
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader refuses to run without it
+        raise GGUFError(f"serving a GGUF file needs the accelerate package: {INSTALL_HINT}")
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _readers:
+        _readers.clear()
+        _readers[key] = GGUFReader(path)
+    return _readers[key]
+
+
+def inspect(path: str | Path) -> GGUFInfo:
+    """Read and check the file's header: a GGUF at all, complete, of a supported architecture, with a
+    tokenizer and tensor types gguf can dequantize. Raises GGUFError."""
+    path = gguf_path(path)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    try:
+        r = reader(path)
+    except GGUFError:
+        raise
+    except Exception as exc:  # the parser's own errors on a cut or damaged file: struct, numpy, unicode, ...
+        raise GGUFError(f"{path} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
+    size = path.stat().st_size
+    if any(int(t.data_offset) + int(t.n_bytes) > size for t in r.tensors):
+        raise GGUFError(f"{path} is truncated: its tensors need more bytes than the file's {size}")
+    arch = _field(r, "general.architecture")
+    # as transformers' loader reads it: a llama file named exactly "mistral" loads as Mistral (not served)
+    model_type = "mistral" if "llama" in arch and _field(r, "general.name") == "mistral" else arch
+    supported = supported_architectures()
+    if model_type not in supported.values():
+        raise GGUFError(f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: "
+                        f"{', '.join(supported)} (what transformers' GGUF loader reads and hyserve serves)")
+    if _field(r, "tokenizer.ggml.model") is None:
+        raise GGUFError(f"{path.name} has no tokenizer in its metadata (tokenizer.ggml.*)")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    types = Counter(t.tensor_type for t in r.tensors)
+    if bad := sorted(t.name for t in types if t not in readable):
+        raise GGUFError(f"{path.name}: tensor type(s) {', '.join(bad)} cannot be dequantized by gguf")
+    return GGUFInfo(path, arch, model_type, {t.name: n for t, n in types.most_common()},
+                    _field(r, "tokenizer.chat_template") is not None)
+
+
+def _field(r, key: str):
+    field = r.fields.get(key)
+    return None if field is None else field.contents()
+
+
+@contextlib.contextmanager
+def parsed_once(path: Path):
+    """Within: transformers' GGUF loader reuses what it (or `inspect`) already parsed of `path`: the reader, the
+    metadata it reads for the config and again for the tokenizer, and gguf's tensor-name map, which it builds
+    anew for every module of the model (most of the load time of a small model otherwise)."""
+    import copy
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    parsed, metadata = reader(path), {}
+    patched = {(gguf, "GGUFReader"): gguf.GGUFReader, (gguf, "get_tensor_name_map"): gguf.get_tensor_name_map,
+               (hf_gguf, "load_gguf_checkpoint"): hf_gguf.load_gguf_checkpoint, (hf_gguf, "tqdm"): hf_gguf.tqdm}
+    same = functools.partial(_same_file, path)
+
+    def read(p, *args, **kwargs):
+        return parsed if same(p) and not args and not kwargs else patched[gguf, "GGUFReader"](p, *args, **kwargs)
+
+    def checkpoint(p, return_tensors=False, **kwargs):
+        load = patched[hf_gguf, "load_gguf_checkpoint"]
+        if return_tensors or kwargs or not same(p):
+            return load(p, return_tensors=return_tensors, **kwargs)
+        if not metadata:
+            metadata.update(load(p))
+            arch = _field(parsed, "general.architecture")
+            if (head_dim := _field(parsed, f"{arch}.attention.key_length")) is not None:  # transformers skips it:
+                metadata["config"].setdefault("head_dim", int(head_dim))  # Qwen3's default (128) would be wrong
+        return copy.deepcopy(metadata)  # the callers may edit what they get
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = read, checkpoint
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
+    hf_gguf.tqdm = lambda items, **_: items  # its progress bar, which ignores transformers' own switch; we log
+    try:
+        yield
+    finally:
+        for (module, name), original in patched.items():
+            setattr(module, name, original)
+        _readers.clear()  # its parsed metadata is not needed once loaded
+
+
+def _same_file(path: Path, other) -> bool:
+    try:
+        return Path(other).resolve() == path.resolve()
+    except (TypeError, OSError):
+        return False
+
+
+def load(path: Path, dtype, device: str):
+    """(model, tokenizer) from a checked GGUF file, its tensors dequantized to `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(path.parent), path.name
+    with parsed_once(path):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,105 @@
+"""GGUF files for tests, written with the `gguf` package's writer (llama.cpp's own): a tiny HF qwen3/llama folder
+converted as llama.cpp's converter would (metadata keys, tensor names, a gpt2-type tokenizer), unquantized or
+with chosen tensors in Q8_0, and arbitrary headers for the bad-input checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ARCHES = {"qwen3": "QWEN3", "qwen2": "QWEN2", "llama": "LLAMA"}
+
+
+def write_from_folder(model_dir: Path, out: Path, quantize: str | None = None) -> Path:
+    """`model_dir` (a tiny qwen3/qwen2/llama from `make-tiny-model`) as one GGUF file at `out`. `quantize`:
+    "Q8_0" stores the 2-D projection weights in Q8_0 (norms and embeddings stay F32), as llama.cpp does."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    w = gguf.GGUFWriter(out, arch)
+    n_layers = cfg["num_hidden_layers"]
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if "head_dim" in cfg:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    _add_tokenizer(w, model_dir, arch)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHES[arch]), n_layers)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for hf_name, data in load_file(model_dir / "model.safetensors").items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        data = data.astype(np.float32)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rope layout
+            data = _permute(data, heads if "q_proj" in hf_name else kv_heads)
+        if quantize == "Q8_0" and data.ndim == 2 and "embed" not in hf_name and data.shape[1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """What convert_hf_to_gguf.py's LlamaModel.permute does (transformers' GGUF loader undoes it)."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _add_tokenizer(w, model_dir: Path, arch: str) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    for t in tok["added_tokens"]:
+        vocab[t["content"]] = t["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control, 1: normal
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    if (eos := tcfg.get("eos_token")) in ids:
+        w.add_eos_token_id(ids[eos])
+    if (pad := tcfg.get("pad_token")) in ids:
+        w.add_pad_token_id(ids[pad])
+    if (bos := tcfg.get("bos_token")) in ids:
+        w.add_bos_token_id(ids[bos])
+    template = tcfg.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        w.add_chat_template(template)
+
+
+def write_header_only(out: Path, arch: str, tokenizer: bool = True) -> Path:
+    """A GGUF with metadata and one small F32 tensor, of any architecture name (for the refusal checks)."""
+    import gguf
+
+    w = gguf.GGUFWriter(out, arch)
+    w.add_block_count(1)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b"])
+    w.add_tensor("token_embd.weight", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
