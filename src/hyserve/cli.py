@@ -43,8 +43,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="prefix-cache byte budget, e.g. 8G or 512M (default: 25%% of RAM; on a GPU, half of its "
-                        "memory left free by the model)")
+                   help="prefix-cache byte budget: 8G, 512M or bytes, K/M/G/T powers of 1024 (default: 25%% of RAM; "
+                        "on a GPU, where snapshots stay, half of the GPU memory the model leaves free)")
     p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
                    help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -67,7 +67,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "the next turn then waits for that job")
     p.add_argument("--block-size", type=int, default=None,
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
-    p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append cache events as JSON lines")
+    p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append one JSON line per cache decision")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens per engine step: a long prompt delays other streams by about this much")
     p.add_argument("--speculative", choices=["off", "prompt-lookup"], default="off",
@@ -245,7 +245,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in every flag's help, except where they say nothing (None, False) or the help gives one."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default:" in (action.help or ""):
+        if action.default is None or action.default is False or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .tiny import ARCHS, SIZES
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="info", choices=LEVELS,
+    logging_options = common.add_argument_group("logging (every command)")
+    logging_options.add_argument("--log-level", default="info", choices=LEVELS,
                         help="debug adds a line per prefill chunk and per /health and /metrics request")
-    common.add_argument("--log-format", default="text", choices=FORMATS,
+    logging_options.add_argument("--log-format", default="text", choices=FORMATS,
                         help="json: one JSON object per line, for log shippers")
     parser = argparse.ArgumentParser(prog="hyserve", description=__doc__, formatter_class=_Help)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
