@@ -30,23 +30,25 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _add_serve_options(p: argparse.ArgumentParser) -> None:
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """serve's options in argparse groups: `--help` and docs/configuration.md show them by what they set."""
+    p = parser.add_argument_group("listening")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; taken before the model loads")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the folder's name)")
+    p = parser.add_argument_group("model")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and activations")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="hold the weights as int8 or int4 (GGUF Q8_0 / Q4_0 blocks: 32 weights, one scale; the head "
                         "Q8_0), made at load from the folder's weights; activations stay in --dtype; CPU only")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
+    p = parser.add_argument_group("prefix cache")
     p.add_argument("--no-cache", action="store_true", help="disable the exact-state prefix cache")
     p.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="prefix-cache byte budget: 8G, 512M or bytes, K/M/G/T powers of 1024 (default: 25%% of RAM; "
                         "on a GPU, where snapshots stay, half of the GPU memory the model leaves free)")
-    p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
-                   help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="a disk tier for the prefix cache: checkpoints evicted from memory and history "
                         "boundaries are written here, and found again after a restart (same model and template)")
@@ -68,6 +70,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="baseline: keep recurrent checkpoints only every N tokens (vLLM-style block grid)")
     p.add_argument("--log-cache-events", default=None, metavar="PATH", help="append one JSON line per cache decision")
+    p = parser.add_argument_group("scheduling")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens per engine step: a long prompt delays other streams by about this much")
     p.add_argument("--speculative", choices=["off", "prompt-lookup"], default="off",
@@ -78,6 +81,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds before a request is ended with 408 (default: no limit)")
+    p = parser.add_argument_group("access and limits")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (comma-separated for several tenants; "
                         "default: env HYSERVE_API_KEY, else no key)")
@@ -89,18 +93,26 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context left)")
     p.add_argument("--max-messages", type=int, default=2048, help="most messages in one chat request")
+    p.add_argument("--response-store-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
+                   help="byte budget of /v1/responses' stored responses, all tenants together (default: 64M)")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="tokenize special-token strings typed in message content (<|im_start|>, ...) as control "
                         "tokens, as before; otherwise they stay text, so content cannot forge turns")
+    p = parser.add_argument_group("replies")
     p.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="how tool calls are read from replies: hermes (JSON in <tool_call>), qwen3_xml "
                         "(<tool_call><function=...>), llama3_json, none, or auto (from the chat template)")
     p.add_argument("--reasoning-parser", default="auto", metavar="NAME",
                    help="how reasoning is split from replies: think (<think>...</think>), none, or auto "
                         "(from the chat template)")
+    p = parser.add_argument_group("process")
     p.add_argument("--graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests get to finish after the first Ctrl-C or SIGTERM; a second "
                         "one exits at once")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine lines (throughput, running/waiting, cache hit rate) while "
+                        "there is work; 0: none")
+    p = parser.add_argument_group("several replicas (Ray Serve)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas behind one endpoint, on Ray Serve (needs `pip install 'hyserve[ray]'`); "
                         "each request goes to the replica holding the deepest exact checkpoint of its prompt")
@@ -109,9 +121,6 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "implies Ray Serve even with --replicas 1")
     p.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs Ray reserves for each replica (its torch threads: this, rounded, at least 1)")
-    p.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine lines (throughput, running/waiting, cache hit rate) while "
-                        "there is work; 0: none")
 
 
 def service_config_from_args(args) -> "ServiceConfig":
@@ -256,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .tiny import ARCHS, SIZES
 
     common = argparse.ArgumentParser(add_help=False)
-    logging_options = common.add_argument_group("logging (every command)")
+    logging_options = common.add_argument_group("logging")
     logging_options.add_argument("--log-level", default="info", choices=LEVELS,
                         help="debug adds a line per prefill chunk and per /health and /metrics request")
     logging_options.add_argument("--log-format", default="text", choices=FORMATS,

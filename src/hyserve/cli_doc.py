@@ -12,6 +12,7 @@ import sys
 from .cli import _UNITS, build_parser, parse_size
 
 COMMAND = "python -m hyserve.cli_doc > docs/configuration.md"
+EVERY = " (every command)"
 _CODE = re.compile(r"(`[^`]*`)")
 
 
@@ -60,6 +61,15 @@ def _table(actions: list[argparse.Action], prog: str) -> list[str]:
     return rows
 
 
+def _group(group, prog: str) -> list[str]:
+    return ([_escape(group.description), ""] if group.description else []) + _table(_shown(group._group_actions), prog)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
 def _shown(actions) -> list[argparse.Action]:
     return [a for a in actions if a.help is not argparse.SUPPRESS
             and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
@@ -76,19 +86,20 @@ def markdown(parser: argparse.ArgumentParser | None = None) -> str:
            f"Every option of every `{parser.prog}` command, with its default. `{parser.prog} COMMAND --help` "
            "prints the same. Sizes take `8G`, `512M`, `64KB` or a number of bytes (K/M/G/T are powers of 1024).",
            ""]
-    out += [f"- [`{name}`](#{name}): {_escape(summaries.get(name) or '')}" for name in sub.choices]
+    groups = {name: [g for g in p._action_groups[2:] if _shown(g._group_actions)] for name, p in sub.choices.items()}
+    shared = sorted(set.intersection(*({g.title for g in gs} for gs in groups.values())))  # a parent's: shown once
+    out += [f"- [`{name}`](#{_anchor(name)}): {_escape(summaries.get(name) or '')}" for name in sub.choices]
+    out += [f"- [{title}](#{_anchor(title + EVERY)}): options every command takes" for title in shared]
     for name, p in sub.choices.items():
         out += ["", f"## {name}", "", f"`{p.prog}`: {_escape(p.description or '')}"]
-        default = [p._positionals, p._optionals]  # argparse's own two groups: one table, no heading
+        # argparse's own two groups (positional arguments, options): one table, no heading
         out += [""] + _table(_shown(p._positionals._group_actions + p._optionals._group_actions), p.prog)
-        for group in p._action_groups:
-            actions = _shown(group._group_actions)
-            if group in default or not actions:
-                continue
-            out += ["", f"### {group.title}", ""]
-            if group.description:
-                out += [_escape(group.description), ""]
-            out += _table(actions, p.prog)
+        for group in groups[name]:
+            if group.title not in shared:
+                out += ["", f"### {group.title}", ""] + _group(group, p.prog)
+    first = next(iter(groups.values()))
+    for title in shared:
+        out += ["", f"## {title}{EVERY}", ""] + _group(next(g for g in first if g.title == title), parser.prog)
     return "\n".join(out) + "\n"
 
 
