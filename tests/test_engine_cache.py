@@ -133,17 +133,24 @@ def test_a_failed_capture_takes_no_checkpoint_and_output_stays_exact(make_servic
 
 
 def _count_prefill_pieces(svc) -> list[int]:
-    """Spy on the adapter: the length of every multi-token forward pass (prefill pieces) it runs (a capturing
-    pass runs through `forward` too)."""
-    ad, pieces = svc.runtime.adapter, []
-    inner = ad.forward
+    """Spy on the adapter: the length of every multi-token forward pass the prefill phase runs (a capturing
+    pass runs through `forward` too; a finished reply's end-of-turn tokens, run after it, are not a piece)."""
+    ad, prefill, pieces, inside = svc.runtime.adapter, svc.engine.prefill, [], []
+    inner, chunk = ad.forward, prefill.chunk
 
     def spy(state, ids, *args, **kwargs):
-        if len(ids) > 1 and not kwargs.get("all_logits"):
+        if inside and len(ids) > 1 and not kwargs.get("all_logits"):
             pieces.append(len(ids))
         return inner(state, ids, *args, **kwargs)
 
-    ad.forward = spy
+    def in_prefill(*args, **kwargs):
+        inside.append(True)
+        try:
+            return chunk(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    ad.forward, prefill.chunk = spy, in_prefill
     return pieces
 
 
