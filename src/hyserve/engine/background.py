@@ -47,13 +47,11 @@ class Background(Phase):
         for rebuild in rebuilds:
             if not rebuild or self.cache.has(rebuild, req.cache_salt):
                 continue
-            if stops and list(rebuild[: len(tokens)]) == tokens:
-                self.scheduler.add_background(Job(list(rebuild), stops + [Boundary(len(rebuild), "reply_rerender")],
-                                                  req.cache_salt, req.request_id))
+            extends = bool(stops) and list(rebuild[: len(tokens)]) == tokens  # one job takes the deferred stops
+            self.scheduler.add_background(Job(list(rebuild), (stops if extends else []) + [
+                Boundary(len(rebuild), "reply_rerender")], req.cache_salt, req.request_id))
+            if extends:
                 stops = []
-            else:
-                self.scheduler.add_background(Job(list(rebuild), [Boundary(len(rebuild), "reply_rerender")],
-                                                  req.cache_salt, req.request_id))
         if stops:
             self.scheduler.add_background(Job(tokens, stops, req.cache_salt, req.request_id))
 
