@@ -7,9 +7,12 @@ CPU, cores, library versions, from the file's `machine`; for a file without them
 the file in `git log`), then the script's own tables. A block whose file is missing says so.
 
     python benchmarks/bench_report.py                # print every block
-    python benchmarks/bench_report.py --write        # rewrite the blocks in docs/benchmarks.md, copy the
-                                                     # plots of benchmarks/results/run/ to docs/img/
-    python benchmarks/bench_report.py --check        # exit 1 when docs/benchmarks.md differs from the results
+    python benchmarks/bench_report.py --write        # rewrite the blocks in docs/benchmarks.md, draw the plots
+                                                     # of bench_plots.py into docs/img/ (NAME.png and the
+                                                     # series it draws, NAME.json), copy the plots of
+                                                     # benchmarks/results/run/ there
+    python benchmarks/bench_report.py --check        # exit 1 when docs/benchmarks.md or a plot's series
+                                                     # differs from the results
     python benchmarks/bench_report.py --results DIR --doc FILE   # other locations
 """
 
@@ -26,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
+import bench_plots  # noqa: E402
 
 ROOT = C.BENCH_DIR.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -289,6 +293,93 @@ REPORTS = {
 }
 
 
+# -- the summary: one row per headline result, from several files ------------------------------------------
+SUMMARY_FILES = ("multiturn-4k-64new.json", "agent.json", "run-hybrids/results.json", "peers-real-chat.json",
+                 "peers-real.json", "kv-sharing.json", "replicas.json", "quality.json")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _span(xs: list[float], digits: int = 2) -> str:
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.{digits}f}x" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}-{hi:.{digits}f}x"
+
+
+def summary_rows(results: Path) -> list[list[str]]:
+    """[question, result, section link] for each headline whose result file exists."""
+    def load(name):
+        path = results / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    rows = []
+    if r := load("multiturn-4k-64new.json"):
+        last = r["turns"][-1]
+        rows.append([f"{last['prompt_tokens'] - last['cached_tokens']} new prompt tokens after "
+                     f"{last['cached_tokens']} tokens of history, bench qwen3_5",
+                     f"TTFT {C.fmt_ratio(last['speedup'])}x lower than `--no-cache`; same replies",
+                     "warm-turn-speedup-in-a-multi-turn-chat-bench_multiturnpy"])
+    if r := load("agent.json"):
+        warm = [row for row in r["rows"] if row["history_tokens"]]
+        rows.append([f"an agent on the real Qwen3.5 template, bench qwen3_5, {len(warm)} warm turns",
+                     f"{_median([w['cached_over_history'] for w in warm]):.1%} of the history from the cache, "
+                     f"TTFT {C.fmt_ratio(_median([w['ttft_off_s'] / w['ttft_on_s'] for w in warm]))}x lower "
+                     "(median)", "an-agent-on-the-real-qwen35-template-bench_agentpy"])
+    if r := load("run-hybrids/results.json"):
+        last = [h["longshort_last"] for h in r["headline"].values()]
+        blocks = [k for k in last[0] if k.startswith("block-")]
+        if blocks:
+            rows.append([f"a short turn after ~4k tokens, {len(last)} hybrid families, against a "
+                         f"{blocks[0].split('-')[1]}-token block-grid cache",
+                         f"block grid's TTFT {_span([h[blocks[0]]['ttft_over_on'] for h in last], 1)} hyserve's; "
+                         f"no cache {_span([h['hyserve-off']['ttft_over_on'] for h in last], 0)}",
+                         "reuse-against-a-block-grid-cache-and-plain-generate-bench_runpy"])
+    if r := load("peers-real-chat.json"):
+        warm = [t for t in r["turns"] if t["hyserve"]["cached_tokens"]]
+        rows.append([f"a chat growing to {r['turns'][-1]['hyserve']['prompt_tokens']} tokens on the real Qwen3.5 "
+                     "template, real-0.8b bfloat16, against llama-server",
+                     f"hyserve's TTFT {_span([t['hyserve']['ttft'] / t['llama']['ttft'] for t in warm])} "
+                     f"llama-server's on the {len(warm)} warm turns", "against-llamacpps-llama-server-bench_peerspy"])
+    if (r := load("peers-real.json")) and r.get("throughput"):
+        h, ll = r["throughput"]["hyserve"], r["throughput"]["llama"]
+        n = len(h["concurrent_completion_tokens"])
+        rows.append(["cold prefill and decode, real-0.8b bfloat16, against llama-server",
+                     f"prefill {C.fmt_ratio(h['cold_tok_s'] / ll['cold_tok_s'])}x, decode "
+                     f"{C.fmt_ratio(h['decode_tok_s'] / ll['decode_tok_s'])}x (1 request), "
+                     f"{C.fmt_ratio(h['concurrent_tok_s'] / ll['concurrent_tok_s'])}x ({n} at once) its speed",
+                     "against-llamacpps-llama-server-bench_peerspy"])
+    if r := load("kv-sharing.json"):
+        shared, whole = r["modes"]["shared"], r["modes"]["whole"]
+        rows.append([f"{shared['entries']} checkpoints of one conversation, attention KV stored once",
+                     f"{shared['bytes'] / whole['bytes']:.0%} of the bytes of whole copies",
+                     "attention-kv-stored-once-along-the-tree-bench_kv_sharingpy"])
+    if r := load("replicas.json"):
+        live = r["live"]
+        routers = live["routers"]
+        rows.append([f"{live['sessions']} chats on {live['replicas']} Ray Serve replicas",
+                     "history from the cache: " + ", ".join(f"{name} {v['cached_over_history']:.0%}"
+                                                            for name, v in routers.items()),
+                     "several-replicas-on-ray-serve-bench_replicaspy"])
+    if r := load("quality.json"):
+        q = r["schemes"]
+        rows.append([f"quantized weights, {r['model'].split('.')[0]}: top-1 token as float32's",
+                     ", ".join(f"{name} {q[name]['top1_agreement']:.1%}" for name in ("int8", "int4") if name in q),
+                     "what-quantized-weights-cost-in-quality-bench_qualitypy"])
+    return rows
+
+
+def summary(results: Path) -> str:
+    rows = [[question, result, f"[more](#{anchor})"] for question, result, anchor in summary_rows(results)]
+    if not rows:
+        return "_No result yet._"
+    table = ["| what | result | |", "|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(table + ["",
+                       "Each row links to its section: the command, the machine and the full table. Measured on "
+                       "2 shared cores (AMD EPYC); compare rows within a table, not across tables."])
+
+
 # -- provenance and blocks ---------------------------------------------------------------------------------
 def _git_log(path: Path) -> tuple[str | None, str | None]:
     """Commit and UTC date of the last commit that touched `path` (None, None if it was never committed)."""
@@ -320,6 +411,8 @@ def provenance(result: dict, path: Path) -> str:
 
 
 def render(name: str, results: Path) -> str:
+    if name == "summary":
+        return summary(results)
     rel, fn = REPORTS[name]
     path = results / rel
     if not path.is_file():
@@ -334,7 +427,7 @@ def render(name: str, results: Path) -> str:
 
 def fill(doc: str, results: Path) -> str:
     """`doc` with every generated block rendered afresh from `results`."""
-    unknown = [m.group(2) for m in BLOCK.finditer(doc) if m.group(2) not in REPORTS]
+    unknown = [m.group(2) for m in BLOCK.finditer(doc) if m.group(2) not in REPORTS and m.group(2) != "summary"]
     if unknown:
         raise SystemExit(f"unknown report blocks in the doc: {unknown} (known: {list(REPORTS)})")
     return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), results) + "\n" + m.group(4), doc)
@@ -356,13 +449,15 @@ def main(argv=None) -> int:
     new = fill(doc, args.results)
     if args.check:
         stale = [a.group(2) for a, b in zip(BLOCK.finditer(doc), BLOCK.finditer(new)) if a.group(3) != b.group(3)]
+        stale += [f"img/{p}.json" for p in bench_plots.stale(args.results, args.doc.parent / "img")]
         if stale:
-            print(f"{args.doc}: blocks not generated from {args.results}: {stale}; run python "
+            print(f"{args.doc}: blocks and plots not generated from {args.results}: {stale}; run python "
                   f"benchmarks/bench_report.py --write", file=sys.stderr)
             return 1
         return 0
     args.doc.write_text(new)
     img = args.doc.parent / "img"
+    bench_plots.write(args.results, img)
     for plot in RUN_PLOTS:
         if (args.results / "run" / plot).is_file():
             img.mkdir(parents=True, exist_ok=True)
