@@ -171,7 +171,7 @@ def place(batch: DecodeBatch, states: Sequence[LiveState], room: int = 0) -> lis
     padding in every row. Every row is right-aligned at the width, which grows by one column a pass, so
     under a steady load, where requests keep joining the rows of finished ones and the batch is never
     gathered for another reason, the width would grow without end: the batch's memory and every pass's
-    attention with it (in a 900 s soak of `benchmarks/bench_load.py` the batch grew to about 400 MiB and never shrank)."""
+    attention with it (`benchmarks/bench_load.py`'s soak shows whether it stays bounded)."""
     owners = [ref() if ref is not None else None for ref in batch.owners]
     row_of = {id(o): r for r, o in enumerate(owners) if o is not None}
     if row_of.keys() - {id(s) for s in states}:

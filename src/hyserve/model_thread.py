@@ -3,10 +3,9 @@
 PyTorch's CPU kernels use OpenMP (libgomp), which keeps a pool of worker threads per calling thread
 and lets them spin briefly between parallel regions. A thread that starts its pool while another
 thread's pool exists (together they outnumber the cores) gets one that barely spins, so every one of
-the hundreds of small parallel regions in a forward pass pays a sleep and a wake-up. Measured here
-(2 cores, bench qwen3_5, `benchmarks/bench_threads.py`): a 79-token warm prefill took about 53 ms on the
-first torch thread and about 106 ms on a second one. With one engine thread per service, the second
-service in a process (a benchmark's cache-off server, a test's second fixture) ran at half speed. So
+the hundreds of small parallel regions in a forward pass pays a sleep and a wake-up. `benchmarks/bench_threads.py`
+measures a warm prefill on the first torch thread and on a second one. With one engine thread per service, the
+second service in a process (a benchmark's cache-off server, a test's second fixture) ran much slower. So
 engines, and benchmarks that time a bare forward pass, hand their model work to this one thread.
 
 The thread also flushes denormal floats to zero (x86 FTZ/DAZ) before its first PyTorch operation. The

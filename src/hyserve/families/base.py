@@ -90,7 +90,7 @@ class FamilyAdapter:
         """One decode token for each of several requests in one pass; returns logits [len(states), vocab].
         `room`: requests about to join (in prefill): a batch gathered afresh keeps free rows for them.
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
-        whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
+        whole KV every token (`benchmarks/bench_long_decode.py` measures a step at long context)."""
         from ..batching import gather, place, scatter
 
         batch = self._batch

@@ -71,7 +71,7 @@ def decode_attention(query, key, value, mask, scaling=None):
     """One query per row, q [b, h, 1, d], against grouped KV heads k, v [b, hk, S, d]: each KV head's `h / hk`
     queries go into SDPA as that many query rows of one head, with no causal mask among them (they share one
     position). transformers' SDPA path instead hands SDPA the grouped heads (`enable_gqa`), whose CPU flash kernel
-    takes 7.6 ms a layer for 8 rows of 540 tokens where this takes 0.55 (`benchmarks/bench_kernels.py --micro`),
+    is many times slower on a decode batch (`benchmarks/bench_kernels.py --micro` times both),
     or repeats every KV head. The same as repeating the heads: bit for bit in bfloat16, within a unit of the last place
     in float32 (tests/test_kernels.py). Returns
     [b, 1, h, dv], as transformers' attention functions."""

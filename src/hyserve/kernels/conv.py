@@ -2,7 +2,7 @@
 (transformers' `causal_conv1d_fn`), `conv_step` for one token (`causal_conv1d_update`). The reference is a
 grouped `F.conv1d`, which oneDNN runs slowly for one filter per channel; here prefill is `kernel` shifted
 multiply-adds and a decode step one batched product per channel, taken in float32 (as oneDNN accumulates
-the reference) and rounded once: PyTorch's bfloat16 `bmm` over thousands of 4-tap products is ~15x slower
+the reference) and rounded once: PyTorch's bfloat16 `bmm` over thousands of 4-tap products is much slower
 than the float32 one (`benchmarks/bench_kernels.py --micro`).
 """
 
