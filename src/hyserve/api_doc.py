@@ -6,6 +6,8 @@ temporary folder, the app on it, and reads the app's document)."""
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import tempfile
 
@@ -61,7 +63,10 @@ def openapi() -> dict:
 
 def _number(v: float) -> str:
     """Exact below 2^53; beyond, a float's digits would pretend a precision JSON's doubles do not hold."""
-    return str(int(v)) if float(v).is_integer() and abs(v) < 2**53 else f"~{v:.4g}"
+    if abs(v) >= 2**53:  # int64 / uint64 bounds, as a double holds them: the nearest power of two
+        exponent = round(math.log2(abs(v)))
+        return f"~{'-' if v < 0 else ''}2^{exponent}" if 2.0**exponent == abs(v) else f"~{v:.4g}"
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 def _type(s: dict) -> str:
@@ -103,7 +108,7 @@ def _default(s: dict) -> str:
     if "default" not in s or s["default"] is None:
         return ""
     v = s["default"]
-    return f"`{str(v).lower() if isinstance(v, bool) else v}`"
+    return f"`{v}`" if isinstance(v, str) else f"`{json.dumps(v)}`"
 
 
 def _fields(schema: dict) -> list[str]:
