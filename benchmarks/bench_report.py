@@ -318,26 +318,24 @@ def summary_rows(results: Path) -> list[list[str]]:
     if r := load("multiturn-4k-64new.json"):
         last = r["turns"][-1]
         rows.append([f"{last['prompt_tokens'] - last['cached_tokens']} new prompt tokens after "
-                     f"{last['cached_tokens']} tokens of history, bench qwen3_5",
+                     f"{last['cached_tokens']} tokens of history",
                      f"TTFT {C.fmt_ratio(last['speedup'])}x lower than `--no-cache`; same replies",
                      "warm-turn-speedup-in-a-multi-turn-chat-bench_multiturnpy"])
-    if r := load("agent.json"):
-        warm = [row for row in r["rows"] if row["history_tokens"]]
-        rows.append([f"an agent on the real Qwen3.5 template, bench qwen3_5, {len(warm)} warm turns",
+    if (r := load("agent.json")) and (warm := [row for row in r["rows"] if row["history_tokens"]]):
+        rows.append([f"an agent on the real Qwen3.5 template, {len(warm)} warm turns",
                      f"{_median([w['cached_over_history'] for w in warm]):.1%} of the history from the cache, "
                      f"TTFT {C.fmt_ratio(_median([w['ttft_off_s'] / w['ttft_on_s'] for w in warm]))}x lower "
                      "(median)", "an-agent-on-the-real-qwen35-template-bench_agentpy"])
-    if r := load("run-hybrids/results.json"):
-        last = [h["longshort_last"] for h in r["headline"].values()]
+    if (r := load("run-hybrids/results.json")) and (last := [h["longshort_last"] for h in r["headline"].values()
+                                                             if h.get("longshort_last")]):
         blocks = [k for k in last[0] if k.startswith("block-")]
-        if blocks:
+        if blocks and all(blocks[0] in h and "hyserve-off" in h for h in last):
             rows.append([f"a short turn after ~4k tokens, {len(last)} hybrid families, against a "
                          f"{blocks[0].split('-')[1]}-token block-grid cache",
                          f"block grid's TTFT {_span([h[blocks[0]]['ttft_over_on'] for h in last], 1)} hyserve's; "
                          f"no cache {_span([h['hyserve-off']['ttft_over_on'] for h in last], 0)}",
                          "reuse-against-a-block-grid-cache-and-plain-generate-bench_runpy"])
-    if r := load("peers-real-chat.json"):
-        warm = [t for t in r["turns"] if t["hyserve"]["cached_tokens"]]
+    if (r := load("peers-real-chat.json")) and (warm := [t for t in r["turns"] if t["hyserve"]["cached_tokens"]]):
         rows.append([f"a chat growing to {r['turns'][-1]['hyserve']['prompt_tokens']} tokens on the real Qwen3.5 "
                      "template, real-0.8b bfloat16, against llama-server",
                      f"hyserve's TTFT {_span([t['hyserve']['ttft'] / t['llama']['ttft'] for t in warm])} "
@@ -370,14 +368,25 @@ def summary_rows(results: Path) -> list[list[str]]:
     return rows
 
 
+def _machines(results: Path) -> str:
+    """The machines the summary's files were measured on, as `2 cores (AMD EPYC)`."""
+    seen = []
+    for name in SUMMARY_FILES:
+        path = results / name
+        m = (json.loads(path.read_text()).get("machine") or {}) if path.is_file() else {}
+        if m.get("cores") and (label := f"{m['cores']} cores ({m.get('cpu') or 'CPU unknown'})") not in seen:
+            seen.append(label)
+    return " and ".join(seen) or "an unrecorded machine"
+
+
 def summary(results: Path) -> str:
     rows = [[question, result, f"[more](#{anchor})"] for question, result, anchor in summary_rows(results)]
     if not rows:
         return "_No result yet._"
     table = ["| what | result | |", "|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(table + ["",
-                       "Each row links to its section: the command, the machine and the full table. Measured on "
-                       "2 shared cores (AMD EPYC); compare rows within a table, not across tables."])
+    return "\n".join(table + ["", f"Each row links to its section: the command, the model, the machine and the full "
+                               f"table. Measured on {_machines(results)}; compare rows within a table, not across "
+                               "tables."])
 
 
 # -- provenance and blocks ---------------------------------------------------------------------------------

@@ -37,3 +37,13 @@ def test_a_changed_result_makes_its_plot_stale_and_write_redraws_it(tmp_path):
     assert bench_plots.stale(results, img) == ["ttft_vs_history"]
     bench_plots.write(results, img)
     assert bench_plots.stale(results, img) == [] and (img / "ttft_vs_history.png").stat().st_size > 10_000
+
+
+def test_the_summary_has_a_row_for_every_headline_result(tmp_path):
+    import bench_report
+
+    assert len(bench_report.summary_rows(RESULTS)) == len(bench_report.SUMMARY_FILES)
+    shutil.copyfile(RESULTS / "quality.json", tmp_path / "quality.json")  # one file: its row alone
+    (row,) = bench_report.summary_rows(tmp_path)
+    assert row[0].startswith("quantized weights") and "int8 98.2%" in row[1]
+    assert bench_report.summary_rows(tmp_path / "none") == []

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_report import BLOCK, REPORTS  # noqa: E402
 
 
 def run(args, timeout=300):
@@ -81,18 +83,22 @@ def test_peers_quick_skips_cleanly_without_llama_server(tmp_path, monkeypatch):
 
 
 def test_report_renders_every_result(results, tmp_path):
-    """Run after the quick modes above: each of their files fills its block of a copy of the doc, the others
-    say that no result exists yet, and --check then finds the copy up to date."""
+    """Run after the quick modes above: each of their files fills its block of a copy of the doc (the doc has
+    blocks only for measured results: every renderer also runs in the report's print mode), the others say
+    that no result exists yet, and --check then finds the copy up to date."""
     doc = tmp_path / "benchmarks.md"
     shutil.copyfile(ROOT / "docs" / "benchmarks.md", doc)
     args = ["benchmarks/bench_report.py", "--results", str(results), "--doc", str(doc)]
+    blocks = {REPORTS[m.group(2)][0] for m in BLOCK.finditer(doc.read_text()) if m.group(2) in REPORTS}
     run([*args, "--write"])
     text = doc.read_text()
     present = [p.relative_to(results).as_posix() for p in results.rglob("*.json")]
     assert present
     for name in present:
         assert f"`benchmarks/results/{name}`" not in text, f"{name} present but not rendered"
-    assert text.count("Measured with `python benchmarks/bench_") >= len(present)
+    assert text.count("Measured with `python benchmarks/bench_") >= len(blocks.intersection(present))
+    printed = run(["benchmarks/bench_report.py", "--results", str(results)]).stdout
+    assert printed.count("Measured with `python benchmarks/bench_") >= len(present)
     if (results / "run" / "warm_cost_vs_history.png").is_file():
         assert (tmp_path / "img" / "warm_cost_vs_history.png").is_file()
     run([*args, "--check"])
