@@ -28,16 +28,28 @@ def ttft_vs_history(results: Path) -> dict | None:
     if peers is None or agent is None:
         return None
     turns = peers["turns"]
-    return {"panels": [
-        {"title": "real-0.8b bfloat16, Qwen3.5 template\n(bench_peers.py --size real-0.8b --growing)",
-         "x": [t["hyserve"]["prompt_tokens"] for t in turns],
-         "lines": {"hyserve": [_r(t["hyserve"]["ttft"]) for t in turns],
-                   "llama-server": [_r(t["llama"]["ttft"]) for t in turns]}},
-        {"title": "bench qwen3_5 float32, an agent on the Qwen3.5 template\n(bench_agent.py)",
-         "x": [row["prompt_tokens"] for row in agent["rows"]],
-         "lines": {"hyserve": [_r(row["ttft_on_s"]) for row in agent["rows"]],
-                   "hyserve --no-cache": [_r(row["ttft_off_s"]) for row in agent["rows"]]}},
-    ], "xlabel": "prompt tokens (the history + the new message)", "ylabel": "time to first token (s)"}
+    return {
+        "panels": [
+            {
+                "title": "real-0.8b bfloat16, Qwen3.5 template\n(bench_peers.py --size real-0.8b --growing)",
+                "x": [t["hyserve"]["prompt_tokens"] for t in turns],
+                "lines": {
+                    "hyserve": [_r(t["hyserve"]["ttft"]) for t in turns],
+                    "llama-server": [_r(t["llama"]["ttft"]) for t in turns],
+                },
+            },
+            {
+                "title": "bench qwen3_5 float32, an agent on the Qwen3.5 template\n(bench_agent.py)",
+                "x": [row["prompt_tokens"] for row in agent["rows"]],
+                "lines": {
+                    "hyserve": [_r(row["ttft_on_s"]) for row in agent["rows"]],
+                    "hyserve --no-cache": [_r(row["ttft_off_s"]) for row in agent["rows"]],
+                },
+            },
+        ],
+        "xlabel": "prompt tokens (the history + the new message)",
+        "ylabel": "time to first token (s)",
+    }
 
 
 def decode_vs_concurrency(results: Path) -> dict | None:
@@ -46,11 +58,16 @@ def decode_vs_concurrency(results: Path) -> dict | None:
     if peers is None or not peers.get("throughput"):
         return None
     tp = peers["throughput"]
-    return {"title": "real-0.8b bfloat16, 2 cores\n(bench_peers.py --size real-0.8b --throughput)",
-            "x": [1, len(tp["hyserve"]["concurrent_completion_tokens"])],
-            "bars": {name: [_r(tp[key]["decode_tok_s"], 2), _r(tp[key]["concurrent_tok_s"], 2)]
-                     for name, key in (("hyserve", "hyserve"), ("llama-server", "llama"))},
-            "xlabel": "requests decoding at once", "ylabel": "decode tokens/s (all requests)"}
+    return {
+        "title": "real-0.8b bfloat16, 2 cores\n(bench_peers.py --size real-0.8b --throughput)",
+        "x": [1, len(tp["hyserve"]["concurrent_completion_tokens"])],
+        "bars": {
+            name: [_r(tp[key]["decode_tok_s"], 2), _r(tp[key]["concurrent_tok_s"], 2)]
+            for name, key in (("hyserve", "hyserve"), ("llama-server", "llama"))
+        },
+        "xlabel": "requests decoding at once",
+        "ylabel": "decode tokens/s (all requests)",
+    }
 
 
 PLOTS = {"ttft_vs_history": ttft_vs_history, "decode_vs_concurrency": decode_vs_concurrency}
