@@ -115,8 +115,8 @@ def micro(rounds: int = 30) -> list[dict]:
     import torch.nn.functional as F
 
     from hyserve import kernels, model_thread
-    from hyserve.snapshot_blocks import BLOCKS
-    from hyserve.state import packed_clones
+    from hyserve.state.snapshot_blocks import BLOCKS
+    from hyserve.state.snapshot import packed_clones
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     def ms(fn) -> float:

@@ -30,7 +30,7 @@ def parse_args(argv=None):
 
 def copies(rt, prompt: int, blocks: int) -> dict:
     """Seconds per snapshot into blocks mapped afresh and into recycled ones, alternating."""
-    from hyserve.snapshot_blocks import BLOCKS
+    from hyserve.state.snapshot_blocks import BLOCKS
 
     ad = rt.adapter
     vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))

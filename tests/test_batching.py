@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import hyserve.batching as batching
+import hyserve.state.decode_batch as batching
 
 from .test_state import _ids
 

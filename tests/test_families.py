@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import DynamicCache
 
-from hyserve.families import REGISTRY, layers
+from hyserve.families import REGISTRY
+from hyserve.state import layer_kinds as layers
 from hyserve.tiny import ARCHS, _TINY
 
 from . import test_batching, test_engine_cache, test_speculative, test_state

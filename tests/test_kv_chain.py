@@ -1,4 +1,4 @@
-"""Attention KV stored once along the tree (hyserve.kv_chain): a checkpoint below another keeps only the KV of
+"""Attention KV stored once along the tree (hyserve.state.kv_chain): a checkpoint below another keeps only the KV of
 its new tokens, restores bit-identical to the state it recorded, costs about its state plus those tokens'
 KV, and survives its ancestor's eviction; anything not bit-identical is stored whole."""
 
@@ -10,12 +10,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from hyserve import kv_chain
+from hyserve.state import kv_chain
 from hyserve.cache.disk import DiskTier
 from hyserve.cache.manager import PrefixCache
 from hyserve.cache.telemetry import CacheTelemetry
 from hyserve.metrics import Metrics
-from hyserve.state import _cache_tensors
+from hyserve.state.snapshot import _cache_tensors
 from hyserve.tiny import ARCHS
 
 from .test_state import _greedy, _ids

@@ -14,9 +14,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .. import kv_chain
-from ..state import LiveState, Snapshot, clone_cache, set_seen_tokens, token_hash
-from . import layers as kinds
+from ..state import kv_chain
+from ..state import layer_kinds as kinds
+from ..state.snapshot import LiveState, Snapshot, clone_cache, set_seen_tokens, token_hash
 
 
 class FamilyAdapter:
@@ -91,7 +91,7 @@ class FamilyAdapter:
         `room`: requests about to join (in prefill): a batch gathered afresh keeps free rows for them.
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
         whole KV every token (bench qwen3_5 at 12k tokens: 13.6 instead of 15.5 ms a step, benchmarks/bench_long_decode.py)."""
-        from ..batching import gather, place, scatter
+        from ..state.decode_batch import gather, place, scatter
 
         batch = self._batch
         rows = place(batch, states, room) if batch is not None else None
@@ -130,7 +130,7 @@ class FamilyAdapter:
     # -- snapshot / restore -----------------------------------------------------------------
     def snapshot(self, state: LiveState, base: Snapshot | None = None) -> Snapshot:
         """Compact copies of the state: conv and recurrent state, and its attention KV as a segment
-        (`hyserve.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
+        (`hyserve.state.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
         the tokens after `base` and links to `base`'s chain, provided the state's KV over those tokens is
         bit for bit that chain's; otherwise (and without `base`) it holds the whole KV."""
         return kv_chain.split(state.cache, state.position, token_hash(state.tokens),

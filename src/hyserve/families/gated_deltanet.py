@@ -16,7 +16,7 @@ import copy
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..state import LiveState
+from ..state.snapshot import LiveState
 from .base import FamilyAdapter
 
 

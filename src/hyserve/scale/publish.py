@@ -13,7 +13,7 @@ import threading
 from array import array
 from typing import Iterable, Sequence
 
-from ..state import Snapshot
+from ..state.snapshot import Snapshot
 
 KEY_BYTES = 8  # 64-bit keys: a collision only misroutes (the replica's restore checks the full hash)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
-from ..state import clone_cache
+from .snapshot import clone_cache
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Recurrent layers (conv + SSM / delta-rule state) have a fixed size, so gathering
 concatenation along the batch dimension. Attention KV differs in length per request: it is
 left-padded to the longest, masked out with an attention mask, and every row gets its own position.
 A hybrid layer (both in one layer: Falcon-H1, Zamba2) gets both; a layer with no state (an MoE or MLP
-layer of Nemotron-H) nothing. What a layer holds is its kind (`families.layers`).
+layer of Nemotron-H) nothing. What a layer holds is its kind (`state.layer_kinds`).
 
 The batched cache outlives the step (`DecodeBatch`). After a pass each request's state becomes a set
 of views of its own row, so nothing is copied back; when the next step decodes requests whose rows
@@ -34,9 +34,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer
 
-from .families.layers import kind
-
-from .state import LiveState
+from .layer_kinds import kind
+from .snapshot import LiveState
 
 
 SPARE = 64  # spare KV columns per gather: that many steps run before the batch KV is reallocated

@@ -6,7 +6,7 @@ every layer can be cut back to a shorter prefix (attention KV can; conv + SSM/de
 and how the model's forward is called.
 
 Which kinds of cache layer can be cut back and which exist only at exact checkpoints is said in
-`hyserve.families.layers`.
+`hyserve.state.layer_kinds`.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def cache_nbytes(*caches) -> int:
 @dataclass(frozen=True)
 class Snapshot:
     """The full state after exactly `num_tokens` tokens: `cache` holds compact copies of it, except the
-    full-attention KV when `kv` is set, which then lives in that chain of segments (`hyserve.kv_chain`),
+    full-attention KV when `kv` is set, which then lives in that chain of segments (`hyserve.state.kv_chain`),
     shared with the checkpoints above it on its tree path."""
 
     cache: object
@@ -169,16 +169,3 @@ class LiveState:
     def position(self) -> int:
         return len(self.tokens)
 
-
-_FAMILY_NAMES = ("ADAPTERS", "SUPPORTED_MODEL_TYPES", "AttentionAdapter", "FamilyAdapter", "HybridLinearAttentionAdapter",
-                 "Mamba2Adapter", "RollbackPoint", "UnsupportedModelError", "adapter_for")
-
-
-def __getattr__(name: str):
-    """The family layer's names, importable from here as before it moved to `hyserve.families` (lazily:
-    the families import this module)."""
-    if name in _FAMILY_NAMES:
-        from . import families
-
-        return getattr(families, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

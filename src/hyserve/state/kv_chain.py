@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from .state import Snapshot, _appends_kv, _cache_tensors, cache_nbytes, clone_cache, packed_clones
+from .snapshot import Snapshot, _appends_kv, _cache_tensors, cache_nbytes, clone_cache, packed_clones
 
 MAX_CHAIN = 64  # segments per chain; a deeper checkpoint stores its whole KV (a restore concatenates every piece)
 
