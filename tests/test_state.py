@@ -100,7 +100,7 @@ def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
     import sys
 
     from hyserve.state.kv_chain import standalone
-    from hyserve.state.snapshot import cache_nbytes
+    from hyserve.state.caches import cache_nbytes
 
     rt = runtimes(arch)
     ad = rt.adapter
@@ -134,7 +134,7 @@ def _mapping_of(address: int):
 
 
 def test_packed_clones_of_mixed_dtypes_and_views():
-    from hyserve.state.snapshot import packed_clones
+    from hyserve.state.caches import packed_clones
 
     base = torch.arange(60, dtype=torch.float32).view(6, 10)
     tensors = [base[1:4, ::3], torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64),
@@ -147,8 +147,8 @@ def test_packed_clones_of_mixed_dtypes_and_views():
 
 
 def _tensors(cache):
-    from hyserve.state.snapshot import _cache_tensors
-    return list(_cache_tensors(cache))
+    from hyserve.state.caches import cache_tensors
+    return list(cache_tensors(cache))
 
 
 def _segment_tensors(segment):

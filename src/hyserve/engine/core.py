@@ -36,7 +36,7 @@ from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
 from ..state.snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
-from ..state.snapshot import cache_nbytes
+from ..state.caches import cache_nbytes
 from .admission import Admission
 from .api import SHUTTING_DOWN, ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background
