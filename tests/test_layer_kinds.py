@@ -117,3 +117,10 @@ def test_rows_of_a_batch_view_and_take_back_each_state(name):
     view = _layer(name, 1, seed=9)
     k.view_row(batch, 2, view, 2)
     assert _same(k.tensors(view), k.tensors(a))
+
+
+def test_a_sliding_window_layer_never_joins_a_decode_batch():
+    """Its KV has no batched form here: a batch would decode over an empty layer in its place, wrong."""
+    layer = _layer("opaque")
+    with pytest.raises(NotImplementedError, match="opaque"):
+        kind(layer).batch_layer(DynamicSlidingWindowLayer(sliding_window=4), [layer], 5, 0)

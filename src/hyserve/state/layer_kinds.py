@@ -14,7 +14,8 @@ LinearAttentionAndFullAttentionLayer       both    KV cut like `kv`, its state o
 DummyLayer (moe, mlp)                      none    nothing to keep
 =========================================  ======  =====================================================
 
-Anything else (sliding-window KV, whose old tokens are gone) is `opaque`: never cut back, copied whole.
+Anything else (sliding-window KV, whose old tokens are gone) is `opaque`: never cut back, copied whole, never
+batched.
 
 The rest of the state layer never asks what a layer is: it loops over `kind(layer).op(layer, ...)`, so a
 new kind of layer is a class here and a line in `kind`. The operations:
@@ -293,6 +294,10 @@ class Opaque(LayerKind):
 
     def at_prefix(self, layer, length, captured, memo):
         return False
+
+    def batch_layer(self, fresh, rows, longest, room):
+        """Refused: the batch's empty layer would stand in for its tokens, and every row would decode wrong."""
+        raise NotImplementedError(f"a {type(rows[0]).__name__} (a layer of kind 'opaque') cannot join a decode batch")
 
 
 NONE, KV, STATE, BOTH, OPAQUE = LayerKind(), AttentionKV(), Recurrent(), Hybrid(), Opaque()
