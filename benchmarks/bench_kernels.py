@@ -18,7 +18,7 @@ only these): SDPA's flash kernel against `grouped_attention` (79 queries over 4.
 chunked Gated DeltaNet against `chunked_delta_rule` (79 tokens of one layer), and exp against
 `safe_exp` on inputs whose exp underflows, (the machine's state) a 32 MB copy into fresh pages
 against one into a kept buffer, a snapshot's copy into heap clones against one into a block mapped for it
-alone (`state.packed_clones`), and that copy into a block mapped afresh against one into a block an evicted
+alone (`state.caches.packed_clones`), and that copy into a block mapped afresh against one into a block an evicted
 snapshot freed (`snapshot_blocks`).
 
     python benchmarks/bench_kernels.py                 # bench qwen3_5, 3 rounds (~2 minutes)
@@ -115,8 +115,8 @@ def micro(rounds: int = 30) -> list[dict]:
     import torch.nn.functional as F
 
     from hyserve import kernels, model_thread
-    from hyserve.snapshot_blocks import BLOCKS
-    from hyserve.state import packed_clones
+    from hyserve.state.snapshot_blocks import BLOCKS
+    from hyserve.state.caches import packed_clones
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     def ms(fn) -> float:
@@ -206,7 +206,7 @@ def micro(rounds: int = 30) -> list[dict]:
                      "reference_ms": ms(lambda: big.clone()), "hyserve_ms": ms(lambda: kept.copy_(big)),
                      "max_abs_diff": (kept - big).abs().max().item()})
         # a snapshot's copy (~4.2k-token bench qwen3_5 state: KV of 2 attention layers, conv and recurrent states
-        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone (state.packed_clones)
+        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone (state.caches.packed_clones)
         state = [r(1, 2, prefix + new, 64) for _ in range(4)] + [r(1, 8, 64, 64) for _ in range(6)] \
             + [r(1, 1024, 4) for _ in range(6)]
         mib = sum(t.numel() * t.element_size() for t in state) / 2**20

@@ -1,4 +1,4 @@
-"""Attention KV stored once along the tree (`hyserve.kv_chain`) against a whole copy per checkpoint
+"""Attention KV stored once along the tree (`hyserve.state.kv_chain`) against a whole copy per checkpoint
 (`--no-kv-sharing`), in one run on the same model.
 
 1. One 8-turn conversation through the engine (system prompt, each history boundary, each reply: the

@@ -492,12 +492,12 @@ def decode_probe(cfg, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
 def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
     """Time one decode token for n live states of ~`ctx` tokens each (lengths differ by 0-3 tokens, so the
     attention KV is padded as in the server): `forward_batch` as the engine calls it, its parts
-    (hyserve.batching.gather / model forward / scatter), and n separate single-state forwards."""
+    (hyserve.state.decode_batch.gather / model forward / scatter), and n separate single-state forwards."""
     import statistics
 
     import torch
 
-    from hyserve.batching import gather, scatter
+    from hyserve.state.decode_batch import gather, scatter
 
     rt = service.runtime
     ad, model = rt.adapter, rt.model

@@ -10,7 +10,7 @@ prefix cache) on an engine in this process, without HTTP, so it can also count w
   live states, decode batch), each storage once;
 - glibc's view (`mallinfo2`, all arenas): `heap` = bytes its heaps span, `in use` and `free` within
   them, and `mmapped` = blocks it mapped one by one (32 MiB and up). Snapshots are not in any of these:
-  they are blocks mapped for themselves (`state.packed_clones`);
+  they are blocks mapped for themselves (`state.caches.packed_clones`);
 - `trims`: the engine's hand-backs of free heap pages to the OS so far (`allocator.Trimmer`).
 
     python benchmarks/bench_memory.py                      # bench qwen3_5, 16 sessions, 240 s, a sample every 20 s

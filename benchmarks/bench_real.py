@@ -153,7 +153,7 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
 
     timed("decode_batch_s", batch_steps)
 
-    from hyserve.batching import gather
+    from hyserve.state.decode_batch import gather
 
     def gathers(n):  # as the engine regathers while the last batch is still alive: each into memory of its own
         batch = None

@@ -1,6 +1,6 @@
 """A checkpoint's copy into a block mapped afresh against one into a recycled block, in one process, interleaved.
 
-hyserve copies a checkpoint into a block of memory of its own (`state.packed_clones`). A block mapped afresh
+hyserve copies a checkpoint into a block of memory of its own (`state.caches.packed_clones`). A block mapped afresh
 faults each page in as the copy writes it; `snapshot_blocks.BLOCKS` hands out again the blocks that evicted
 checkpoints freed (and prepares spares while the engine idles), whose pages are already in place. Here one
 request's state after a `--prompt`-token prompt (real-0.8b in bfloat16: the recurrent and conv states of 18
@@ -30,7 +30,7 @@ def parse_args(argv=None):
 
 def copies(rt, prompt: int, blocks: int) -> dict:
     """Seconds per snapshot into blocks mapped afresh and into recycled ones, alternating."""
-    from hyserve.snapshot_blocks import BLOCKS
+    from hyserve.state.snapshot_blocks import BLOCKS
 
     ad = rt.adapter
     vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))

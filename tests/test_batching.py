@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-import hyserve.batching as batching
+import hyserve.state.decode_batch as batching
+from hyserve.state import batch_layers
 
 from .test_state import _ids
 
@@ -40,7 +41,7 @@ class _Requests:
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])
 def test_persistent_batch_equals_solo_decode(runtimes, arch, monkeypatch):
-    monkeypatch.setattr(batching, "SPARE", 2)  # the batch KV fills its spare columns and grows mid-test
+    monkeypatch.setattr(batch_layers, "SPARE", 2)  # the batch KV fills its spare columns and grows mid-test
     r = _Requests(runtimes, arch, (9, 17, 30), monkeypatch)
     ad, gathers, batched, solo, step = r.ad, r.gathers, r.batched, r.solo, r.step
     for k in range(4):  # the same three rows: gathered once, then reused
@@ -118,7 +119,7 @@ def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):
         ad.forward_batch(states, [3, 4])
         ad.forward_batch(states, [5, 6])
         buffers = [weakref.ref(t) for layer in ad._batch.cache.layers
-                   for t in ([layer._k] if isinstance(layer, batching._GrowingLayer) else layer.recurrent_states.values())
+                   for t in ([layer._k] if isinstance(layer, batch_layers.GrowingLayer) else layer.recurrent_states.values())
                    if t is not None]
         assert buffers
         del states
@@ -133,7 +134,7 @@ def test_the_batch_narrows_when_only_finished_requests_used_its_left_columns(run
     """Rows are right-aligned at the batch's width, which grows by a column every pass. When the long request
     finishes and short ones keep taking its row, the batch is gathered afresh, narrower, instead of keeping
     (and attending over) columns nobody uses; every row still equals decoding alone."""
-    monkeypatch.setattr(batching, "SPARE", 2)
+    monkeypatch.setattr(batch_layers, "SPARE", 2)
     r = _Requests(runtimes, arch, (60, 9, 12, 10, 14), monkeypatch)
     ad, gathers, batched, step = r.ad, r.gathers, r.batched, r.step
     assert step([0, 1, 2, 3]) == 61

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import DynamicCache
 
-from hyserve.families import REGISTRY, layers
+from hyserve.families import REGISTRY
+from hyserve.state.layer_kinds import kind
 from hyserve.tiny import ARCHS, _TINY
 
 from . import test_batching, test_engine_cache, test_speculative, test_state
@@ -36,7 +37,7 @@ def test_each_adapter_says_what_its_layers_hold(runtimes, arch):
     cache = DynamicCache(config=config)
     types = list(config.layer_types)
     assert len(types) == len(cache.layers)
-    assert [layers.kind(layer).name for layer in cache.layers] == [adapter.state_layers[t] for t in types]
+    assert [kind(layer).name for layer in cache.layers] == [adapter.state_layers[t] for t in types]
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)

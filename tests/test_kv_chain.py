@@ -1,4 +1,4 @@
-"""Attention KV stored once along the tree (hyserve.kv_chain): a checkpoint below another keeps only the KV of
+"""Attention KV stored once along the tree (hyserve.state.kv_chain): a checkpoint below another keeps only the KV of
 its new tokens, restores bit-identical to the state it recorded, costs about its state plus those tokens'
 KV, and survives its ancestor's eviction; anything not bit-identical is stored whole."""
 
@@ -10,12 +10,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from hyserve import kv_chain
+from hyserve.state import kv_chain
 from hyserve.cache.disk import DiskTier
 from hyserve.cache.manager import PrefixCache
 from hyserve.cache.telemetry import CacheTelemetry
 from hyserve.metrics import Metrics
-from hyserve.state import _cache_tensors
+from hyserve.state.caches import cache_tensors
 from hyserve.tiny import ARCHS
 
 from .test_state import _greedy, _ids
@@ -29,7 +29,7 @@ def _same_bits(a, b) -> bool:
 
 def _assert_bit_identical(restored, recorded):
     """Every tensor of the restored state equals the recorded state's bit for bit, and its tokens."""
-    got, want = list(_cache_tensors(restored.cache)), list(_cache_tensors(recorded.cache))
+    got, want = list(cache_tensors(restored.cache)), list(cache_tensors(recorded.cache))
     assert len(got) == len(want)
     assert all(_same_bits(a, b) for a, b in zip(got, want))
     assert restored.tokens == recorded.tokens
@@ -293,7 +293,7 @@ def test_sliding_window_kv_stays_in_the_state_part():
     assert snap.kv.layers[0] is not None and len(snap.kv.layers) == 1
     assert snap.cache.layers[0].keys is None and torch.equal(snap.cache.layers[1].keys, cache.layers[1].keys)
     whole = kv_chain.standalone(snap)
-    assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(whole), _cache_tensors(cache)))
+    assert all(torch.equal(a, b) for a, b in zip(cache_tensors(whole), cache_tensors(cache)))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "mamba2", "qwen3"])

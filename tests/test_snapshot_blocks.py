@@ -1,4 +1,4 @@
-"""Snapshot blocks are recycled (`hyserve.snapshot_blocks`): a block comes back only when nothing views it,
+"""Snapshot blocks are recycled (`hyserve.state.snapshot_blocks`): a block comes back only when nothing views it,
 goes out again only to a snapshot of its size class, and never while a live snapshot still uses it."""
 
 import ctypes
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from hyserve.snapshot_blocks import CHUNK, BlockPool, size_class
-from hyserve.state import packed_clones
+from hyserve.state.snapshot_blocks import CHUNK, BlockPool, size_class
+from hyserve.state.caches import packed_clones
 
 
 def _tensors(seed=0, rows=512):
@@ -26,7 +26,7 @@ def test_size_classes_round_up_by_at_most_an_eighth():
 
 def test_a_freed_block_goes_to_the_next_snapshot_of_its_size_and_never_to_a_live_one(monkeypatch):
     pool = BlockPool(keep=2, min_bytes=0)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     src = _tensors(0)
     live = packed_clones(src)
     first = packed_clones(_tensors(1))
@@ -49,7 +49,7 @@ def test_a_freed_block_goes_to_the_next_snapshot_of_its_size_and_never_to_a_live
 
 def test_the_pool_keeps_at_most_keep_blocks(monkeypatch):
     pool = BlockPool(keep=2, min_bytes=0)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     copies = [packed_clones(_tensors(i)) for i in range(5)]
     size = copies[0][0].untyped_storage().nbytes()
     del copies
@@ -59,7 +59,7 @@ def test_the_pool_keeps_at_most_keep_blocks(monkeypatch):
 
 def test_top_up_prepares_spares_of_the_last_large_size(monkeypatch):
     pool = BlockPool(keep=4, spare=2, large=1 << 20, min_bytes=0)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     assert not pool.top_up()  # no large snapshot yet: nothing to prepare
     kept = packed_clones(_tensors(0))  # 2 MiB: large
     size = kept[0].untyped_storage().nbytes()
@@ -74,14 +74,14 @@ def test_top_up_prepares_spares_of_the_last_large_size(monkeypatch):
 
 def test_small_blocks_and_a_pool_switched_off_keep_nothing(monkeypatch):
     pool = BlockPool(min_bytes=4 << 20)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     copies = packed_clones(_tensors(0))  # 2 MiB: exact size, unmapped when dropped
     assert copies[0].untyped_storage().nbytes() < (2 << 20) + 4096
     del copies
     gc.collect()
     assert pool.free_bytes == 0
     pool = BlockPool(min_bytes=0)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     monkeypatch.setenv("HYSERVE_SNAPSHOT_BLOCKS", "0")
     copies = packed_clones(_tensors(0))
     del copies
@@ -95,7 +95,7 @@ def test_recycled_blocks_keep_cached_turns_equal_to_cache_off(make_service, arch
     from .test_engine_cache import run_chat
 
     pool = BlockPool(keep=8, large=1, min_bytes=0)  # every block recycled, and topped up while the engine idles
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     monkeypatch.setattr("hyserve.engine.core.BLOCKS", pool)
     on = run_chat(make_service(arch, cache_bytes=2 << 20))
     off = run_chat(make_service(arch, cache_enabled=False))
@@ -108,7 +108,7 @@ def test_two_threads_topping_up_at_once_never_keep_one_block_twice(monkeypatch):
     block two of them prepared at once must be kept once, or two snapshots would share it and one overwrite
     the other."""
     pool = BlockPool(keep=4, spare=2, large=1, min_bytes=0)
-    monkeypatch.setattr("hyserve.state.BLOCKS", pool)
+    monkeypatch.setattr("hyserve.state.caches.BLOCKS", pool)
     packed_clones(_tensors(0, rows=256))  # 1 MiB, one chunk: the size `top_up` prepares
     first_in, second_done, memset = threading.Event(), threading.Event(), ctypes.memset
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hyserve.runtime import ModelRuntime
-from hyserve.state import UnsupportedModelError, token_hash
+from hyserve.families import UnsupportedModelError
+from hyserve.state.snapshot import token_hash
 
 from .conftest import FAMILIES
 
@@ -98,8 +99,8 @@ def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
     import gc
     import sys
 
-    from hyserve.kv_chain import standalone
-    from hyserve.state import cache_nbytes
+    from hyserve.state.kv_chain import standalone
+    from hyserve.state.caches import cache_nbytes
 
     rt = runtimes(arch)
     ad = rt.adapter
@@ -133,7 +134,7 @@ def _mapping_of(address: int):
 
 
 def test_packed_clones_of_mixed_dtypes_and_views():
-    from hyserve.state import packed_clones
+    from hyserve.state.caches import packed_clones
 
     base = torch.arange(60, dtype=torch.float32).view(6, 10)
     tensors = [base[1:4, ::3], torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64),
@@ -146,8 +147,8 @@ def test_packed_clones_of_mixed_dtypes_and_views():
 
 
 def _tensors(cache):
-    from hyserve.state import _cache_tensors
-    return list(_cache_tensors(cache))
+    from hyserve.state.caches import cache_tensors
+    return list(cache_tensors(cache))
 
 
 def _segment_tensors(segment):
@@ -203,7 +204,7 @@ def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, sta
     prefill split at that token, and continues exactly like it; the piece itself runs as without capture.
     Offset 2 is shorter than the conv kernel (4): its conv state is zero-padded, as transformers pads it."""
     from hyserve import model_thread
-    from hyserve.kv_chain import standalone
+    from hyserve.state.kv_chain import standalone
 
     rt = runtimes(arch)
     ad = rt.adapter

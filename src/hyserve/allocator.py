@@ -3,7 +3,7 @@
 Under sustained load tensors of many sizes come and go: decode batches, prefill activations, the
 states of requests. glibc serves those below its mmap threshold (which it raises to 32 MiB as it sees
 large blocks freed) from its heaps, and a heap only shrinks from its top: free memory between live
-blocks stays resident. Snapshots, the long-lived part, live outside the heap (`state.packed_clones`),
+blocks stays resident. Snapshots, the long-lived part, live outside the heap (`state.caches.packed_clones`),
 so the heap stops growing; `malloc_trim(0)` then hands back the free pages inside it. The pages are
 faulted in again when reused, so this runs at most once per `interval` seconds, between engine steps,
 never under the runtime lock, only while several requests run (their allocations interleave; a lone

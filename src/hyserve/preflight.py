@@ -24,7 +24,7 @@ class StartupError(Exception):
 def read_model_type(model_dir: str | Path) -> str:
     """The folder's `config.json` model_type, if hyserve serves it. Raises FileNotFoundError (no config),
     ValueError (unreadable JSON) or UnsupportedModelError (with the supported list)."""
-    from .state import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+    from .families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():

@@ -45,7 +45,7 @@ class ServiceConfig:
     cache_enabled: bool = True
     cache_bytes: int | None = None  # None: `default_cache_bytes` of the device the model is on
     cache_dir: Path | None = None  # the disk tier's directory; None: memory only
-    kv_sharing: bool = True  # checkpoints along one path store their attention KV once (`hyserve.kv_chain`)
+    kv_sharing: bool = True  # checkpoints along one path store their attention KV once (`hyserve.state.kv_chain`)
     cache_disk_bytes: int = 16 << 30
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     log_cache_events: str | None = None

@@ -1,7 +1,7 @@
 """The radix tree of checkpoints: deepest exact match, truncation lookup, dedupe, budget, pins."""
 
 from hyserve.cache.prefix_tree import PrefixTree
-from hyserve.state import Snapshot, token_hash
+from hyserve.state.snapshot import Snapshot, token_hash
 
 
 def snap(tokens, nbytes=10):

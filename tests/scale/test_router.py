@@ -5,7 +5,7 @@ import pytest
 from hyserve.cache.prefix_tree import PrefixTree
 from hyserve.scale.publish import Published, checkpoint_key, prefix_keys
 from hyserve.scale.router import CheckpointRouting, RoutingTelemetry
-from hyserve.state import Snapshot, token_hash
+from hyserve.state.snapshot import Snapshot, token_hash
 
 
 def snap(tokens, nbytes=100):

@@ -6,7 +6,7 @@ the next turn, possibly after a restart, reuses). Writes happen on a thread of t
 thread never waits for a disk: a recorded snapshot's tensors are never written again, so the writer reads
 them while requests run on. Reads happen on the model thread when a lookup finds nothing deeper in memory.
 
-A file holds a standalone snapshot: the KV chain of a memory checkpoint (`hyserve.kv_chain`) is assembled
+A file holds a standalone snapshot: the KV chain of a memory checkpoint (`hyserve.state.kv_chain`) is assembled
 when it is written, and a file loads as a chain of one.
 
 Each file's metadata holds the model fingerprint, the tenant salt, the token count and content hash of
@@ -32,9 +32,9 @@ from typing import Sequence
 
 import safetensors.torch
 
-from ..kv_chain import adopt, standalone
+from ..state.kv_chain import adopt, standalone
 from ..metrics import Metrics
-from ..state import Snapshot, token_hash
+from ..state.snapshot import Snapshot, token_hash
 from .namespace import tenant_of
 from .secret import directory_key
 from .serialize import checksum, from_tensors, to_tensors

@@ -10,7 +10,7 @@ tokens, and the assembled KV hold exactly the tokens restored). Any mismatch is 
 the entry is dropped; the request then runs from an empty state, so output stays correct.
 
 With `share_kv` (the default), a checkpoint recorded below another on the same path keeps only the
-attention KV of its own new tokens and links to the other's (`hyserve.kv_chain`).
+attention KV of its own new tokens and links to the other's (`hyserve.state.kv_chain`).
 
 A clear leaves nothing of the tenant behind: the requests (and idle-time jobs) it had in flight are stale from
 then on, and what they would still record is refused, so a replay after the clear restores nothing.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..families import FamilyAdapter
-from ..kv_chain import KVChainError
+from ..state.kv_chain import KVChainError
 from ..metrics import Metrics
-from ..state import LiveState, token_hash
+from ..state.snapshot import LiveState, token_hash
 from .disk import DiskError, DiskTier
 from .namespace import tenant_of
 from .prefix_tree import PrefixTree, _Node

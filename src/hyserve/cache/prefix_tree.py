@@ -8,7 +8,7 @@ Lookup finds the deepest usable checkpoint for a prompt:
 Each cache salt (tenant) has its own root, so one tenant can neither reuse nor time-probe another's
 prefixes; the byte budget is shared. Memory is a byte budget over what the snapshots hold: each one's
 state part, plus each attention-KV segment once however many snapshots' chains run through it
-(`hyserve.kv_chain`), so evicting an inner checkpoint whose KV a deeper one still uses frees only its state.
+(`hyserve.state.kv_chain`), so evicting an inner checkpoint whose KV a deeper one still uses frees only its state.
 Eviction is least-recently-used among unpinned snapshots, leaves (nothing cached below) before shared
 inner prefixes. A pinned snapshot is in use by a request: a clear cannot drop it, so it marks it dead (never
 found again, no longer counted as its tenant's) and the last unpin drops it.
@@ -20,7 +20,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from ..state import Snapshot
+from ..state.snapshot import Snapshot
 from .namespace import tenant_of
 
 

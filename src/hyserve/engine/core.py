@@ -34,9 +34,9 @@ from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
-from ..snapshot_blocks import BLOCKS
+from ..state.snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
-from ..state import cache_nbytes
+from ..state.caches import cache_nbytes
 from .admission import Admission
 from .api import SHUTTING_DOWN, ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background

@@ -12,19 +12,19 @@ from typing import ClassVar, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from .. import kv_chain
-from ..state import LiveState, Snapshot, clone_cache, set_seen_tokens, token_hash
-from . import layers as kinds
+from ..state import decode_batch, kv_chain
+from ..state.caches import clone_cache, set_seen_tokens
+from ..state.layer_kinds import kind
+from ..state.snapshot import LiveState, Snapshot, token_hash
 
 
 class FamilyAdapter:
     """How one model family's state is created, advanced, copied and cut back."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
-    # transformers' layer type -> what its cache layer holds (a `layers.Kind` name): "kv" (cut back to any
-    # prefix), "state" (exact only at checkpoints), "both" (one layer holding each), "none".
+    # transformers' layer type -> what its cache layer holds (the name of a kind in `state.layer_kinds`): "kv" (cut
+    # back to any prefix), "state" (exact only at checkpoints), "both" (one layer holding each), "none".
     state_layers: ClassVar[dict[str, str]] = {}
     has_recurrent_layers: ClassVar[bool] = True
     captures_with_kernels: ClassVar[bool] = False  # `forward_capturing` needs hyserve's kernels
@@ -91,12 +91,10 @@ class FamilyAdapter:
         `room`: requests about to join (in prefill): a batch gathered afresh keeps free rows for them.
         A single request takes this path too: its KV then grows in place, where `forward` would copy the
         whole KV every token (`benchmarks/bench_long_decode.py` measures a step at long context)."""
-        from ..batching import gather, place, scatter
-
         batch = self._batch
-        rows = place(batch, states, room) if batch is not None else None
+        rows = decode_batch.place(batch, states, room) if batch is not None else None
         if rows is None:
-            self._batch = batch = gather(states, self.model.config, self.model.device, room)
+            self._batch = batch = decode_batch.gather(states, self.model.config, self.model.device, room)
             self.gathers += 1
             rows = list(range(len(states)))
         mask, positions = batch.inputs(self.model.device)
@@ -111,7 +109,7 @@ class FamilyAdapter:
             for s in states:
                 s.batch = None
             raise
-        scatter(batch, states, rows, tokens)
+        decode_batch.scatter(batch, states, rows, tokens)
         return out.logits[rows, -1].float()
 
     @property
@@ -130,7 +128,7 @@ class FamilyAdapter:
     # -- snapshot / restore -----------------------------------------------------------------
     def snapshot(self, state: LiveState, base: Snapshot | None = None) -> Snapshot:
         """Compact copies of the state: conv and recurrent state, and its attention KV as a segment
-        (`hyserve.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
+        (`hyserve.state.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
         the tokens after `base` and links to `base`'s chain, provided the state's KV over those tokens is
         bit for bit that chain's; otherwise (and without `base`) it holds the whole KV."""
         return kv_chain.split(state.cache, state.position, token_hash(state.tokens),
@@ -161,15 +159,13 @@ class FamilyAdapter:
 
     def attention_length(self, state: LiveState) -> int | None:
         """Tokens held by the first full-attention layer, or None when the model has none (pure SSM)."""
-        for layer in state.cache.layers:
-            if kinds.holds_kv(layer):
-                return DynamicLayer.get_seq_length(layer)
-        return None
+        lengths = (kind(layer).kv_length(layer) for layer in state.cache.layers)
+        return next((n for n in lengths if n is not None), None)
 
     # -- truncation -------------------------------------------------------------------------
     def can_truncate(self, state: LiveState) -> bool:
         """True only when every layer can be cut to any shorter prefix exactly (attention KV, or nothing)."""
-        return all(kinds.kind(layer).trims for layer in state.cache.layers)
+        return all(kind(layer).trims for layer in state.cache.layers)
 
     def truncate(self, state: LiveState, num_tokens: int) -> None:
         if not self.can_truncate(state):
@@ -177,8 +173,7 @@ class FamilyAdapter:
         if num_tokens > state.position:
             raise ValueError("cannot truncate to a longer prefix")
         for layer in state.cache.layers:
-            if kinds.holds_kv(layer):
-                kinds.cut_kv(layer, num_tokens, copy=True)
+            kind(layer).cut_kv(layer, num_tokens, copy=True)
         del state.tokens[num_tokens:]
         state.batch = None
 
@@ -186,8 +181,7 @@ class FamilyAdapter:
     # -- rollback (speculative decoding) --------------------------------------------------
     def rollback_point(self, state: LiveState) -> "RollbackPoint":
         """Cheap save before a verify pass: copies of every layer's recurrent state (fixed size), KV only by length."""
-        saved = {i: kinds.save_state(layer) for i, layer in enumerate(state.cache.layers)
-                 if not kinds.kind(layer).trims}
+        saved = {i: s for i, layer in enumerate(state.cache.layers) if (s := kind(layer).save(layer)) is not None}
         return RollbackPoint(state.position, saved)
 
     def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
@@ -199,12 +193,11 @@ class FamilyAdapter:
         recurrent = bool(point.saved)
         state.batch = None
         for i, saved in point.saved.items():
-            kinds.put_state(state.cache.layers, i, saved)
+            kind(state.cache.layers[i]).put_back(state.cache.layers, i, saved)
         # Views, not copies: the next forward concatenates into a fresh tensor anyway.
         length = point.position if recurrent else point.position + len(keep)
         for layer in state.cache.layers:
-            if kinds.holds_kv(layer):
-                kinds.cut_kv(layer, length)
+            kind(layer).cut_kv(layer, length)
         del state.tokens[length:]
         return self.forward(state, keep) if recurrent and keep else None
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from ..state import LiveState
+from ..state.layer_kinds import kind
+from ..state.snapshot import LiveState
 from .base import FamilyAdapter
 
 
@@ -43,27 +43,23 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
         start = state.position
         with kernels.capture(len(token_ids), offsets) as cap:
             logits = self.forward(state, token_ids)
-        linear = [layer for layer in state.cache.layers if type(layer) is not DynamicLayer]
-        complete = (not cap.unexpected and len(cap.conv) == len(cap.recurrent) == len(linear)
-                    and all(getattr(layer, "number_of_states", 1) == 1 for layer in linear))
-        if not complete:
+        if cap.unexpected or len(cap.conv) != len(cap.recurrent):
             return logits, None
-        return logits, [self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
-                        for i, o in enumerate(cap.offsets)]
+        states = [self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
+                  for i, o in enumerate(cap.offsets)]
+        return logits, None if None in states else states
 
     @staticmethod
-    def _state_at(state: LiveState, length: int, conv: list, recurrent: list) -> LiveState:
+    def _state_at(state: LiveState, length: int, conv: list, recurrent: list) -> LiveState | None:
         """`state`'s cache as it was after `length` tokens: attention KV cut there (views), the captured conv
-        and recurrent states in the linear layers (in layer order)."""
+        and recurrent states in the linear layers (one each, in layer order). None when the captured states
+        are not exactly one per linear layer, or a layer cannot be had at a prefix this way."""
         memo: dict[int, object] = {}
         captured = iter(zip(conv, recurrent))
-        for layer in state.cache.layers:
-            if type(layer) is DynamicLayer:
-                memo[id(layer.keys)] = layer.keys[..., :length, :]
-                memo[id(layer.values)] = layer.values[..., :length, :]
-            else:
-                c, r = next(captured)
-                memo[id(layer.conv_states[0])], memo[id(layer.recurrent_states[0])] = c, r.to(layer.recurrent_states[0].dtype)
+        if not all(kind(layer).at_prefix(layer, length, captured, memo) for layer in state.cache.layers):
+            return None
+        if next(captured, None) is not None:
+            return None
         return LiveState(cache=copy.deepcopy(state.cache, memo), tokens=state.tokens[:length])
 
 

@@ -2,7 +2,7 @@
 its length. Kept up to date as snapshots are stored and dropped (`PrefixTree.on_change`), so publishing
 is a copy of a dict, never a walk over the tree under the engine's lock.
 
-The key is the snapshot's own content hash (`state.token_hash`) hashed again with the tenant's salt: the
+The key is the snapshot's own content hash (`state.snapshot.token_hash`) hashed again with the tenant's salt: the
 router computes the same key from a prompt's tokens, and one tenant's prefixes never match another's."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from array import array
 from typing import Iterable, Sequence
 
-from ..state import Snapshot
+from ..state.snapshot import Snapshot
 
 KEY_BYTES = 8  # 64-bit keys: a collision only misroutes (the replica's restore checks the full hash)
 

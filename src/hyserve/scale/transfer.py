@@ -20,8 +20,8 @@ import torch
 from ..cache.fingerprint import fingerprint
 from ..cache.serialize import checksum, from_tensors, to_tensors
 from ..parsers.registry import template_text
-from ..kv_chain import adopt, standalone
-from ..state import token_hash
+from ..state.kv_chain import adopt, standalone
+from ..state.snapshot import token_hash
 
 
 @dataclass

@@ -13,7 +13,7 @@ ancestor's tokens is bit for bit the chain's (compared as integers: -0.0 differs
 from a NaN of other bits); otherwise the snapshot stores its whole KV (a chain of one). The usual case
 matches, because a restored state's KV is the chain's tensors concatenated and attention KV is only ever
 appended to. Segment tensors are never written: `DynamicLayer.update` concatenates into new tensors
-(see `state.clone_cache`).
+(see `caches.clone_cache`).
 
 Which layers: full-attention KV (alone, or beside a recurrent state in a hybrid layer). Sliding-window KV
 drops old tokens, so it stays in the snapshot's state part, copied whole, as does any state whose KV
@@ -23,57 +23,19 @@ lengths disagree with its token count.
 from __future__ import annotations
 
 import copy
-from typing import Iterable
 
 import torch
 
-from .state import Snapshot, _appends_kv, _cache_tensors, cache_nbytes, clone_cache, packed_clones
+from .caches import cache_nbytes, cache_tensors, clone_cache, packed_clones
+from .kv_segment import KV, KVSegment
+from .layer_kinds import kind
+from .snapshot import Snapshot
 
 MAX_CHAIN = 64  # segments per chain; a deeper checkpoint stores its whole KV (a restore concatenates every piece)
-
-KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class KVChainError(ValueError):
     """A chain that does not add up to the tokens it claims (a damaged or tampered snapshot): never restored."""
-
-
-class KVSegment:
-    """The attention KV of positions [start, end), per cache layer (None where a layer has none to share),
-    after the KV of `parent` ([0, start)). Never changed once built."""
-
-    __slots__ = ("start", "end", "layers", "parent", "depth", "nbytes", "__weakref__")
-
-    def __init__(self, start: int, end: int, layers: tuple[KV | None, ...], parent: "KVSegment | None"):
-        self.start, self.end, self.layers, self.parent = start, end, layers, parent
-        self.depth = parent.depth + 1 if parent is not None else 1
-        self.nbytes = tensors_nbytes(t for kv in layers if kv is not None for t in kv)
-
-    def chain(self) -> list["KVSegment"]:
-        """This segment and its ancestors, the first tokens first."""
-        out, seg = [], self
-        while seg is not None:
-            out.append(seg)
-            seg = seg.parent
-        return out[::-1]
-
-    @property
-    def chain_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.chain())
-
-    def __repr__(self) -> str:
-        return f"KVSegment([{self.start}, {self.end}), depth={self.depth}, nbytes={self.nbytes})"
-
-
-def tensors_nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Storage bytes of `tensors`, each storage once (a segment's tensors share one packed block)."""
-    seen, total = set(), 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def kv_layers(cache, length: int) -> dict[int, KV] | None:
@@ -81,9 +43,10 @@ def kv_layers(cache, length: int) -> dict[int, KV] | None:
     holds it; None when some such layer's KV is not `length` tokens long (then the snapshot keeps it whole)."""
     out = {}
     for i, layer in enumerate(getattr(cache, "layers", ())):
-        if not _appends_kv(layer) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+        pair = kind(layer).kv(layer)
+        if pair is None:
             continue  # no full-attention KV here (or a layer never run: nothing to keep)
-        keys, values = layer.keys, layer.values
+        keys, values = pair
         if keys.dim() < 2 or keys.shape[-2] != length or values.shape[-2] != length:
             return None
         out[i] = (keys, values)
@@ -165,7 +128,7 @@ def attach(cache, segment: KVSegment, length: int) -> None:
     """Put the chain's first `length` tokens of KV into `cache` (a copy of a snapshot's state part)."""
     for i, (k, v) in assemble(segment, length).items():
         layer = cache.layers[i]
-        layer.keys, layer.values = k, v
+        kind(layer).set_kv(layer, k, v)
 
 
 def split(cache, num_tokens: int, prefix_hash: str, base: KVSegment | None = None, packed: bool = True) -> Snapshot:
@@ -191,7 +154,7 @@ def adopt(cache, num_tokens: int, prefix_hash: str) -> Snapshot:
     layers: list[KV | None] = [None] * (max(kv) + 1)
     for i, pair in kv.items():
         layers[i] = pair
-        cache.layers[i].keys = cache.layers[i].values = None
+        kind(cache.layers[i]).set_kv(cache.layers[i], None, None)
     segment = KVSegment(0, num_tokens, tuple(layers), None)
     return Snapshot(cache, num_tokens, prefix_hash, cache_nbytes(cache) + segment.nbytes, segment)
 
@@ -201,7 +164,7 @@ def standalone(snapshot: Snapshot):
     not copied, and the chain's KV assembled."""
     if snapshot.kv is None:
         return snapshot.cache
-    memo = {id(t): t for t in _cache_tensors(snapshot.cache)}
+    memo = {id(t): t for t in cache_tensors(snapshot.cache)}
     cache = copy.deepcopy(snapshot.cache, memo)
     attach(cache, snapshot.kv, snapshot.num_tokens)
     return cache

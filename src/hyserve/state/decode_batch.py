@@ -5,7 +5,7 @@ Recurrent layers (conv + SSM / delta-rule state) have a fixed size, so gathering
 concatenation along the batch dimension. Attention KV differs in length per request: it is
 left-padded to the longest, masked out with an attention mask, and every row gets its own position.
 A hybrid layer (both in one layer: Falcon-H1, Zamba2) gets both; a layer with no state (an MoE or MLP
-layer of Nemotron-H) nothing. What a layer holds is its kind (`families.layers`).
+layer of Nemotron-H) nothing. What a layer holds is its kind (`state.layer_kinds`).
 
 The batched cache outlives the step (`DecodeBatch`). After a pass each request's state becomes a set
 of views of its own row, so nothing is copied back; when the next step decodes requests whose rows
@@ -16,11 +16,11 @@ decodes a dummy token over its own old state until a joining request takes it. T
 afresh from the requests' states when that is not possible or not worth it (see `place`). Gathering
 copies every request's state: at 16 requests of 1k tokens about as long as the pass itself, and
 under short replies requests join or leave at almost every step. The batch's attention layers also
-keep spare columns, so a step writes its token in place where `DynamicLayer.update` would
+keep spare columns (`batch_layers`), so a step writes its token in place where `DynamicLayer.update` would
 concatenate (copy) the whole batch.
 
 A state that holds views never leaks the batch: snapshots and rollback points copy only the view's
-own elements (`state.clone_cache`), and any per-request forward, rewind or truncation marks the state
+own elements (`caches.clone_cache`), and any per-request forward, rewind or truncation marks the state
 as no longer in the batch.
 """
 
@@ -32,51 +32,10 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer
 
-from .families.layers import kind
-
-from .state import LiveState
-
-
-SPARE = 64  # spare KV columns per gather: that many steps run before the batch KV is reallocated
-
-
-class _GrowingKV:
-    """Batch attention KV over a buffer with spare columns: `update` writes the new tokens in place and
-    returns views; when the buffer is full it reallocates with room for a quarter more (at least SPARE)."""
-
-    def _grow_over(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        DynamicLayer.lazy_initialization(self, keys[:, :, :0], values[:, :, :0])
-        self._k, self._v = keys, values
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n, k = self.keys.shape[-2], key_states.shape[-2]
-        if n + k > self._k.shape[-2]:
-            grow = lambda t: torch.cat([t[:, :, :n], t.new_zeros((*t.shape[:2], k + max(SPARE, n // 4), t.shape[3]))],
-                                       dim=-2)  # noqa: E731
-            self._k, self._v = grow(self._k), grow(self._v)
-        self._k[:, :, n : n + k] = key_states
-        self._v[:, :, n : n + k] = value_states
-        self.keys, self.values = self._k[:, :, : n + k], self._v[:, :, : n + k]
-        return self.keys, self.values
-
-
-class _GrowingLayer(_GrowingKV, DynamicLayer):
-    """A full-attention layer of the batch."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        DynamicLayer.__init__(self)
-        self._grow_over(keys, values, length)
-
-
-class _GrowingHybridLayer(_GrowingKV, LinearAttentionAndFullAttentionLayer):
-    """A hybrid layer of the batch (Falcon-H1, Zamba2): growing KV beside stacked conv and recurrent states."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, number_of_states: int):
-        LinearAttentionAndFullAttentionLayer.__init__(self, number_of_states=number_of_states)
-        self._grow_over(keys, values, length)
+from . import batch_layers
+from .layer_kinds import kind
+from .snapshot import LiveState
 
 
 class DecodeBatch:
@@ -121,41 +80,8 @@ def gather(states: Sequence[LiveState], config, device, room: int = 0) -> Decode
     batch = DynamicCache(config=config)
     for li, layer in enumerate(batch.layers):
         rows = [s.cache.layers[li] for s in states]
-        k = kind(rows[0])
-        if k.kv:
-            keys, values = _left_padded(rows, "keys", longest, room), _left_padded(rows, "values", longest, room)
-            layer = (_GrowingHybridLayer(keys, values, longest, rows[0].number_of_states) if k.state
-                     else _GrowingLayer(keys, values, longest))
-            batch.layers[li] = layer
-        if not k.state:
-            continue
-        for idx in range(layer.number_of_states):
-            if rows[0].conv_states[idx] is not None:
-                first = rows[0].conv_states[idx]
-                conv = torch.cat([r.conv_states[idx] for r in rows] + [first.new_zeros(first.shape)] * room)
-                layer.lazy_initialization(conv_states=conv, state_idx=idx)
-                layer.conv_states[idx] = conv
-            if rows[0].recurrent_states[idx] is not None:
-                first = rows[0].recurrent_states[idx]
-                rec = torch.cat([r.recurrent_states[idx] for r in rows] + [first.new_zeros(first.shape)] * room)
-                layer.lazy_initialization(recurrent_states=rec, state_idx=idx)
-                layer.recurrent_states[idx] = rec
-            layer.has_previous_state[idx] = rows[0].has_previous_state[idx]
+        batch.layers[li] = kind(rows[0]).batch_layer(layer, rows, longest, room)
     return DecodeBatch(batch, states, [longest - n for n in lengths] + [longest] * room, free=room)
-
-
-def _left_padded(rows, name: str, longest: int, room: int = 0) -> torch.Tensor:
-    """Rows' KV tensors [1, heads, n_i, d] as one [rows + room, heads, longest + SPARE, d], right-aligned at
-    `longest` (the `room` rows all zero: padding): one copy."""
-    first = getattr(rows[0], name)
-    out = first.new_empty((len(rows) + room, first.shape[1], longest + SPARE, first.shape[3]))
-    out[len(rows):, :, :longest].zero_()
-    for i, r in enumerate(rows):
-        t = getattr(r, name)
-        n = t.shape[-2]
-        out[i, :, : longest - n].zero_()
-        out[i, :, longest - n : longest] = t[0]
-    return out
 
 
 def place(batch: DecodeBatch, states: Sequence[LiveState], room: int = 0) -> list[int] | None:
@@ -189,11 +115,11 @@ def place(batch: DecodeBatch, states: Sequence[LiveState], room: int = 0) -> lis
     free = [r for r, o in enumerate(owners) if o is None]
     if len(joining) - len(back) > len(free) or len(owners) - len(states) > max(len(states) // 4, room):
         return None
-    attention = any(isinstance(layer, _GrowingKV) for layer in batch.cache.layers)
+    attention = any(kind(layer).kv(layer) is not None for layer in batch.cache.layers)
     width = batch.width
     if attention and any(states[i].position > width for i in joining):
         return None  # its KV is longer than the batch's: gather afresh, wider
-    if attention and width - max(s.position for s in states) > max(SPARE, width // 3):
+    if attention and width - max(s.position for s in states) > max(batch_layers.SPARE, width // 3):
         return None  # columns that only finished requests used: gather afresh, narrower
     free.reverse()
     for i in joining:
@@ -208,17 +134,7 @@ def _copy_into_row(batch: DecodeBatch, row: int, state: LiveState) -> None:
     width = batch.width
     pad = width - state.position
     for layer, own in zip(batch.cache.layers, state.cache.layers):
-        if isinstance(layer, _GrowingKV):
-            for buf, t in ((layer._k, own.keys), (layer._v, own.values)):
-                buf[row, :, :pad].zero_()
-                buf[row, :, pad:width] = t[0]
-        if not kind(layer).state:
-            continue
-        for idx in range(layer.number_of_states):
-            if layer.conv_states[idx] is not None:
-                layer.conv_states[idx][row].copy_(own.conv_states[idx][0])
-            if layer.recurrent_states[idx] is not None:
-                layer.recurrent_states[idx][row].copy_(own.recurrent_states[idx][0])
+        kind(layer).write_row(layer, row, own, pad, width)
     batch.owners[row], batch.pads[row], batch.positions[row] = weakref.ref(state), pad, state.position
 
 
@@ -226,17 +142,7 @@ def scatter(batch: DecodeBatch, states: Sequence[LiveState], rows: Sequence[int]
     """After a pass: every state becomes views of its own row of the batched cache (no copies)."""
     for li, layer in enumerate(batch.cache.layers):
         for i, state in zip(rows, states):
-            own = state.cache.layers[li]
-            if isinstance(layer, _GrowingKV):
-                own.keys = layer.keys[i : i + 1, :, batch.pads[i] :, :]
-                own.values = layer.values[i : i + 1, :, batch.pads[i] :, :]
-            if not kind(layer).state:
-                continue
-            for idx in range(layer.number_of_states):
-                if layer.conv_states[idx] is not None:
-                    own.conv_states[idx] = layer.conv_states[idx][i : i + 1]
-                if layer.recurrent_states[idx] is not None:
-                    own.recurrent_states[idx] = layer.recurrent_states[idx][i : i + 1]
+            kind(layer).view_row(layer, i, state.cache.layers[li], batch.pads[i])
     for state, token in zip(states, tokens):
         state.tokens.append(int(token))
         state.batch = batch.serial

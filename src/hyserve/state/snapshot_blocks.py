@@ -1,4 +1,4 @@
-"""The blocks of memory snapshots are copied into (`state.packed_clones`), recycled.
+"""The blocks of memory snapshots are copied into (`state.caches.packed_clones`), recycled.
 
 A snapshot lives in a block mapped for it alone, which goes back to the OS whole when the snapshot is
 evicted (see `packed_clones`). Copying into a block mapped afresh faults in every page as it is written,
