@@ -53,7 +53,8 @@ def gated(self, hidden_states, gate):
 FORMS = (weight_after_cast, zero_centered, gated)
 
 
-def _prepare(module, form, registry: seam.Patches) -> None:
+def _prepare(module, form, registry: seam.Patches | None = None) -> None:
+    registry = registry if registry is not None else seam.Patches()
     registry.set("norm", module, EPS, _eps(module))
     if form is zero_centered:
         registry.set("norm", module, SCALE, 1.0 + module.weight.detach().float())
