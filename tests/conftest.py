@@ -100,6 +100,7 @@ def make_service(model_dirs):
         built.append(build_service(ServiceConfig(**cfg)))
         return built[-1]
 
+    make.built = built  # (the `force` fixture finds a runtime's engine here)
     yield make
     for svc in built:  # a worker thread left inside torch at interpreter exit would abort the process
         svc.engine.stop()
