@@ -128,9 +128,9 @@ def main(argv=None) -> int:
     turns = args.turns or (6 if args.quick else 12)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = build_model(size)
-    from hyserve.forced import ForcedReplies
+    from hyserve.testing import ForcedReplies
 
-    forced = ForcedReplies(7_000_000).install()
+    forced = ForcedReplies(7_000_000)
 
     from hyserve.chat import template_message
     from hyserve.server.run import BackgroundServer
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     services = {name: build_service(ServiceConfig(model_dir=model_dir, served_model_name="agent", device="cpu",
                                                   cache_enabled=(name == "on"), cache_bytes=2 << 30))
                 for name in ("on", "off")}
+    for svc in services.values():
+        forced.attach(svc.engine)
     rt = services["on"].runtime
     tok = rt.tokenizer
     rng = random.Random(0)

@@ -17,14 +17,14 @@ import time
 import warnings
 from pathlib import Path
 
-import hyserve  # noqa: F401  (before torch, as in the server: its allocator settings, `allocator.request_huge_pages`)
+from hyserve import process_settings
+
+process_settings.apply()  # before torch, as the CLI: huge pages, transformers offline
 
 BENCH_DIR = Path(__file__).resolve().parent
 MODELS_DIR = BENCH_DIR / ".models"
 RESULTS_DIR = BENCH_DIR / "results"
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # TOKENIZERS_PARALLELISM is left as a deployed server has it (on): the policy's renders are tokenized
 # as one parallel batch, 1.7 ms instead of 3.0 ms for two 4k-token texts here.
 

@@ -40,8 +40,9 @@ import time
 import warnings
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from hyserve import process_settings
+
+process_settings.apply()  # before torch, as the CLI: huge pages, transformers offline
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from hyserve.cache.policy import CheckpointPolicy
-from hyserve.runtime import ModelRuntime
-from hyserve.service import ServiceConfig, build_service
-from hyserve.tiny import ARCHS, make_tiny_model
+from hyserve import process_settings
+
+process_settings.apply()  # before torch, as `hyserve serve` runs: huge pages, transformers offline
+
+from hyserve.cache.policy import CheckpointPolicy  # noqa: E402
+from hyserve.runtime import ModelRuntime  # noqa: E402
+from hyserve.service import ServiceConfig, build_service  # noqa: E402
+from hyserve.tiny import ARCHS, make_tiny_model  # noqa: E402
 
 FAMILIES = ("qwen3_5", "qwen3_next", "mamba2", "qwen3")
 # The hybrid families of issue 21: parametrized into the tests that issue lists (tests/test_families.py).
@@ -96,6 +100,7 @@ def make_service(model_dirs):
         built.append(build_service(ServiceConfig(**cfg)))
         return built[-1]
 
+    make.built = built  # (the `force` fixture finds a runtime's engine here)
     yield make
     for svc in built:  # a worker thread left inside torch at interpreter exit would abort the process
         svc.engine.stop()

@@ -79,8 +79,9 @@ def request_huge_pages() -> None:
     piece's activations, the weights at load) then costs a page fault per 2 MiB instead of per 4 KiB, and a
     page fault costs microseconds in a virtual machine. A weight already mapped is read at the same speed on
     either (`benchmarks/bench_decode_step.py` measures a product over each). PyTorch reads `THP_MEM_ALLOC_ENABLE` once,
-    at its first allocation, so this runs when hyserve is imported, before anything imports torch; in a
-    process that imported torch first it comes too late (set THP_MEM_ALLOC_ENABLE=1 there yourself).
+    at its first allocation, so hyserve's commands run this at start (`process_settings.apply`), before
+    anything imports torch; in a process that imported torch first it comes too late (set
+    THP_MEM_ALLOC_ENABLE=1 there yourself).
     An explicit THP_MEM_ALLOC_ENABLE is left as it is; `HYSERVE_HUGE_PAGES=0` removes it instead (one
     inherited from a parent that imported hyserve included), so PyTorch keeps 4 KiB pages."""
     if os.environ.get("HYSERVE_HUGE_PAGES", "1") == "0":

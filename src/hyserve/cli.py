@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .process_settings import apply
+
+    apply()  # first: before anything imports torch (see process_settings)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `hyserve`: what it can do

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -25,9 +24,6 @@ from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
 from .families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 log = logging.getLogger("hyserve.runtime")
 

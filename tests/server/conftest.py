@@ -45,14 +45,23 @@ def template_servers(request):
 
 
 @pytest.fixture
-def force():
-    """force(runtime, text) -> seed: a request with that seed generates exactly `text`'s tokens, then end of
-    turn, through the real engine (`hyserve.forced`). Requests with other seeds sample as usual."""
-    from hyserve.forced import ForcedReplies
+def force(make_service):
+    """force(runtime, text) -> seed: a request with that seed to the engine of `runtime` (a `make_service`
+    service) generates exactly `text`'s tokens, then end of turn, through the real engine
+    (`hyserve.testing.ForcedReplies`). Requests with other seeds sample as usual."""
+    from hyserve.testing import ForcedReplies
 
-    forced = ForcedReplies().install()
-    yield lambda runtime, text: forced.seed_for(runtime.tokenizer, text)
-    forced.uninstall()
+    forced = ForcedReplies()
+
+    def seed(runtime, text: str) -> int:
+        engines = [svc.engine for svc in make_service.built if svc.runtime is runtime]
+        assert engines, "force: no make_service service runs this runtime"
+        for engine in engines:
+            forced.attach(engine)
+        return forced.seed_for(runtime.tokenizer, text)
+
+    yield seed
+    forced.detach()
 
 
 def wait_healthy(base: str, proc, output=lambda: "", limit: float = 120) -> None:

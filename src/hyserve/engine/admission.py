@@ -29,6 +29,9 @@ class Admission(Phase):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         # Builds a proposer (extend(tokens), propose() -> ids) per request, or None: no speculation.
         self.make_proposer = None
+        # Builds a request's sampler (logits -> token id) from its SamplingParams (a hook: hyserve.testing
+        # forces scripted replies through it).
+        self.make_sampler: Callable = Sampler
 
     # -- rendering: the policy's checkpoint boundaries in a chat prompt ----------------------------------
     def render(self, messages: list[dict], prompt: list[int] | None, salt: str = "",
@@ -95,7 +98,7 @@ class Admission(Phase):
                 run.boundaries, skipped = self.boundaries(req)
             for reason in skipped:
                 self.cache.telemetry.emit("skipped", reason, request_id=req.request_id)
-        run.sampler = Sampler(req.sampling)
+        run.sampler = self.make_sampler(req.sampling)
         run.constraint = req.grammar.start() if req.grammar is not None else None
         run.pipeline = logits.build(req.sampling, req.prompt, rt.eos_token_ids)
         ending = rt.eos_token_ids | frozenset(req.sampling.stop_token_ids)

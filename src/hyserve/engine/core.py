@@ -93,6 +93,15 @@ class Engine:
     def make_proposer(self, make) -> None:
         self.admission.make_proposer = make
 
+    @property
+    def make_sampler(self):
+        """SamplingParams -> the request's sampler (logits -> token id); `Sampler` unless replaced."""
+        return self.admission.make_sampler
+
+    @make_sampler.setter
+    def make_sampler(self, make) -> None:
+        self.admission.make_sampler = make
+
     # -- public API ------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], salt: str = "", template_kwargs: dict | None = None) -> ChatPrompt:
         """Render the prompt and the policy's boundary candidates in one batched tokenization, on the

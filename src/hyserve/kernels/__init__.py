@@ -12,7 +12,7 @@
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
-them) and `verify` is the load-time check each must pass against the installed transformers before it is
+them), and the one registry of everything they replace (`seam.patches(model)`, `seam.revert_all`); `verify` is the load-time check each must pass against the installed transformers before it is
 switched on. `install` returns what was decided (`KernelReport`); the runtime exposes it on `/health` and
 as a metric. `HYSERVE_KERNELS=0` leaves transformers' functions alone.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import types
+import weakref
 
 import torch
 
@@ -88,7 +88,7 @@ def install(model, adapter, vocab: int) -> KernelReport:
             report.set("native_attention", not why, why)
     hooked = [k for k in ALL if report.on(k)]
     if hooked and (why := verify.check_model(adapter, vocab, dtype)):
-        _uninstall(model)
+        seam.revert_all(model)
         for name in hooked:
             report.set(name, False, f"the model with kernels differs from transformers: {why}")
     if adapter.captures_with_kernels:
@@ -111,6 +111,9 @@ def _install_attention(model, report: KernelReport, dtype) -> None:
     if why is None:
         attention.register()
         model.set_attn_implementation(attention.NAME)
+        owner = weakref.ref(model)  # (the registry lives on the model)
+        seam.patches(model).change("attention", model.config, "_attn_implementation",
+                                   lambda: owner() is not None and owner().set_attn_implementation("sdpa"))
     report.set("attention", why is None, why or "")
 
 
@@ -140,7 +143,8 @@ def _install_linear(model, report: KernelReport) -> None:
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not layers:
         return
-    packed = [m for m in layers if linear.pack(m)]
+    registry = seam.patches(model)
+    packed = [m for m in layers if linear.pack(m, registry)]
     why = None
     for module in [layers[0], *packed[-1:]]:  # the first layer, and the last packed one (the head)
         x = linear.probe(module)
@@ -151,11 +155,10 @@ def _install_linear(model, report: KernelReport) -> None:
                       None if torch.equal(got, want) else "a packed product differs from F.linear")
     if why is None:
         for module in layers:
-            module.forward = types.MethodType(linear_forward, module)
+            registry.set("linear", module, "forward", types.MethodType(linear_forward, module))
         why = _group_siblings(model)
     else:
-        for module in packed:
-            linear.unpack(module)
+        registry.revert("linear")
     report.set("linear", why is None, why or "")
 
 
@@ -191,8 +194,9 @@ def _install_function(model, kernel, report: KernelReport) -> None:
         layer, func = found[0]
         why = verify.check_function(kernel, seam.reference_of(func), layer)
         if why is None:
+            registry = seam.patches(model)
             for _, f in found:
-                hook(f, kernel)
+                hook(f, kernel, registry)
     elif sites := seam.global_sites(model, kernel):
         layer, home = sites[0]
         current = getattr(home, kernel.legacy)
@@ -201,28 +205,8 @@ def _install_function(model, kernel, report: KernelReport) -> None:
             if why is None:
                 seam.hook_global(h, kernel)
             else:  # process-wide: off for every model of this family
-                seam.unhook_global(h, kernel.legacy)
+                seam.unhook_global(h, kernel)
     else:
         return  # the model has no such layer: nothing to hook
     report.set(kernel.name, why is None, why or "")
 
-
-def _uninstall(model) -> None:
-    """Put transformers' own functions back everywhere in `model`."""
-    if getattr(model.config, "_attn_implementation", None) == attention.NAME:
-        model.set_attn_implementation("sdpa")
-    decode_layer.uninstall(model)
-    attention.uninstall_native(model)
-    norm.uninstall(model)
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__dict__.pop("forward", None)
-            linear.unpack(module)
-        for f in (module.__dict__.get("_kernel_funcs") or {}).values():
-            reference = getattr(f.__dict__.get("forward"), "reference", None)
-            if reference is not None:
-                f.forward = reference
-        for kernel in FUNCTIONS:  # process-wide: off for every model of this family
-            home = sys.modules.get(type(module).__module__)
-            if home is not None and kernel.is_layer(module):
-                seam.unhook_global(home, kernel.legacy)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from . import native, verify
+from . import native, seam, verify
 from .seam import active
 
 NAME = "hyserve_sdpa"
@@ -111,14 +111,14 @@ def install_native(model, lib) -> str | None:
                 return "it refused the layers' own shapes"
             if why := verify.mismatch(got, decode_attention(q, k, v, mask, scaling), torch.bfloat16):
                 return why
+    registry = seam.patches(model)
     for layer in layers:
-        layer.__dict__[NATIVE] = kernel
+        registry.set("native_attention", layer, NATIVE, kernel)
     return ""
 
 
 def uninstall_native(model) -> None:
-    for m in model.modules():
-        m.__dict__.pop(NATIVE, None)
+    seam.revert(model, "native_attention")
 
 
 # A few queries against a long cache (a warm turn's new message): plain products beat SDPA's CPU flash

@@ -26,7 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import linear, native, verify
+from . import linear, native, seam, verify
 from .seam import active
 
 PARTS = "_hyserve_decode_parts"
@@ -222,10 +222,11 @@ def install(model, conv_step=None, recurrent_step=None) -> int:
     if os.environ.get("HYSERVE_DECODE_LAYER", "1") == "0":
         return 0
     done = 0
+    registry = seam.patches(model)
     for module in model.modules():
         if "DecoderLayer" in type(module).__name__ and fits(module):
-            module.__dict__[PARTS] = Parts(module, conv_step, recurrent_step)
-            module.forward = types.MethodType(decode_forward, module)
+            registry.set("decode_layer", module, PARTS, Parts(module, conv_step, recurrent_step))
+            registry.set("decode_layer", module, "forward", types.MethodType(decode_forward, module))
             done += 1
     return done
 
@@ -246,8 +247,9 @@ def install_native(model) -> str | None:
     for rows in (1, 3):
         if why := _native_mismatch(parts[0], steps[0], rows):
             return why
+    registry = seam.patches(model)
     for p, step in zip(parts, steps):
-        p.native = step
+        registry.set("native_gdn_step", p, "native", step)
     return ""
 
 
@@ -274,6 +276,5 @@ def _native_mismatch(p: Parts, step, rows: int) -> str | None:
 
 
 def uninstall(model) -> None:
-    for module in model.modules():
-        if module.__dict__.pop(PARTS, None) is not None:
-            module.__dict__.pop("forward", None)
+    seam.revert(model, "native_gdn_step")
+    seam.revert(model, "decode_layer")

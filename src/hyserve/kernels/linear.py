@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import verify
+from . import seam, verify
 from .seam import active
 
 SKINNY_ROWS = range(13, 49)  # rows for which (W @ x^T)^T beats F.linear on the CPUs measured
@@ -40,20 +40,22 @@ class Packed:
         return packed_product(x, self, bias)
 
 
-def pack(module: torch.nn.Linear) -> bool:
+def pack(module: torch.nn.Linear, registry: seam.Patches | None = None) -> bool:
     """Keep a bfloat16 weight also in oneDNN's blocked layout, reordered once (`Packed`). `F.linear` on bfloat16
     runs the same oneDNN product but reorders the weight on every call: a decode step (one row) then streamed
     the weights at about a third of the memory bandwidth the packed product reaches, the 248k-row head of a
     Qwen3.5 included (`benchmarks/bench_kernels.py --micro`). The results are bit-identical to `F.linear`'s.
     The plain weight stays (tied embeddings, transformers' own functions), so weights take twice the memory;
-    `HYSERVE_PACKED_LINEAR=0` switches this off. Returns whether the module is packed."""
+    `HYSERVE_PACKED_LINEAR=0` switches this off. Returns whether the module is packed (recorded in `registry`,
+    the model's `seam.patches`, as the "linear" kernel's)."""
     if (module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu"
             or os.environ.get("HYSERVE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available()):
         return False
     try:
-        setattr(module, PACKED, Packed(module.weight.detach()))
+        packed = Packed(module.weight.detach())
     except (RuntimeError, AttributeError):  # a CPU or build without oneDNN's bfloat16 products
         return False
+    (registry if registry is not None else seam.Patches()).set("linear", module, PACKED, packed)
     return True
 
 
@@ -89,14 +91,10 @@ def install_native(model, products) -> str:
                 return "does not apply to this model's weights"
             if why := verify.mismatch(got, want, torch.bfloat16):
                 return why
+    registry = seam.patches(model)
     for packed in weights:
-        packed.native = products
+        registry.set("native_linear", packed, "native", products)
     return ""
-
-
-def unpack(module: torch.nn.Linear) -> None:
-    module.__dict__.pop(PACKED, None)
-    module.__dict__.pop(GROUP, None)
 
 
 # Linear layers of one module that every model calls on the same input, one after the other (a Gated DeltaNet
@@ -145,6 +143,7 @@ def group(model) -> list[SiblingGroup]:
     made = []
     if os.environ.get("HYSERVE_GROUPED_LINEAR", "1") == "0":
         return made
+    registry = seam.patches(model)
     for parent in model.modules():
         for names in SIBLINGS:
             members = [getattr(parent, n, None) for n in names]
@@ -153,21 +152,18 @@ def group(model) -> list[SiblingGroup]:
                 continue
             g = SiblingGroup(members)
             for m in members:
-                m.__dict__[GROUP] = g
+                registry.set("linear", m, GROUP, g)
             made.append(g)
     return made
 
 
 def settle(model) -> None:
     """Grouped members no longer need their own packed weights (the group's stack holds them): free them."""
-    for module in model.modules():
-        if GROUP in module.__dict__:
-            module.__dict__.pop(PACKED, None)
+    seam.patches(model).revert("linear", lambda p: p.name == PACKED and GROUP in p.owner.__dict__)
 
 
 def ungroup(model) -> None:
-    for module in model.modules():
-        module.__dict__.pop(GROUP, None)
+    seam.patches(model).revert("linear", lambda p: p.name == GROUP)
 
 
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

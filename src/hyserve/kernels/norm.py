@@ -17,6 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from . import seam
 from .seam import active
 
 SCALE = "_hyserve_norm_scale"  # a zero-centered norm's `1 + weight` in float32
@@ -52,10 +53,11 @@ def gated(self, hidden_states, gate):
 FORMS = (weight_after_cast, zero_centered, gated)
 
 
-def _prepare(module, form) -> None:
-    module.__dict__[EPS] = _eps(module)
+def _prepare(module, form, registry: seam.Patches | None = None) -> None:
+    registry = registry if registry is not None else seam.Patches()
+    registry.set("norm", module, EPS, _eps(module))
     if form is zero_centered:
-        module.__dict__[SCALE] = 1.0 + module.weight.detach().float()
+        registry.set("norm", module, SCALE, 1.0 + module.weight.detach().float())
 
 
 def _probes(module, dtype, form):
@@ -72,7 +74,8 @@ def matching_form(module, dtype):
         return None
     own = type(module).forward
     for form in FORMS:
-        _prepare(module, form)
+        trial = seam.Patches()  # the form's constants, for the probes only
+        _prepare(module, form, trial)
         try:
             with torch.inference_mode():
                 if all(torch.equal(form(module, *args), own(module, *args)) for args in _probes(module, dtype, form)):
@@ -80,7 +83,7 @@ def matching_form(module, dtype):
         except (RuntimeError, TypeError, ValueError):
             continue
         finally:
-            module.__dict__.pop(SCALE, None)
+            trial.revert()
     return None
 
 
@@ -91,6 +94,7 @@ def install(model, dtype) -> int:
     done = 0
     if os.environ.get("HYSERVE_RMS_NORM", "1") == "0":
         return done
+    registry = seam.patches(model)
     for module in model.modules():
         cls = type(module)
         if "RMSNorm" not in cls.__name__ or not hasattr(cls, "forward"):
@@ -100,8 +104,8 @@ def install(model, dtype) -> int:
         form = chosen[cls]
         if form is None:
             continue
-        _prepare(module, form)
-        module.forward = types.MethodType(_dispatch(form, cls.forward), module)
+        _prepare(module, form, registry)
+        registry.set("norm", module, "forward", types.MethodType(_dispatch(form, cls.forward), module))
         done += 1
     return done
 
@@ -118,7 +122,4 @@ def _dispatch(form, own):
 
 
 def uninstall(model) -> None:
-    for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "form", None) is not None:
-            for key in ("forward", SCALE, EPS):
-                module.__dict__.pop(key, None)
+    seam.revert(model, "norm")

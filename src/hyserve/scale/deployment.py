@@ -39,6 +39,9 @@ class EngineReplica:
 
     def __init__(self, config: ServiceConfig, threads: int = 1, prefill_tokens_per_s: float = 1000.0,
                  transfer_bytes_per_s: float = 500e6):
+        from ..process_settings import apply
+
+        apply()  # a replica is a process hyserve runs (on a cluster the CLI's settings may not reach)
         import torch
         from sse_starlette.sse import AppStatus
 
