@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from hyserve import gguf_file  # noqa: E402
+from hyserve import gguf  # noqa: E402
 from hyserve.preflight import StartupError, check_model_dir  # noqa: E402
 from hyserve.runtime import ModelRuntime  # noqa: E402
 
@@ -36,7 +36,7 @@ def _logits(rt: ModelRuntime) -> torch.Tensor:
 @pytest.mark.parametrize("quantize", [None, "Q8_0"])
 def test_gguf_gives_the_logits_of_its_hf_folder(runtimes, model_dirs, tmp_path, quantize, caplog):
     path = write_from_folder(model_dirs["qwen3"], tmp_path / "m.gguf", quantize=quantize)
-    info = gguf_file.inspect(path)
+    info = gguf.inspect(path)
     assert info.model_type == "qwen3" and info.has_chat_template
     assert set(info.tensor_types) == ({"F32", "Q8_0"} if quantize else {"F32"})
     with caplog.at_level(logging.INFO, logger="hyserve.runtime"):
@@ -64,7 +64,7 @@ def test_gguf_served_chat_is_the_same_cache_on_and_off(make_service, qwen3_gguf)
 
 def test_a_folder_holding_one_gguf_serves_it(qwen3_gguf, tmp_path):
     shutil.copy(qwen3_gguf, tmp_path / "model.gguf")
-    assert check_model_dir(tmp_path) == [] and gguf_file.gguf_path(tmp_path) == tmp_path / "model.gguf"
+    assert check_model_dir(tmp_path) == [] and gguf.gguf_path(tmp_path) == tmp_path / "model.gguf"
     shutil.copy(qwen3_gguf, tmp_path / "other.gguf")
     with pytest.raises(StartupError, match="holds 2 GGUF files .*pass the one to serve"):
         check_model_dir(tmp_path)

@@ -157,7 +157,7 @@ def service_config_from_args(args) -> "ServiceConfig":
 
 def cmd_serve(args) -> int:
     """Check everything that can be checked cheaply, take the port, then load the weights and serve."""
-    from .gguf_file import is_gguf
+    from .gguf import is_gguf
     from .preflight import StartupError, bind, check_device, check_model_dir
 
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from . import gguf_file
+from . import gguf
 
 PACKAGES = ("hyserve", "torch", "transformers", "kernels", "tokenizers", "fastapi", "uvicorn", "openai", "gguf")
 
@@ -26,7 +26,7 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
     if model_dir is not None:
         from .runtime import ModelRuntime
 
-        info = gguf_file.inspect(model_dir) if gguf_file.is_gguf(model_dir) else None  # parsed once, before loading
+        info = gguf.inspect(model_dir) if gguf.is_gguf(model_dir) else None  # parsed once, before loading
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu", quantization=quantization)
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
         if info is not None:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory (or a GGUF file, `gguf_file`) and hold what every request needs from it.
+"""Load a Hugging Face model directory (or a GGUF file, `hyserve.gguf`) and hold what every request needs from it.
 
 Weights come only from the local directory (never a hub download). The family adapter is chosen from
 `config.model_type`, so an unknown family fails at start-up with the list of supported ones.
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from . import experts, gguf_file, kernels, model_thread, next_turn, quant
+from . import experts, gguf, kernels, model_thread, next_turn, quant
 from .allocator import huge_page_bytes, keep_freed_memory
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
@@ -101,12 +101,12 @@ class ModelRuntime:
         if quantization is not None and device != "cpu":
             raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
-        is_gguf = gguf_file.is_gguf(model_dir)
+        is_gguf = gguf.is_gguf(model_dir)
         if is_gguf:
-            info = gguf_file.inspect(model_dir)
+            info = gguf.inspect(model_dir)
             log.info("loading %s (GGUF %s, %s): tensors %s, dequantized to %s on %s", info.path, info.architecture,
                      human_bytes(info.path.stat().st_size), info.describe(), dtype, device)
-            model, tokenizer = gguf_file.load(info.path, _DTYPES[dtype], device)
+            model, tokenizer = gguf.load(info.path, _DTYPES[dtype], device)
         else:
             model_type = read_model_type(model_dir)
             weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]

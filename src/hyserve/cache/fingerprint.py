@@ -14,7 +14,7 @@ from pathlib import Path
 
 import transformers
 
-from ..gguf_file import gguf_path, is_gguf
+from ..gguf import gguf_path, is_gguf
 from ..preflight import TOKENIZER_FILES, WEIGHT_GLOBS
 
 FORMAT = "hyserve-disk-1"  # bump when the file layout or what a snapshot holds changes

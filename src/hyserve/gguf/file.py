@@ -64,7 +64,7 @@ def supported_architectures() -> dict[str, str]:
     """GGUF architecture -> model_type, for those transformers' loader reads and hyserve serves."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from .families import SUPPORTED_MODEL_TYPES
+    from ..families import SUPPORTED_MODEL_TYPES
 
     return {a: a for a in GGUF_SUPPORTED_ARCHITECTURES if a in SUPPORTED_MODEL_TYPES}
 
