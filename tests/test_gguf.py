@@ -84,7 +84,7 @@ def test_files_it_cannot_serve_are_refused_before_loading(qwen3_gguf, tmp_path):
     assert "truncated or corrupt" in _refused(head)
     (junk := tmp_path / "junk.gguf").write_bytes(b"PK\x03\x04" + data[4:])
     assert "is not a GGUF file" in _refused(junk)
-    for arch in ("gpt2", "qwen35"):  # one transformers loads but hyserve does not serve, one neither reads
+    for arch in ("gpt2", "rwkv6"):  # one transformers loads but hyserve does not serve, one neither reads
         msg = _refused(write_header_only(tmp_path / f"{arch}.gguf", arch))
         assert f"GGUF architecture {arch!r} is not supported; supported: " in msg
         assert all(a in msg for a in ("llama", "qwen2", "qwen3", "lfm2"))

@@ -30,7 +30,7 @@ class Loaded:
     dtype: torch.dtype
     kept: Counter = field(default_factory=Counter)  # ggml type -> HF weights held as the file's blocks
     converted: Counter = field(default_factory=Counter)  # ggml type -> GGUF tensors dequantized
-    why: dict[str, str] = field(default_factory=dict)  # an HF weight of a Q8_0/Q4_0 tensor dequantized -> why
+    why: dict[str, str] = field(default_factory=dict)  # a Q8_0/Q4_0 tensor (or HF weight) dequantized -> why
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -39,10 +39,11 @@ class Loaded:
         parts = [f"{kept} kept quantized as the file's blocks" if kept else "none kept quantized"]
         if converted:
             parts.append(f"{converted} dequantized to {dtype}")
+        line = "; ".join(parts)
         if self.why:
             reasons = Counter(self.why.values())
-            parts.append("Q8_0/Q4_0 dequantized: " + "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        return "; ".join(parts)
+            line += " (the Q8_0/Q4_0 ones: " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ")"
+        return line
 
 
 def metadata(r) -> dict:
@@ -86,6 +87,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
             entries = None
             if kind in blocks.KEPT and raw.ndim == 2:
                 entries = _kept(family, t.name, kind, raw, meta, cfg)
+                if entries is None:
+                    done.why[t.name] = "whose conversion moves weights within blocks or changes them"
+            elif kind in blocks.KEPT:
+                done.why[t.name] = "stacked expert weights (3-D; not held quantized yet)"
             if entries is None:
                 array = raw if t.tensor_type in (GGMLQuantizationType.F32,) else dequantize(raw, t.tensor_type)
                 entries = family.tensors(t.name, array, meta, cfg)
@@ -99,7 +104,13 @@ def load(path: Path, dtype: torch.dtype, device: str):
                                 "does not have")
             if isinstance(value, Part):
                 value = (value, value.data)
-            pieces.setdefault(hf, []).append(value if isinstance(value, tuple) else (None, value))
+            if not isinstance(value, tuple):
+                value = (None, value)
+            if value[0] is None and tuple(value[1].shape) != shapes[hf]:
+                got = tuple(value[1].shape)
+                raise GGUFError(f"{path.name}: tensor {t.name} has shape {got} as {hf}, where the config from the "
+                                f"file's metadata makes {shapes[hf]}")
+            pieces.setdefault(hf, []).append(value)
 
     state: dict[str, torch.Tensor] = {}
     for hf, parts in pieces.items():
