@@ -109,14 +109,15 @@ def write_header_only(out: Path, arch: str, tokenizer: bool = True, raw=None) ->
     return out
 
 
-def requantize(src: Path, out: Path, qtype_of) -> Path:
+def requantize(src: Path, out: Path, qtype_of, split_max_tensors: int = 0) -> Path:
     """`src` (an F32 file, e.g. from llama.cpp's converter) rewritten with the same metadata, each tensor in
     `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers) or F32
-    where that is None."""
+    where that is None. `split_max_tensors`: written as a split (`out`-0000i-of-0000n.gguf, as llama.cpp's
+    gguf-split names the parts) of that many tensors a part; the first part's path is returned."""
     import gguf
 
     r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents(), split_max_tensors=split_max_tensors)
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -129,8 +130,8 @@ def requantize(src: Path, out: Path, qtype_of) -> Path:
             w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(t.name, data)
-    w.write_header_to_file()
+    w.write_header_to_file(out)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    return out if not split_max_tensors else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")

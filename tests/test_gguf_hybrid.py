@@ -138,3 +138,18 @@ def test_bad_hybrid_files_are_refused_with_one_line(converted, tmp_path):
     r = _cli("serve", str(odd), "--port", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "tensor blk.0.ssm_xyz.weight (F32) has no place in a qwen3_5_text model" in r.stderr
+
+
+def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
+    """llama.cpp's gguf-split parts (the metadata in the first): served from any part's name, or their folder;
+    a missing part is named."""
+    first = requantize(converted("qwen3_5", "f32"), tmp_path / "m.gguf", lambda name, shape: None,
+                       split_max_tensors=20)
+    parts = sorted(tmp_path.glob("m-*-of-00003.gguf"))
+    assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)] and first == parts[0]
+    assert check_model_dir(parts[1]) == [] and gguf.gguf_path(tmp_path) == first
+    rt = ModelRuntime.load(parts[2], device="cpu")
+    assert torch.equal(_logits(rt), _logits(runtimes("qwen3_5")))
+    parts[1].unlink()
+    for path in (first, tmp_path):
+        assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)

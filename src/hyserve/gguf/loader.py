@@ -18,7 +18,7 @@ import torch
 
 from . import architectures, blocks
 from .architectures import Part
-from .file import GGUFError, reader
+from .file import GGUFError, readers
 
 _SKIP_META = ("GGUF.",)
 
@@ -48,15 +48,16 @@ class Loaded:
 
 def metadata(r) -> dict:
     """key -> python value of every metadata field (not the GGUF header's own)."""
-    return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}
+    return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}  # split.* too
 
 
-def build_config(r, meta: dict):
+def build_config(names: set[str], meta: dict):
+    """The HF config of a file with these tensor names and this metadata."""
     from transformers import AutoConfig
 
     arch = meta["general.architecture"]
     cfg = architectures.module_for(arch).config(meta)
-    cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in r.tensors)
+    cfg["tie_word_embeddings"] = "output.weight" not in names
     model_type = cfg.pop("model_type")
     return AutoConfig.for_model(model_type, **cfg), cfg
 
@@ -68,10 +69,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
-    r = reader(path)
-    meta = metadata(r)
+    parts = readers(path)
+    meta = metadata(parts[0])
     family = architectures.module_for(meta["general.architecture"])
-    config, cfg = build_config(r, meta)
+    config, cfg = build_config({t.name for r in parts for t in r.tensors}, meta)
     cfg["model_type"] = config.model_type
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -80,7 +81,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
     done = Loaded(dtype)
     pieces: dict[str, list[tuple[Part | None, object]]] = {}  # HF name -> (where, Blocks or float tensor)
 
-    for t in r.tensors:
+    for t in (t for r in parts for t in r.tensors):
         kind = t.tensor_type.name
         raw = np.asarray(t.data)
         try:
