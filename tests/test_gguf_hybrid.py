@@ -153,3 +153,29 @@ def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
     parts[1].unlink()
     for path in (first, tmp_path):
         assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)
+
+
+def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_converter, model_dirs, tmp_path):
+    """Value heads 32 wide (real Qwen3.5: 128): the reordered out_proj moves whole blocks, so every linear layer
+    keeps the file's blocks and the model is the folder's under --quantization int8, logit for logit."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = model_dirs["qwen3_5"]
+    config = AutoConfig.from_pretrained(src)
+    config.linear_key_head_dim = config.linear_value_head_dim = 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    for f in src.iterdir():
+        if f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / "hf" / f.name)
+    out = tmp_path / "wide-q8_0.gguf"
+    r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(tmp_path / "hf"), "--outtype", "q8_0",
+                        "--no-mtp", "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rt = ModelRuntime.load(out, device="cpu")
+    int8 = ModelRuntime.load(tmp_path / "hf", device="cpu", quantization="int8")
+    assert set(_blocks(rt.model)) == set(_blocks(int8.model)) and not rt.gguf_tensors.why
+    assert torch.equal(_logits(rt), _logits(int8))

@@ -110,7 +110,7 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
         local, hf = m.group(2), f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
     else:
         raise KeyError(name)
-    w = torch.from_numpy(np.array(array))  # a copy: the file's pages stay read-only
+    w = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors: the file's read-only pages
     if local in _NORMS_PLUS_ONE:
         w = w - 1
     elif local == "ssm_a":
