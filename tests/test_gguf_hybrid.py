@@ -130,7 +130,7 @@ def test_bad_hybrid_files_are_refused_with_one_line(converted, tmp_path):
     q81 = write_header_only(tmp_path / "q81.gguf", "qwen35", raw=(np.zeros((2, 40), np.uint8), Q.Q8_1, None))
     assert "tensor type(s) Q8_1 cannot be dequantized by gguf" in _refused(q81)
     msg = _refused(write_header_only(tmp_path / "rwkv.gguf", "rwkv6"))
-    assert "GGUF architecture 'rwkv6' is not supported; supported: " in msg and "qwen35, qwen3next" in msg
+    assert "GGUF architecture 'rwkv6' is not supported; supported: " in msg and "qwen35, qwen35moe, qwen3next" in msg
     # a tensor the family has no place for: refused when loading, one line, exit 2
     odd = requantize(converted("qwen3_5", "f32"), tmp_path / "odd.gguf", lambda name, shape: None)
     rename = odd.read_bytes().replace(b"blk.0.ssm_out.weight", b"blk.0.ssm_xyz.weight")
@@ -179,3 +179,19 @@ def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_convert
     int8 = ModelRuntime.load(tmp_path / "hf", device="cpu", quantization="int8")
     assert set(_blocks(rt.model)) == set(_blocks(int8.model)) and not rt.gguf_tensors.why
     assert torch.equal(_logits(rt), _logits(int8))
+
+
+def test_mtp_layers_are_dropped(converted, runtimes, tmp_path):
+    """A file with Qwen3.5's multi-token-prediction layer (converted without --no-mtp: one more block, counted by
+    nextn_predict_layers) serves the HF model, which has no place for it."""
+    import numpy as np
+
+    mtp = {f"blk.4.{name}": np.ones(shape, np.float32) for name, shape in
+           (("nextn.eh_proj.weight", (64, 128)), ("nextn.enorm.weight", (64,)), ("attn_norm.weight", (64,)),
+            ("attn_q.weight", (128, 64)))}
+    path = requantize(converted("qwen3_5", "f32"), tmp_path / "mtp.gguf", lambda name, shape: None,
+                      meta={"qwen35.block_count": 5, "qwen35.nextn_predict_layers": 1,
+                            "qwen35.attention.recurrent_layers": [True, True, True, False, False]}, extra=mtp)
+    rt = ModelRuntime.load(path, device="cpu")
+    assert rt.model.config.num_hidden_layers == 4 and rt.model.config.layer_types[3] == "full_attention"
+    assert torch.equal(_logits(rt), _logits(runtimes("qwen3_5")))

@@ -105,11 +105,12 @@ def config(meta: dict) -> dict:
 
 def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor | Part]]:
     arch = meta["general.architecture"]
+    m = _BLOCK.fullmatch(name)
+    if m and int(m.group(1)) >= cfg["num_hidden_layers"]:
+        return []  # an MTP layer (nextn.eh_proj, nextn.enorm, ... and a whole decoder layer)
     if name in _GLOBAL:
         local, hf = name, _GLOBAL[name]
-    elif (m := _BLOCK.fullmatch(name)) and m.group(2) in _LAYER:
-        if int(m.group(1)) >= cfg["num_hidden_layers"]:
-            return []  # an MTP layer
+    elif m and m.group(2) in _LAYER:
         local, hf = m.group(2), f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
     else:
         raise KeyError(name)
