@@ -35,7 +35,7 @@ class Blocks:
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * BLOCK
 
-    def select(self, rows: torch.Tensor, blocks: torch.Tensor) -> "Blocks":
+    def select(self, rows: torch.Tensor, blocks: torch.Tensor) -> Blocks:
         """These rows, and in each these blocks, in this order."""
         n, nb = self.d.shape
         qs = self.qs.reshape(n, nb, -1)[rows][:, blocks].reshape(len(rows), -1)
@@ -44,7 +44,7 @@ class Blocks:
 
 def split(kind: str, raw: np.ndarray) -> Blocks:
     """The file's bytes of a [n, k] weight (uint8 [n, k / 32 * block bytes], as `GGUFReader` gives them)."""
-    size, values = KEPT[kind]
+    size = KEPT[kind][0]
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw).reshape(n, -1, size))  # a copy: the file is mapped read-only
     d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)

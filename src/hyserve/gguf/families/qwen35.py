@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import torch
 
 from ..architectures import Part
