@@ -6,7 +6,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from . import gguf_file
+from . import gguf
 
 PACKAGES = ("hyserve", "torch", "transformers", "kernels", "tokenizers", "fastapi", "uvicorn", "openai", "gguf")
 
@@ -26,13 +26,13 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
     if model_dir is not None:
         from .runtime import ModelRuntime
 
-        info = gguf_file.inspect(model_dir) if gguf_file.is_gguf(model_dir) else None  # parsed once, before loading
+        info = gguf.inspect(model_dir) if gguf.is_gguf(model_dir) else None  # parsed once, before loading
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu", quantization=quantization)
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
         if info is not None:
             lines.append(f"gguf: {info.path.name}, architecture {info.architecture}, tensors {info.describe()}: "
-                         f"all dequantized to {dtype}" + (f", then quantized ({quantization})" if quantization else
-                                                          " (none kept quantized)"))
+                         f"{rt.gguf_tensors.describe()}" + (f"; then the float ones quantized ({quantization})"
+                                                            if quantization else ""))
         if rt.quantization is not None:
             lines.append(f"quantization: {rt.quantization.describe()}")
             from .quant.layout import QuantLinear

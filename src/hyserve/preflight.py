@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from .gguf_file import is_gguf
+from .gguf import is_gguf
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -85,8 +85,8 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
 
 
 def check_gguf(path: Path) -> list[str]:
-    """A GGUF file (or a folder holding one): its header parsed and checked (`gguf_file.inspect`)."""
-    from .gguf_file import GGUFError, gguf_path, inspect
+    """A GGUF file (or a folder holding one): its header parsed and checked (`gguf.inspect`)."""
+    from .gguf import GGUFError, gguf_path, inspect
 
     try:
         if not os.access(gguf_path(path), os.R_OK):

@@ -1,0 +1,1 @@
+"""One module per GGUF architecture family hyserve loads itself; the interface is in `..architectures`."""
