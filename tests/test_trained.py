@@ -131,7 +131,7 @@ def test_json_schema_is_filled_sensibly(trained):
 
 def test_the_tokens_are_those_of_transformers_loading_the_same_file(trained):
     svc = trained()
-    reference, _ = gguf.load(smollm2_gguf(), torch.float32, "cpu")  # transformers' loader, no hyserve kernel
+    reference, _, _ = gguf.load(smollm2_gguf(), torch.float32, "cpu")  # transformers' loader, no hyserve kernel
     for question in ("What is the capital of France?", "Write a haiku about the sea."):
         messages = [{"role": "user", "content": question}]
         prompt = svc.runtime.render_chat(messages, True)

@@ -65,6 +65,7 @@ class ModelRuntime:
     escaper: ContentEscaper | None = None  # keeps them text otherwise (`prompt_escape`)
     chars_per_token: int | None = None  # a prompt longer than this many characters per context token is refused
     quantization: quant.Quantized | None = None  # what `--quantization` did to the weights (None: not asked)
+    gguf_tensors: object = None  # a GGUF file's: what the load kept quantized and converted (`gguf.loader.Loaded`)
 
     def __post_init__(self) -> None:
         if self.escaper is None:
@@ -101,12 +102,13 @@ class ModelRuntime:
         if quantization is not None and device != "cpu":
             raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
-        is_gguf = gguf.is_gguf(model_dir)
+        is_gguf, from_file = gguf.is_gguf(model_dir), None
         if is_gguf:
             info = gguf.inspect(model_dir)
-            log.info("loading %s (GGUF %s, %s): tensors %s, dequantized to %s on %s", info.path, info.architecture,
+            log.info("loading %s (GGUF %s, %s): tensors %s, as %s on %s", info.path, info.architecture,
                      human_bytes(info.path.stat().st_size), info.describe(), dtype, device)
-            model, tokenizer = gguf.load(info.path, _DTYPES[dtype], device)
+            model, tokenizer, from_file = gguf.load(info.path, _DTYPES[dtype], device)
+            log.info("GGUF tensors: %s", from_file.describe())
         else:
             model_type = read_model_type(model_dir)
             weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
@@ -127,8 +129,8 @@ class ModelRuntime:
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
-        if quantized is not None:
-            _install_quantized_products(model, adapter, _DTYPES[dtype])
+        if quantized is not None or any(isinstance(m, quant.QuantLinear) for m in model.modules()):
+            _install_quantized_products(model, adapter, _DTYPES[dtype])  # ours, or a GGUF file's kept blocks
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
         log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),
                  len(adapter.kernels.status), "" if len(on) == len(adapter.kernels.status) else
@@ -152,7 +154,7 @@ class ModelRuntime:
                  max_len, "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
                  time.perf_counter() - start)
         return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock(),
-                   quantization=quantized)
+                   quantization=quantized, gguf_tensors=from_file)
 
     # -- prompts ---------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "",

@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): find the file, check it before any weight is read, and load it.
 
-transformers' GGUF loader builds the config, tokenizer and chat template from the file's metadata and
-dequantizes every tensor to float; the model is then served like any folder. Only architectures both that
-loader and hyserve's families cover are accepted, so a file either loads as the model it is or is refused
-at start with one line. The file is parsed once per load (`parsed_once`).
+The architectures a module of `families` covers (the hybrid ones) load through hyserve's own loader (`loader`),
+which keeps Q8_0 / Q4_0 weights quantized. The others load through transformers' GGUF loader, which builds the
+config, tokenizer and chat template from the file's metadata and dequantizes every tensor to float. Only
+architectures one of the two reads and hyserve's families serve are accepted, so a file either loads as the
+model it is or is refused at start with one line. The file is parsed once per load (`parsed_once`).
 """
 
 from __future__ import annotations
@@ -61,12 +62,22 @@ def gguf_path(path: str | Path) -> Path:
 
 
 def supported_architectures() -> dict[str, str]:
-    """GGUF architecture -> model_type, for those transformers' loader reads and hyserve serves."""
+    """GGUF architecture -> model_type, for those hyserve's loader (`architectures`) or transformers' reads and
+    hyserve serves."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     from ..families import SUPPORTED_MODEL_TYPES
+    from .architectures import model_types
 
-    return {a: a for a in GGUF_SUPPORTED_ARCHITECTURES if a in SUPPORTED_MODEL_TYPES}
+    ours = {a: t for a, t in model_types().items() if t in SUPPORTED_MODEL_TYPES}
+    return {**{a: a for a in GGUF_SUPPORTED_ARCHITECTURES if a in SUPPORTED_MODEL_TYPES}, **ours}
+
+
+def hyserve_loads(arch: str) -> bool:
+    """Whether hyserve's own loader (`loader`) reads this architecture, not transformers'."""
+    from .architectures import module_for
+
+    return module_for(arch) is not None
 
 
 _readers: dict[tuple, object] = {}
@@ -108,9 +119,10 @@ def inspect(path: str | Path) -> GGUFInfo:
     # as transformers' loader reads it: a llama file named exactly "mistral" loads as Mistral (not served)
     model_type = "mistral" if "llama" in arch and _field(r, "general.name") == "mistral" else arch
     supported = supported_architectures()
+    model_type = supported.get(model_type, model_type)
     if model_type not in supported.values():
         raise GGUFError(f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: "
-                        f"{', '.join(supported)} (what transformers' GGUF loader reads and hyserve serves)")
+                        f"{', '.join(supported)}")
     if _field(r, "tokenizer.ggml.model") is None:
         raise GGUFError(f"{path.name} has no tokenizer in its metadata (tokenizer.ggml.*)")
     from gguf import GGMLQuantizationType
@@ -177,11 +189,20 @@ def _same_file(path: Path, other) -> bool:
 
 
 def load(path: Path, dtype, device: str):
-    """(model, tokenizer) from a checked GGUF file, its tensors dequantized to `dtype`."""
+    """(model, tokenizer, `loader.Loaded`) from a checked GGUF file: by hyserve's loader (Q8_0 / Q4_0 weights
+    kept quantized where they can be) or by transformers' (every tensor dequantized to `dtype`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import loader
+
+    if hyserve_loads(_field(reader(path), "general.architecture")):
+        try:
+            return loader.load(path, dtype, device)
+        finally:
+            _readers.clear()
     folder, name = str(path.parent), path.name
     with parsed_once(path):
+        types = Counter(t.tensor_type.name for t in reader(path).tensors)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer, loader.Loaded(dtype, converted=types)

@@ -1,0 +1,216 @@
+"""hyserve's own GGUF loader, for the architectures a module of `families` covers: the HF config and model
+built from the file's metadata, each tensor turned back into the HF one by its family module, and Q8_0 / Q4_0
+weights kept as the file's blocks (`quant.layout.QuantLinear`) where the family's transform only moves whole
+rows and blocks. Every other tensor (F32, F16, K-quants, ...) is dequantized by gguf to the model's dtype.
+
+The model is served as if from its HF folder: the tokenizer and chat template come from the metadata through
+transformers' GGUF tokenizer conversion.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import architectures, blocks
+from .architectures import Part
+from .file import GGUFError, reader
+
+_SKIP_META = ("GGUF.",)
+
+
+@dataclass
+class Loaded:
+    """What the load did with the file's tensors: for the start-up log and `hyserve env`."""
+
+    dtype: torch.dtype
+    kept: Counter = field(default_factory=Counter)  # ggml type -> HF weights held as the file's blocks
+    converted: Counter = field(default_factory=Counter)  # ggml type -> GGUF tensors dequantized
+    why: dict[str, str] = field(default_factory=dict)  # an HF weight of a Q8_0/Q4_0 tensor dequantized -> why
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        kept = ", ".join(f"{n} {t}" for t, n in self.kept.most_common())
+        converted = ", ".join(f"{n} {t}" for t, n in self.converted.most_common())
+        parts = [f"{kept} kept quantized as the file's blocks" if kept else "none kept quantized"]
+        if converted:
+            parts.append(f"{converted} dequantized to {dtype}")
+        if self.why:
+            reasons = Counter(self.why.values())
+            parts.append("Q8_0/Q4_0 dequantized: " + "; ".join(f"{n} {why}" for why, n in reasons.items()))
+        return "; ".join(parts)
+
+
+def metadata(r) -> dict:
+    """key -> python value of every metadata field (not the GGUF header's own)."""
+    return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}
+
+
+def build_config(r, meta: dict):
+    from transformers import AutoConfig
+
+    arch = meta["general.architecture"]
+    cfg = architectures.module_for(arch).config(meta)
+    cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in r.tensors)
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg), cfg
+
+
+def load(path: Path, dtype: torch.dtype, device: str):
+    """(model, tokenizer, Loaded) from a checked GGUF file of a `families` architecture."""
+    from accelerate import init_empty_weights
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    r = reader(path)
+    meta = metadata(r)
+    family = architectures.module_for(meta["general.architecture"])
+    config, cfg = build_config(r, meta)
+    cfg["model_type"] = config.model_type
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    done = Loaded(dtype)
+    pieces: dict[str, list[tuple[Part | None, object]]] = {}  # HF name -> (where, Blocks or float tensor)
+
+    for t in r.tensors:
+        kind = t.tensor_type.name
+        raw = np.asarray(t.data)
+        try:
+            entries = None
+            if kind in blocks.KEPT and raw.ndim == 2:
+                entries = _kept(family, t.name, kind, raw, meta, cfg)
+            if entries is None:
+                array = raw if t.tensor_type in (GGMLQuantizationType.F32,) else dequantize(raw, t.tensor_type)
+                entries = family.tensors(t.name, array, meta, cfg)
+                done.converted[kind] += 1
+        except KeyError as exc:
+            raise GGUFError(f"{path.name}: tensor {t.name} ({kind}) has no place in a {config.model_type} model "
+                            f"(a newer or other converter's layout?)") from exc
+        for hf, value in entries:
+            if hf not in shapes:
+                raise GGUFError(f"{path.name}: tensor {t.name} became {hf}, which a {config.model_type} model "
+                                "does not have")
+            if isinstance(value, Part):
+                value = (value, value.data)
+            pieces.setdefault(hf, []).append(value if isinstance(value, tuple) else (None, value))
+
+    state: dict[str, torch.Tensor] = {}
+    for hf, parts in pieces.items():
+        value = _assemble(hf, parts, shapes[hf], modules, done)
+        if isinstance(value, blocks.Blocks):
+            _install(model, modules, hf, value, dtype)
+            done.kept[value.kind] += 1
+        else:
+            state[hf] = value.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        _tie(model)
+    absent = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if absent:
+        raise GGUFError(f"{path.name} has no tensor for {len(absent)} weight(s) of the model: "
+                        f"{', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''}")
+    return model.to(device).eval(), tokenizer(path), done
+
+
+def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
+    """The entries of a Q8_0 / Q4_0 weight as the file's blocks, or None where its transform changes values."""
+    source = blocks.split(kind, raw)
+    row_probe, col_probe = blocks.probes(source.shape)
+    by_rows = family.tensors(name, row_probe, meta, cfg)
+    by_cols = family.tensors(name, col_probe, meta, cfg)
+    entries = []
+    for (hf, rows_out), (_, cols_out) in zip(by_rows, by_cols):
+        part = rows_out if isinstance(rows_out, Part) else None
+        if part is not None and (part.dim != 0 or cols_out.dim != 0):
+            return None
+        found = blocks.moved(part.data if part else rows_out, cols_out.data if part else cols_out, source.shape)
+        if found is None:
+            return None
+        out = source.select(*found)
+        entries.append((hf, (part, out)))
+    return entries
+
+
+def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded):
+    """One HF tensor from its pieces: Blocks where every piece is of one kept type and the weight belongs to a
+    linear layer or the embedding, else a float tensor."""
+    owner = modules.get(hf.rpartition(".")[0])
+    quantizable = (hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
+                   and len(shape) == 2)
+    kinds = {v.kind for _, v in parts if isinstance(v, blocks.Blocks)}
+    if kinds and (not quantizable or len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
+        done.why[hf] = ("of a weight not held by a linear layer" if not quantizable else
+                        "of a weight whose pieces differ in type")
+    if quantizable and len(kinds) == 1 and all(isinstance(v, blocks.Blocks) for _, v in parts):
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
+        qs = torch.empty((shape[0], *parts[0][1].qs.shape[1:]), dtype=parts[0][1].qs.dtype)
+        d = torch.empty((shape[0], *parts[0][1].d.shape[1:]), dtype=torch.float16)
+        covered = torch.zeros(shape[0], dtype=torch.bool)
+        for part, v in parts:
+            qs[part.index], d[part.index] = v.qs, v.d
+            covered[part.index] = True
+        _check_covered(hf, covered)
+        return blocks.Blocks(kinds.pop(), qs, d)
+    floats = [(part, _float(v)) for part, v in parts]
+    if len(floats) == 1 and floats[0][0] is None:
+        return floats[0][1].reshape(shape)
+    full = torch.empty(shape, dtype=torch.float32)
+    covered = torch.zeros(shape[floats[0][0].dim], dtype=torch.bool)
+    for part, v in floats:
+        full.index_copy_(part.dim, part.index, v.float())
+        covered[part.index] = True
+    _check_covered(hf, covered)
+    return full
+
+
+def _float(v) -> torch.Tensor:
+    if isinstance(v, blocks.Blocks):
+        from ..quant.layout import dequantize
+
+        return dequantize(v.qs, v.d, torch.float32)
+    return v
+
+
+def _check_covered(hf: str, covered: torch.Tensor) -> None:
+    if not bool(covered.all()):
+        raise GGUFError(f"the file's tensors fill only {int(covered.sum())} of the {covered.numel()} slices of "
+                        f"{hf}")
+
+
+def _install(model, modules: dict, hf: str, b: blocks.Blocks, dtype: torch.dtype) -> None:
+    from ..quant.layout import QuantEmbedding, QuantLinear
+
+    parent_name, _, attr = hf.removesuffix(".weight").rpartition(".")
+    owner = modules[hf.removesuffix(".weight")]
+    parent = modules[parent_name]
+    if isinstance(owner, torch.nn.Embedding):
+        setattr(parent, attr, QuantEmbedding(b.qs, b.d, dtype))
+    else:  # a bias (still on the meta device) is filled from the state dict
+        setattr(parent, attr, QuantLinear(b.qs, b.d, owner.bias, dtype))
+
+
+def _tie(model) -> None:
+    """The head tied to the embedding, as transformers ties it; a kept-quantized embedding is shared as blocks
+    (one tensor, as `quant.apply` does)."""
+    from ..quant.layout import QuantEmbedding, QuantLinear
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embedding, QuantEmbedding):
+        model.set_output_embeddings(QuantLinear(embedding.qs, embedding.d, None, embedding.dtype))
+    else:
+        head.weight = embedding.weight
+
+
+def tokenizer(path: Path):
+    """The tokenizer and chat template from the file's metadata (transformers' GGUF tokenizer conversion)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
