@@ -46,8 +46,11 @@ class Loaded:
 
 
 def metadata(r) -> dict:
-    """key -> python value of every metadata field (not the GGUF header's own)."""
-    return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}
+    """key -> python value of every metadata field (not the GGUF header's own), and under "tensor_shapes" each
+    tensor's shape (numpy order): some of a config is only in which tensors there are (an optional norm, a bias)."""
+    meta = {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}
+    meta["tensor_shapes"] = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in r.tensors}
+    return meta
 
 
 def build_config(r, meta: dict):

@@ -1,28 +1,28 @@
 """Nemotron-H GGUF files (`nemotron_h`, and `nemotron_h_moe` for the MoE ones such as Nemotron 3 Nano), as
 llama.cpp's converter writes them (conversion/nemotron.py: NemotronHModel on GraniteHybridModel), back to the
-HF checkpoint (`backbone.*`, one tensor per expert).
+HF model.
 
 What the converter did and `tensors` undoes: the Mamba2 mixer's A_log -> -exp(A_log), D and A to (heads, 1),
 conv1d squeezed, the gated norm into groups, dt_bias renamed (`_mamba2`); q/k rows permuted for llama.cpp's
-rotary layout (Nemotron-H has no rotary embedding, but the converter permutes anyway); the routed experts
-stacked into one tensor each for up and down. The layer pattern is read back from the tensors each block has.
-The multi-token-prediction block the converter can append is not loaded (hyserve does not run it).
+rotary layout (Nemotron-H has no rotary embedding, but the converter permutes anyway). The routed experts are
+stacked as transformers holds them, so they pass as they are. The layer pattern is read back as llama.cpp reads
+it: attention where head_count_kv > 0, else an MLP (MoE in `nemotron_h_moe`) where feed_forward_length > 0, else
+Mamba2. A multi-token-prediction block is refused (hyserve does not run it; convert with --no-mtp).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from ..file import GGUFError
 from . import _mamba2
-from ._common import (GGUFContentError, arch_value, block, per_layer, required, shapes, token_ids, unpermute,
-                      vocab_and_tie)
+from ._common import arch_value, as_tensor, block, has, per_layer, required, token_ids, unpermute, vocab_size
 
 ARCHITECTURES = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 
-_TOP = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
+_TOP = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight",
         "output.weight": "lm_head.weight"}
-_LAYER = {  # GGUF name within a block -> HF name within `backbone.layers.N`
+_LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
     "attn_norm.weight": "norm.weight",
     "attn_q.weight": "mixer.q_proj.weight", "attn_k.weight": "mixer.k_proj.weight",
     "attn_v.weight": "mixer.v_proj.weight", "attn_output.weight": "mixer.o_proj.weight",
@@ -31,64 +31,52 @@ _LAYER = {  # GGUF name within a block -> HF name within `backbone.layers.N`
     "ffn_up.weight": "mixer.up_proj.weight", "ffn_down.weight": "mixer.down_proj.weight",
     "ffn_up.bias": "mixer.up_proj.bias", "ffn_down.bias": "mixer.down_proj.bias",
     "ffn_gate_inp.weight": "mixer.gate.weight", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_exps.weight": "mixer.experts.up_proj", "ffn_down_exps.weight": "mixer.experts.down_proj",
     "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
 }
-_EXPERTS = {"ffn_up_exps.weight": "up_proj.weight", "ffn_down_exps.weight": "down_proj.weight"}
 
 
-def layer_types(meta: dict, tensors: dict) -> list[str]:
-    """Each block's kind, from the tensors it holds (in a `nemotron_h_moe` file a dense MLP block has a zero
-    feed_forward_length, so the metadata alone cannot tell it from a Mamba block)."""
-    types = []
-    for i in range(int(required(meta, "block_count"))):
-        if f"blk.{i}.ssm_in.weight" in tensors:
-            types.append("linear_attention")
-        elif f"blk.{i}.attn_q.weight" in tensors:
-            types.append("full_attention")
-        elif f"blk.{i}.ffn_up_exps.weight" in tensors:
-            types.append("moe")
-        elif f"blk.{i}.ffn_up.weight" in tensors:
-            types.append("mlp")
-        else:
-            raise GGUFContentError(f"block {i} has none of a Mamba, attention, MoE or MLP block's tensors")
-    return types
+def layer_types(meta: dict) -> list[str]:
+    n_layers = int(required(meta, "block_count"))
+    kv = per_layer(required(meta, "attention.head_count_kv"), n_layers)
+    ff = per_layer(arch_value(meta, "feed_forward_length", 0), n_layers)
+    mlp = "moe" if meta["general.architecture"] == "nemotron_h_moe" else "mlp"
+    return ["full_attention" if kv[i] else mlp if ff[i] else "linear_attention" for i in range(n_layers)]
 
 
 def config(meta: dict) -> dict:
-    tensors = shapes(meta)
     if arch_value(meta, "nextn_predict_layers"):
-        raise GGUFContentError("a Nemotron-H file with its multi-token-prediction block is not supported; "
-                               "convert with --no-mtp")
+        raise GGUFError("a Nemotron-H file with a multi-token-prediction block is not supported (convert it with "
+                        "--no-mtp)")
     if arch_value(meta, "moe_latent_size"):
-        raise GGUFContentError("Nemotron-H with latent MoE projections (moe_latent_size) is not supported")
-    types = layer_types(meta, tensors)
+        raise GGUFError("Nemotron-H with latent MoE projections (moe_latent_size) is not supported")
+    types = layer_types(meta)
+    n = len(types)
+    hidden, heads = int(required(meta, "embedding_length")), int(per_layer(required(meta, "attention.head_count"), n)[0])
+    ff = per_layer(arch_value(meta, "feed_forward_length", 0), n)
     ssm = _mamba2.dims(meta)
-    kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), len(types))]
-    mlp = next((tensors[f"blk.{i}.ffn_up.weight"][0] for i, t in enumerate(types) if t == "mlp"), None)
-    first_ssm = types.index("linear_attention") if "linear_attention" in types else None
+    first_ssm = types.index("linear_attention") if "linear_attention" in types else 0
     cfg = {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "hidden_size": int(required(meta, "embedding_length")), "num_hidden_layers": len(types),
-        "layers_block_type": types,
-        "num_attention_heads": int(per_layer(required(meta, "attention.head_count"), len(types))[0]),
-        "num_key_value_heads": max(kv) or 1,
-        "head_dim": int(arch_value(meta, "attention.key_length")
-                        or int(required(meta, "embedding_length")) // int(required(meta, "attention.head_count"))),
+        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": n, "layers_block_type": types,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(int(k) for k in per_layer(required(meta, "attention.head_count_kv"), n)) or 1,
+        "head_dim": int(arch_value(meta, "attention.key_length") or hidden // heads),
         "max_position_embeddings": int(required(meta, "context_length")),
         "layer_norm_epsilon": float(arch_value(meta, "attention.layer_norm_epsilon")
                                     or required(meta, "attention.layer_norm_rms_epsilon")),
         "mamba_num_heads": ssm["heads"], "mamba_head_dim": ssm["head_dim"], "ssm_state_size": ssm["state"],
         "n_groups": ssm["groups"], "conv_kernel": ssm["conv"],
-        "use_conv_bias": first_ssm is None or f"blk.{first_ssm}.ssm_conv1d.bias" in tensors,
-        "use_bias": first_ssm is not None and f"blk.{first_ssm}.ssm_in.bias" in tensors,
-        "attention_bias": any(f"blk.{i}.attn_q.bias" in tensors for i in range(len(types))),
-        "mlp_bias": any(f"blk.{i}.ffn_up.bias" in tensors for i in range(len(types))),
+        "use_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
+        "use_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        "attention_bias": any(has(meta, f"blk.{i}.attn_q.bias", False) for i in range(n)),
+        "mlp_bias": any(has(meta, f"blk.{i}.ffn_up.bias", False) for i in range(n)),
         "num_nextn_predict_layers": 0,
-        **vocab_and_tie(tensors), **token_ids(meta),
+        **token_ids(meta),
     }
-    if mlp is not None:
-        cfg["intermediate_size"] = int(mlp)
+    if "mlp" in types:
+        cfg["intermediate_size"] = int(max(ff))
     if "moe" in types:
         cfg.update({
             "n_routed_experts": int(required(meta, "expert_count")),
@@ -105,21 +93,13 @@ def config(meta: dict) -> dict:
 
 
 def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = torch.from_numpy(np.ascontiguousarray(array))
+    data = as_tensor(array)
     bid, rest = block(name)
     if bid is None:
-        if name not in _TOP:
-            raise GGUFContentError(f"unexpected tensor {name} in a Nemotron-H file")
         return [(_TOP[name], data)]
-    if bid >= cfg["num_hidden_layers"]:
-        return []  # a multi-token-prediction block (refused in config) has no place in the model
-    prefix = f"backbone.layers.{bid}."
+    prefix = f"model.layers.{bid}."
     if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
         return [(prefix + "mixer." + mixer[0], mixer[1])]
-    if rest in _EXPERTS:  # stacked (experts, out, in) -> one tensor per expert
-        return [(f"{prefix}mixer.experts.{e}.{_EXPERTS[rest]}", data[e]) for e in range(data.shape[0])]
-    if rest not in _LAYER:
-        raise GGUFContentError(f"unexpected tensor {name} in a Nemotron-H file")
     if rest in ("attn_q.weight", "attn_q.bias"):
         data = unpermute(data, cfg["num_attention_heads"])
     elif rest in ("attn_k.weight", "attn_k.bias"):
