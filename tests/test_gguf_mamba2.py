@@ -104,9 +104,11 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
     want, got = _logits(folder), _logits(rt)
     if outtype == "f32":  # float rounding only (A_log through exp and log, Falcon-H1's folded multipliers)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    if outtype == "f32" and arch != "falcon_h1":  # every weight back in place (these have no rotary embedding,
-        mine, theirs = rt.model.state_dict(), folder.model.state_dict()  # so logits alone would not show q/k rows
-        assert mine.keys() == theirs.keys()  # permuted alike)
+    if outtype == "f32" and arch != "falcon_h1":
+        # every weight back in place: these have no rotary embedding, so logits alone would not show q/k rows
+        # left permuted alike (Falcon-H1's weights hold its folded multipliers: its logits are the proof)
+        mine, theirs = rt.model.state_dict(), folder.model.state_dict()
+        assert mine.keys() == theirs.keys()
         for name, w in theirs.items():
             torch.testing.assert_close(mine[name], w, rtol=1e-6, atol=0, msg=name)
     else:
