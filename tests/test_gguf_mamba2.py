@@ -1,5 +1,5 @@
-"""GGUF files of the Mamba2 hybrids (Nemotron-H, Granite 4.0-H, Falcon-H1), written by llama.cpp's own converter
-from a tiny HF folder, serve as that folder: same logits, and the same chat cache on and off."""
+"""GGUF files of the Mamba2 hybrids (Nemotron-H, Granite 4.0-H, Falcon-H1) and of pure Mamba2, written by llama.cpp's
+own converter from a tiny HF folder, serve as that folder: same logits, and the same chat cache on and off."""
 
 import json
 import shutil
@@ -34,6 +34,7 @@ VARIANTS = {
                       lm_head_multiplier=0.5, attention_in_multiplier=0.75, attention_out_multiplier=1.5,
                       key_multiplier=0.5, ssm_in_multiplier=1.25, ssm_out_multiplier=0.8,
                       ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], mlp_multipliers=[0.6, 1.4]),
+    "mamba2": {},
 }
 
 
@@ -95,7 +96,7 @@ def converted(converter, folders, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, outtype", [("nemotron_h", "f32"), ("granitemoehybrid", "f32"),
-                                           ("falcon_h1", "f32"), ("granitemoehybrid", "q8_0")])
+                                           ("falcon_h1", "f32"), ("mamba2", "f32"), ("granitemoehybrid", "q8_0")])
 def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, make_service, arch, outtype):
     path = converted(arch, outtype)
     folder, rt = ModelRuntime.load(folders(arch), device="cpu"), ModelRuntime.load(path, device="cpu")
@@ -144,3 +145,22 @@ def test_what_the_modules_cannot_load_is_refused_with_one_line():
         nemotron_h.config({"general.architecture": "nemotron_h_moe", "nemotron_h_moe.nextn_predict_layers": 1})
     with pytest.raises(GGUFError, match="has no nemotron_h.block_count"):
         nemotron_h.config({"general.architecture": "nemotron_h"})
+
+
+def test_rotary_over_part_of_the_head_is_refused(converted):
+    """A Bamba file (granitehybrid with RoPE) rotates part of each head, which Granite's HF model cannot."""
+    from gguf import GGUFReader
+
+    meta = metadata(GGUFReader(converted("granitemoehybrid")))
+    meta |= {"granitehybrid.rope.scaling.finetuned": True, "granitehybrid.rope.dimension_count": 8}
+    with pytest.raises(GGUFError, match="rotary embedding over 8 of the 16 head dimensions"):
+        granite_hybrid.config(meta)
+    meta["granitehybrid.rope.dimension_count"] = 16
+    assert granite_hybrid.config(meta)["position_embedding_type"] == "rope"
+
+
+@pytest.mark.parametrize("arch, mlp", [("nemotron_h", "mlp"), ("nemotron_h_moe", "moe")])
+def test_nemotron_h_layers_are_read_as_llama_cpp_reads_them(arch, mlp):
+    meta = {"general.architecture": arch, f"{arch}.block_count": 4, f"{arch}.attention.head_count_kv": [0, 2, 0, 0],
+            f"{arch}.feed_forward_length": [0, 0, 128, 0]}
+    assert nemotron_h.layer_types(meta) == ["linear_attention", "full_attention", mlp, "linear_attention"]

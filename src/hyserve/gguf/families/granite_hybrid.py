@@ -56,6 +56,11 @@ def config(meta: dict) -> dict:
     if ssm["inner"] % hidden:
         raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
     first_ssm = types.index("linear_attention")
+    head_dim = int(arch_value(meta, "attention.key_length") or hidden // heads)
+    rope = bool(arch_value(meta, "rope.scaling.finetuned", True))
+    if rope and int(arch_value(meta, "rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} "
+                        "head dimensions (a partial-rotary Bamba file) is not supported")
     experts = int(arch_value(meta, "expert_count", 0) or 0)
     ff = int(per_layer(required(meta, "feed_forward_length"), n_layers)[0])
     return {
@@ -65,10 +70,11 @@ def config(meta: dict) -> dict:
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
-        "position_embedding_type": "rope" if arch_value(meta, "rope.scaling.finetuned", True) else "nope",
+        "position_embedding_type": "rope" if rope else "nope",
         "attention_bias": has(meta, f"blk.{types.index('full_attention')}.attn_q.bias", False)
         if "full_attention" in types else False,
-        "attention_multiplier": float(arch_value(meta, "attention.scale", 1.0)),
+        # absent (a Bamba file, whose config has no multipliers): llama.cpp scales scores by 1/sqrt(head_dim)
+        "attention_multiplier": float(arch_value(meta, "attention.scale") or head_dim ** -0.5),
         "embedding_multiplier": float(arch_value(meta, "embedding_scale", 1.0)),
         "residual_multiplier": float(arch_value(meta, "residual_scale", 1.0)),
         "logits_scaling": float(arch_value(meta, "logit_scale", 1.0)),
