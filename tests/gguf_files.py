@@ -88,8 +88,9 @@ def _add_tokenizer(w, model_dir: Path, arch: str) -> None:
         w.add_chat_template(template)
 
 
-def write_header_only(out: Path, arch: str, tokenizer: bool = True) -> Path:
-    """A GGUF with metadata and one small F32 tensor, of any architecture name (for the refusal checks)."""
+def write_header_only(out: Path, arch: str, tokenizer: bool = True, raw=None) -> Path:
+    """A GGUF with metadata and one small F32 tensor, of any architecture name (for the refusal checks);
+    `raw`: (bytes as a uint8 array, ggml type, shape) of that tensor instead."""
     import gguf
 
     w = gguf.GGUFWriter(out, arch)
@@ -97,9 +98,40 @@ def write_header_only(out: Path, arch: str, tokenizer: bool = True) -> Path:
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_token_list(["a", "b"])
-    w.add_tensor("token_embd.weight", np.zeros((2, 32), dtype=np.float32))
+    if raw is not None:
+        w.add_tensor("token_embd.weight", raw[0], raw_shape=raw[2], raw_dtype=raw[1])
+    else:
+        w.add_tensor("token_embd.weight", np.zeros((2, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def requantize(src: Path, out: Path, qtype_of, split_max_tensors: int = 0) -> Path:
+    """`src` (an F32 file, e.g. from llama.cpp's converter) rewritten with the same metadata, each tensor in
+    `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers) or F32
+    where that is None. `split_max_tensors`: written as a split (`out`-0000i-of-0000n.gguf, as llama.cpp's
+    gguf-split names the parts) of that many tensors a part; the first part's path is returned."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents(), split_max_tensors=split_max_tensors)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        w.add_key_value(key, field.contents(), vtype,
+                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.array(t.data, dtype=np.float32)
+        if (qtype := qtype_of(t.name, data.shape)) is not None:
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file(out)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out if not split_max_tensors else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")

@@ -42,7 +42,9 @@ def test_gguf_gives_the_logits_of_its_hf_folder(runtimes, model_dirs, tmp_path, 
     with caplog.at_level(logging.INFO, logger="hyserve.runtime"):
         folder, rt = runtimes("qwen3"), ModelRuntime.load(path, device="cpu")
     assert info.describe() == ("15 Q8_0, 10 F32" if quantize else "25 F32")
-    assert f"KiB): tensors {info.describe()}, dequantized to float32 on cpu" in caplog.text
+    assert f"KiB): tensors {info.describe()}, as float32 on cpu" in caplog.text
+    converted = "15 Q8_0, 10 F32" if quantize else "25 F32"
+    assert f"GGUF tensors: none kept quantized; {converted} dequantized to float32" in caplog.text
     assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)  # tokenizer and template from GGUF
     assert rt.eos_token_ids == folder.eos_token_ids and rt.max_model_len == folder.max_model_len
     assert rt.kernels.status == folder.kernels.status
@@ -84,13 +86,15 @@ def test_files_it_cannot_serve_are_refused_before_loading(qwen3_gguf, tmp_path):
     assert "truncated or corrupt" in _refused(head)
     (junk := tmp_path / "junk.gguf").write_bytes(b"PK\x03\x04" + data[4:])
     assert "is not a GGUF file" in _refused(junk)
-    for arch in ("gpt2", "qwen35"):  # one transformers loads but hyserve does not serve, one neither reads
+    for arch in ("gpt2", "rwkv6"):  # one transformers loads but hyserve does not serve, one neither reads
         msg = _refused(write_header_only(tmp_path / f"{arch}.gguf", arch))
         assert f"GGUF architecture {arch!r} is not supported; supported: " in msg
         assert all(a in msg for a in ("llama", "qwen2", "qwen3", "lfm2"))
     assert "has no tokenizer" in _refused(write_header_only(tmp_path / "notok.gguf", "llama", tokenizer=False))
     shutil.copy(qwen3_gguf, split := tmp_path / "m-00001-of-00002.gguf")
-    assert "part 1 of a GGUF split in 2 files" in _refused(split)
+    assert "split in 2 files, and 1 of them is missing: m-00002-of-00002.gguf" in _refused(split)
+    shutil.copy(qwen3_gguf, tmp_path / "m-00002-of-00002.gguf")  # whole: refused all the same for a qwen3 file
+    assert "which transformers' loader (the one for qwen3) cannot read: merge them first" in _refused(split)
 
 
 def test_a_missing_gguf_package_is_named_with_the_extra(qwen3_gguf, monkeypatch):
@@ -126,7 +130,8 @@ def test_serve_and_env_say_one_line_for_a_bad_file(qwen3_gguf, tmp_path):
 def test_env_says_what_was_dequantized(qwen3_gguf):
     r = _cli("env", str(qwen3_gguf))
     assert r.returncode == 0, r.stderr
-    assert "gguf: tiny-qwen3.gguf, architecture qwen3, tensors 25 F32: all dequantized to float32" in r.stdout
+    assert ("gguf: tiny-qwen3.gguf, architecture qwen3, tensors 25 F32: none kept quantized; 25 F32 dequantized "
+            "to float32") in r.stdout
 
 
 def test_the_disk_cache_fingerprint_covers_the_gguf_file(runtimes, model_dirs, qwen3_gguf, tmp_path):

@@ -246,7 +246,13 @@ def cmd_env(args) -> int:
     except StartupError as exc:
         log.error("cannot load model: %s", exc)
         return 2
-    print(report(args.model_dir, args.dtype, args.quantization))
+    from .gguf import GGUFError
+
+    try:
+        print(report(args.model_dir, args.dtype, args.quantization))
+    except GGUFError as exc:  # found only when loading: a tensor the family has no place for, ...
+        log.error("cannot load model: %s", exc)
+        return 2
     return 0
 
 
@@ -281,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("serve", "serve a Hugging Face model folder or a GGUF file over the OpenAI API", cmd_serve)
     p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer), or a "
-                   ".gguf file (llama, qwen2, qwen3, lfm2; dequantized to --dtype)")
+                   ".gguf file (qwen35 and qwen3next with Q8_0 / Q4_0 weights kept quantized; llama, qwen2, qwen3, lfm2 "
+                   "dequantized to --dtype; see docs/gguf.md)")
     _add_serve_options(p)
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)

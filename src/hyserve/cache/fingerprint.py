@@ -14,7 +14,7 @@ from pathlib import Path
 
 import transformers
 
-from ..gguf import gguf_path, is_gguf
+from ..gguf import gguf_path, is_gguf, split_parts
 from ..preflight import TOKENIZER_FILES, WEIGHT_GLOBS
 
 FORMAT = "hyserve-disk-1"  # bump when the file layout or what a snapshot holds changes
@@ -45,8 +45,9 @@ def fingerprint(runtime, template: str) -> str:
         h.update(part.encode())
         h.update(b"\0")
     model_dir = Path(runtime.model_dir)
-    if is_gguf(model_dir):  # one file: weights, tokenizer and template
-        _file_part(h, gguf_path(model_dir))
+    if is_gguf(model_dir):  # one file (or the parts of a split one): weights, tokenizer and template
+        for part in split_parts(gguf_path(model_dir)):
+            _file_part(h, part)
         return h.hexdigest()
     files = sorted({f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)} |
                    {model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file()})

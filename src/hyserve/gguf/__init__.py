@@ -8,6 +8,6 @@
 Architectures no family module covers (llama, qwen2, qwen3, lfm2) load through transformers' GGUF loader.
 """
 
-from .file import GGUFError, GGUFInfo, gguf_path, inspect, is_gguf, load
+from .file import GGUFError, GGUFInfo, gguf_path, inspect, is_gguf, load, split_parts
 
-__all__ = ["GGUFError", "GGUFInfo", "gguf_path", "inspect", "is_gguf", "load"]
+__all__ = ["GGUFError", "GGUFInfo", "gguf_path", "inspect", "is_gguf", "load", "split_parts"]

@@ -46,19 +46,32 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def gguf_path(path: str | Path) -> Path:
-    """The one GGUF file `path` names (itself, or the folder's only one). Split files are refused: transformers'
-    loader reads a single file."""
+    """The one GGUF file `path` names (itself, or the folder's only one); for a split file (`-00001-of-00003`),
+    its first part, once every part is found (`split_parts`)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.gguf"))
-        if len(files) != 1 and not all(SPLIT_PART.search(f.name) for f in files):
+        stems = {f.name[: m.start()] for f in files if (m := SPLIT_PART.search(f.name))}
+        if len(files) != 1 and not (len(stems) == 1 and all(SPLIT_PART.search(f.name) for f in files)):
             raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
                             "pass the one to serve")
         path = files[0]
-    if m := SPLIT_PART.search(path.name):
-        raise GGUFError(f"{path.name} is part {int(m.group(1))} of a GGUF split in {int(m.group(2))} files, which "
-                        "hyserve cannot load yet: merge them first (llama.cpp's `llama-gguf-split --merge`)")
-    return path
+    return split_parts(path)[0]
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the split `path` is a part of, first to last ([path] for a file not split). Raises
+    GGUFError naming the parts that are missing."""
+    m = SPLIT_PART.search(path.name)
+    if m is None:
+        return [path]
+    count, stem = int(m.group(2)), path.name[: m.start()]
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        raise GGUFError(f"{path.name} is part of a GGUF split in {count} files, and {len(missing)} of them "
+                        f"{'is' if len(missing) == 1 else 'are'} missing: {', '.join(missing)} (all the parts "
+                        "must be in one folder)")
+    return parts
 
 
 def supported_architectures() -> dict[str, str]:
@@ -99,6 +112,14 @@ def reader(path: Path):
     return _readers[key]
 
 
+def readers(path: Path) -> list:
+    """Parsed readers of every part of `path` (one for a file not split), the first holding the metadata."""
+    first = reader(path)  # checks the packages are there
+    from gguf import GGUFReader
+
+    return [first] + [GGUFReader(p) for p in split_parts(path)[1:]]
+
+
 def inspect(path: str | Path) -> GGUFInfo:
     """Read and check the file's header: a GGUF at all, complete, of a supported architecture, with a
     tokenizer and tensor types gguf can dequantize. Raises GGUFError."""
@@ -106,15 +127,22 @@ def inspect(path: str | Path) -> GGUFInfo:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    parts = split_parts(path)
+    for part in parts[1:]:
+        with open(part, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise GGUFError(f"{part} is not a GGUF file (it does not start with the GGUF magic)")
     try:
-        r = reader(path)
+        parsed = readers(path)
     except GGUFError:
         raise
     except Exception as exc:  # the parser's own errors on a cut or damaged file: struct, numpy, unicode, ...
         raise GGUFError(f"{path} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
-    size = path.stat().st_size
-    if any(int(t.data_offset) + int(t.n_bytes) > size for t in r.tensors):
-        raise GGUFError(f"{path} is truncated: its tensors need more bytes than the file's {size}")
+    r = parsed[0]
+    for part, pr in zip(parts, parsed):
+        size = part.stat().st_size
+        if any(int(t.data_offset) + int(t.n_bytes) > size for t in pr.tensors):
+            raise GGUFError(f"{part} is truncated: its tensors need more bytes than the file's {size}")
     arch = _field(r, "general.architecture")
     # as transformers' loader reads it: a llama file named exactly "mistral" loads as Mistral (not served)
     model_type = "mistral" if "llama" in arch and _field(r, "general.name") == "mistral" else arch
@@ -123,13 +151,16 @@ def inspect(path: str | Path) -> GGUFInfo:
     if model_type not in supported.values():
         raise GGUFError(f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: "
                         f"{', '.join(supported)}")
+    if len(parts) > 1 and not hyserve_loads(arch):
+        raise GGUFError(f"{path.name} is part 1 of a GGUF split in {len(parts)} files, which transformers' loader "
+                        f"(the one for {arch}) cannot read: merge them first (llama.cpp's `llama-gguf-split --merge`)")
     if _field(r, "tokenizer.ggml.model") is None:
         raise GGUFError(f"{path.name} has no tokenizer in its metadata (tokenizer.ggml.*)")
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits
 
     readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
-    types = Counter(t.tensor_type for t in r.tensors)
+    types = Counter(t.tensor_type for pr in parsed for t in pr.tensors)
     if bad := sorted(t.name for t in types if t not in readable):
         raise GGUFError(f"{path.name}: tensor type(s) {', '.join(bad)} cannot be dequantized by gguf")
     return GGUFInfo(path, arch, model_type, {t.name: n for t, n in types.most_common()},

@@ -18,7 +18,7 @@ import torch
 
 from . import architectures, blocks
 from .architectures import Part
-from .file import GGUFError, reader
+from .file import GGUFError, readers
 
 _SKIP_META = ("GGUF.",)
 
@@ -30,7 +30,7 @@ class Loaded:
     dtype: torch.dtype
     kept: Counter = field(default_factory=Counter)  # ggml type -> HF weights held as the file's blocks
     converted: Counter = field(default_factory=Counter)  # ggml type -> GGUF tensors dequantized
-    why: dict[str, str] = field(default_factory=dict)  # an HF weight of a Q8_0/Q4_0 tensor dequantized -> why
+    why: dict[str, str] = field(default_factory=dict)  # a Q8_0/Q4_0 tensor (or HF weight) dequantized -> why
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -39,26 +39,33 @@ class Loaded:
         parts = [f"{kept} kept quantized as the file's blocks" if kept else "none kept quantized"]
         if converted:
             parts.append(f"{converted} dequantized to {dtype}")
+        line = "; ".join(parts)
         if self.why:
             reasons = Counter(self.why.values())
-            parts.append("Q8_0/Q4_0 dequantized: " + "; ".join(f"{n} {why}" for why, n in reasons.items()))
-        return "; ".join(parts)
+            line += " (the Q8_0/Q4_0 ones: " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ")"
+        return line
 
 
 def metadata(r) -> dict:
-    """key -> python value of every metadata field (not the GGUF header's own), and under "tensor_shapes" each
-    tensor's shape (numpy order): some of a config is only in which tensors there are (an optional norm, a bias)."""
-    meta = {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}
-    meta["tensor_shapes"] = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in r.tensors}
+    """key -> python value of every metadata field (not the GGUF header's own)."""
+    return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}  # split.* too
+
+
+def file_metadata(parts) -> dict:
+    """What a family's `config` reads: the metadata, and under "tensor_shapes" every tensor's shape (numpy order),
+    since some of a config is only in which tensors there are (an optional norm or bias, the embedding's rows)."""
+    meta = metadata(parts[0])
+    meta["tensor_shapes"] = {t.name: tuple(int(n) for n in reversed(t.shape)) for r in parts for t in r.tensors}
     return meta
 
 
-def build_config(r, meta: dict):
+def build_config(names: set[str], meta: dict):
+    """The HF config of a file with these tensor names and this metadata."""
     from transformers import AutoConfig
 
     arch = meta["general.architecture"]
     cfg = architectures.module_for(arch).config(meta)
-    cfg["tie_word_embeddings"] = not any(t.name == "output.weight" for t in r.tensors)
+    cfg["tie_word_embeddings"] = "output.weight" not in names
     model_type = cfg.pop("model_type")
     return AutoConfig.for_model(model_type, **cfg), cfg
 
@@ -70,10 +77,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
-    r = reader(path)
-    meta = metadata(r)
+    parts = readers(path)
+    meta = file_metadata(parts)
     family = architectures.module_for(meta["general.architecture"])
-    config, cfg = build_config(r, meta)
+    config, cfg = build_config({t.name for r in parts for t in r.tensors}, meta)
     cfg["model_type"] = config.model_type
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -82,13 +89,17 @@ def load(path: Path, dtype: torch.dtype, device: str):
     done = Loaded(dtype)
     pieces: dict[str, list[tuple[Part | None, object]]] = {}  # HF name -> (where, Blocks or float tensor)
 
-    for t in r.tensors:
+    for t in (t for r in parts for t in r.tensors):
         kind = t.tensor_type.name
         raw = np.asarray(t.data)
         try:
             entries = None
             if kind in blocks.KEPT and raw.ndim == 2:
                 entries = _kept(family, t.name, kind, raw, meta, cfg)
+                if entries is None:
+                    done.why[t.name] = "whose conversion moves weights within blocks or changes them"
+            elif kind in blocks.KEPT:
+                done.why[t.name] = "stacked expert weights (3-D; not held quantized yet)"
             if entries is None:
                 array = raw if t.tensor_type in (GGMLQuantizationType.F32,) else dequantize(raw, t.tensor_type)
                 entries = family.tensors(t.name, array, meta, cfg)
@@ -102,7 +113,13 @@ def load(path: Path, dtype: torch.dtype, device: str):
                                 "does not have")
             if isinstance(value, Part):
                 value = (value, value.data)
-            pieces.setdefault(hf, []).append(value if isinstance(value, tuple) else (None, value))
+            if not isinstance(value, tuple):
+                value = (None, value)
+            if value[0] is None and tuple(value[1].shape) != shapes[hf]:
+                got = tuple(value[1].shape)
+                raise GGUFError(f"{path.name}: tensor {t.name} has shape {got} as {hf}, where the config from the "
+                                f"file's metadata makes {shapes[hf]}")
+            pieces.setdefault(hf, []).append(value)
 
     state: dict[str, torch.Tensor] = {}
     for hf, parts in pieces.items():

@@ -1,0 +1,155 @@
+"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 and Qwen3-Next files
+written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
+Q4_0 weights stay the file's blocks, which are the blocks hyserve's own int8 / int4 make of the HF weights."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from hyserve import gguf  # noqa: E402
+from hyserve.preflight import StartupError, check_model_dir  # noqa: E402
+from hyserve.quant.layout import QuantEmbedding, QuantLinear  # noqa: E402
+from hyserve.runtime import ModelRuntime  # noqa: E402
+
+from .gguf_files import requantize, write_header_only  # noqa: E402
+from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
+from .test_gguf import MESSAGES, _cli, _logits, _refused, llama_cpp_converter  # noqa: E402,F401
+
+ARCHES = {"qwen3_5": "qwen35", "qwen3_next": "qwen3next"}
+
+
+@pytest.fixture(scope="module")
+def converted(llama_cpp_converter, model_dirs, tmp_path_factory):
+    """convert(arch, outtype): the tiny `arch` folder through llama.cpp's converter (written once)."""
+    made = {}
+
+    def convert(arch: str, outtype: str):
+        if (arch, outtype) not in made:
+            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
+            r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model_dirs[arch]), "--outtype", outtype,
+                                "--no-mtp", "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
+            made[arch, outtype] = out
+        return made[arch, outtype]
+
+    return convert
+
+
+def _blocks(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {name: (m.qs, m.d) for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_an_f32_file_serves_its_folder_exactly(converted, runtimes, arch):
+    path = converted(arch, "f32")
+    info = gguf.inspect(path)
+    assert (info.architecture, info.model_type) == (ARCHES[arch], runtimes(arch).model.config.model_type)
+    folder, rt = runtimes(arch), ModelRuntime.load(path, device="cpu")
+    assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)  # tokenizer and template from GGUF
+    assert rt.eos_token_ids == folder.eos_token_ids and rt.max_model_len == folder.max_model_len
+    assert rt.kernels.status == folder.kernels.status
+    want = folder.model.state_dict()
+    assert {k: v.shape for k, v in rt.model.state_dict().items()} == {k: v.shape for k, v in want.items()}
+    assert all(torch.equal(v, want[k]) for k, v in rt.model.state_dict().items())  # every transform undone
+    assert torch.equal(_logits(rt), _logits(folder))
+    assert rt.gguf_tensors.describe() == f"none kept quantized; {sum(info.tensor_types.values())} F32 dequantized " \
+                                         "to float32"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, model_dirs, runtimes, make_service,
+                                                                  arch):
+    path = converted(arch, "q8_0")
+    rt = ModelRuntime.load(path, device="cpu")
+    int8 = ModelRuntime.load(model_dirs[arch], device="cpu", quantization="int8")
+    kept, ours = _blocks(rt.model), _blocks(int8.model)
+    # every linear layer but Qwen3.5's out_proj (its value heads were reordered across blocks, so it is
+    # dequantized): the head, the embedding, attention, Gated DeltaNet and MLP / shared-expert projections
+    out_proj = {n for n in ours if n.endswith("linear_attn.out_proj")} if arch == "qwen3_5" else set()
+    assert set(kept) == set(ours) - out_proj and len(kept) >= 10
+    for name, (qs, d) in kept.items():  # llama.cpp's Q8_0 of the HF weight is hyserve's int8 of it
+        assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
+    assert rt.gguf_tensors.kept == {"Q8_0": len(kept)}
+    assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
+    want, got = _logits(int8), _logits(rt)
+    # not equal: Qwen3.5's out_proj is float here, Qwen3-Next's experts were Q8_0 in the file (float in int8)
+    assert (got - want).abs().max() < 0.005 * want.abs().max()
+    on = run_chat(make_service(arch, model_dir=path), SCRIPT[:3])
+    off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:3])
+    assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0 and all(t[1] == 0 for t in off)
+
+
+def test_q4_0_blocks_are_kept_and_other_types_dequantized(converted, model_dirs, tmp_path):
+    """Q4_0 stays as the file's nibbles (hyserve's int4 of the weight); Q5_0 is dequantized, and with
+    --quantization int8 quantized again; an embedding in Q4_0 stays a quantized embedding."""
+    from gguf import GGMLQuantizationType as Q
+
+    def qtype(name, shape):
+        if len(shape) != 2 or shape[1] % 32 or "ssm_out" in name or name == "output.weight":
+            return None
+        return Q.Q5_0 if "ffn_down" in name else Q.Q4_0
+
+    path = requantize(converted("qwen3_5", "f32"), tmp_path / "q4.gguf", qtype)
+    rt = ModelRuntime.load(path, device="cpu")
+    int4 = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu", quantization="int4")
+    kept, ours = _blocks(rt.model), _blocks(int4.model)
+    assert isinstance(rt.model.get_input_embeddings(), QuantEmbedding)
+    assert not any(n.endswith(("mlp.down_proj", "out_proj")) or n == "lm_head" for n in kept)
+    assert len(kept) >= 10
+    for name, (qs, d) in kept.items():
+        assert qs.dtype == torch.uint8 and torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
+    assert rt.gguf_tensors.kept == {"Q4_0": len(kept)} and rt.gguf_tensors.converted["Q5_0"] == 4
+    assert torch.isfinite(_logits(rt)).all()
+    requant = ModelRuntime.load(path, device="cpu", quantization="int8")
+    down = requant.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.qs.dtype == torch.int8  # Q5_0 -> float -> int8
+    assert torch.equal(requant.model.model.layers[0].mlp.up_proj.qs, rt.model.model.layers[0].mlp.up_proj.qs)
+    assert requant.quantization.layers == 4 + 3 + 1  # the down_projs, the out_projs and the head
+
+
+def test_env_says_what_was_kept_and_what_was_converted(converted):
+    r = _cli("env", str(converted("qwen3_5", "q8_0")))
+    assert r.returncode == 0, r.stderr
+    assert ("gguf: qwen3_5-q8_0.gguf, architecture qwen35, tensors 33 Q8_0, 23 F32: 30 Q8_0 kept quantized as the "
+            "file's blocks; 23 F32, 3 Q8_0 dequantized to float32 (the Q8_0/Q4_0 ones: 3 whose conversion moves "
+            "weights within blocks or changes them)") in r.stdout
+
+
+def test_bad_hybrid_files_are_refused_with_one_line(converted, tmp_path):
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    data = converted("qwen3_5", "q8_0").read_bytes()
+    (cut := tmp_path / "cut.gguf").write_bytes(data[: len(data) * 2 // 3])
+    assert "is truncated" in _refused(cut)
+    q81 = write_header_only(tmp_path / "q81.gguf", "qwen35", raw=(np.zeros((2, 40), np.uint8), Q.Q8_1, None))
+    assert "tensor type(s) Q8_1 cannot be dequantized by gguf" in _refused(q81)
+    msg = _refused(write_header_only(tmp_path / "rwkv.gguf", "rwkv6"))
+    assert "GGUF architecture 'rwkv6' is not supported; supported: " in msg and "qwen35, qwen3next" in msg
+    # a tensor the family has no place for: refused when loading, one line, exit 2
+    odd = requantize(converted("qwen3_5", "f32"), tmp_path / "odd.gguf", lambda name, shape: None)
+    rename = odd.read_bytes().replace(b"blk.0.ssm_out.weight", b"blk.0.ssm_xyz.weight")
+    (odd := tmp_path / "odd.gguf").write_bytes(rename)
+    r = _cli("serve", str(odd), "--port", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "tensor blk.0.ssm_xyz.weight (F32) has no place in a qwen3_5_text model" in r.stderr
+
+
+def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
+    """llama.cpp's gguf-split parts (the metadata in the first): served from any part's name, or their folder;
+    a missing part is named."""
+    first = requantize(converted("qwen3_5", "f32"), tmp_path / "m.gguf", lambda name, shape: None,
+                       split_max_tensors=20)
+    parts = sorted(tmp_path.glob("m-*-of-00003.gguf"))
+    assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)] and first == parts[0]
+    assert check_model_dir(parts[1]) == [] and gguf.gguf_path(tmp_path) == first
+    rt = ModelRuntime.load(parts[2], device="cpu")
+    assert torch.equal(_logits(rt), _logits(runtimes("qwen3_5")))
+    parts[1].unlink()
+    for path in (first, tmp_path):
+        assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)
