@@ -35,6 +35,7 @@ VARIANTS = {
                       key_multiplier=0.5, ssm_in_multiplier=1.25, ssm_out_multiplier=0.8,
                       ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], mlp_multipliers=[0.6, 1.4]),
     "mamba2": {},
+    "granitemoehybrid-dense": dict(num_local_experts=0),  # as Granite 4.0-H-Micro: the shared MLP only
 }
 
 
@@ -52,14 +53,15 @@ def converter(llama_cpp_converter):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def folders(model_dirs, tmp_path_factory):
-    """arch -> a tiny folder of that family with VARIANTS' config (random-init weights, the tiny tokenizer)."""
+    """name -> a tiny folder of VARIANTS[name]'s family ("arch" or "arch-kind") with its config (random-init
+    weights, the tiny tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     built = {}
 
     def get(arch):
         if arch not in built:
-            src, out = model_dirs[arch], tmp_path_factory.mktemp(f"{arch}-variant")
+            src, out = model_dirs[arch.split("-")[0]], tmp_path_factory.mktemp(f"{arch}-variant")
             for f in src.iterdir():
                 if f.name not in ("config.json", "model.safetensors"):
                     shutil.copy(f, out / f.name)
@@ -96,7 +98,8 @@ def converted(converter, folders, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, outtype", [("nemotron_h", "f32"), ("granitemoehybrid", "f32"),
-                                           ("falcon_h1", "f32"), ("mamba2", "f32"), ("granitemoehybrid", "q8_0")])
+                                           ("granitemoehybrid-dense", "f32"), ("falcon_h1", "f32"),
+                                           ("mamba2", "f32"), ("granitemoehybrid", "q8_0")])
 def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, make_service, arch, outtype):
     path = converted(arch, outtype)
     folder, rt = ModelRuntime.load(folders(arch), device="cpu"), ModelRuntime.load(path, device="cpu")
@@ -114,7 +117,7 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
             torch.testing.assert_close(mine[name], w, rtol=1e-6, atol=0, msg=name)
     else:
         assert (got - want).abs().max() < 0.05 * want.abs().max()
-    if outtype == "f32":  # (a q8_0 file's blocks serve as in tests/test_gguf_hybrid.py)
+    if outtype == "f32" and "-" not in arch:  # (a q8_0 file's blocks serve as in tests/test_gguf_hybrid.py)
         on = run_chat(make_service(arch, model_dir=path), SCRIPT[:2])
         off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:2])
         assert [t[0] for t in on] == [t[0] for t in off] and on[1][1] > 0 and all(t[1] == 0 for t in off)
