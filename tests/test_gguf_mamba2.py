@@ -20,6 +20,7 @@ from hyserve.runtime import ModelRuntime  # noqa: E402
 from .gguf_files import _permute  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
+from .test_gguf_hybrid import _blocks  # noqa: E402
 
 # Each folder as the real models are made, where the tiny default is not:
 VARIANTS = {
@@ -115,8 +116,14 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
         assert mine.keys() == theirs.keys()
         for name, w in theirs.items():
             torch.testing.assert_close(mine[name], w, rtol=1e-6, atol=0, msg=name)
-    else:
-        assert (got - want).abs().max() < 0.05 * want.abs().max()
+    else:  # the Q8_0 blocks kept are hyserve's int8 of the HF weights, also where rows were moved (q/k) or joined
+        assert (got - want).abs().max() < 0.05 * want.abs().max()  # (the shared MLP's gate and up)
+        kept = _blocks(rt.model)
+        ours = _blocks(ModelRuntime.load(folders(arch), device="cpu", quantization="int8").model)
+        assert {"model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.k_proj",
+                "model.layers.0.shared_mlp.input_linear", "model.layers.0.mamba.in_proj"} <= kept.keys()
+        for name, (qs, d) in kept.items():
+            assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
     if outtype == "f32" and "-" not in arch:  # (a q8_0 file's blocks serve as in tests/test_gguf_hybrid.py)
         on = run_chat(make_service(arch, model_dir=path), SCRIPT[:2])
         off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:2])
