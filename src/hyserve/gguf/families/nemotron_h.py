@@ -16,7 +16,17 @@ import torch
 
 from ..file import GGUFError
 from . import _mamba2
-from ._common import arch_value, as_tensor, block, has, per_layer, required, token_ids, unpermute, vocab_size
+from ._common import (
+    arch_value,
+    as_tensor,
+    block,
+    has,
+    per_layer,
+    required,
+    token_ids,
+    unpermute,
+    vocab_size,
+)
 
 ARCHITECTURES = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 
