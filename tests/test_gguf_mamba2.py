@@ -107,24 +107,25 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
     assert rt.model.config.model_type == folder.model.config.model_type
     assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)
     want, got = _logits(folder), _logits(rt)
-    if outtype == "f32":  # float rounding only (A_log through exp and log, Falcon-H1's folded multipliers)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    if outtype == "f32" and arch != "falcon_h1":
-        # every weight back in place: these have no rotary embedding, so logits alone would not show q/k rows
-        # left permuted alike (Falcon-H1's weights hold its folded multipliers: its logits are the proof)
-        mine, theirs = rt.model.state_dict(), folder.model.state_dict()
-        assert mine.keys() == theirs.keys()
-        for name, w in theirs.items():
-            torch.testing.assert_close(mine[name], w, rtol=1e-6, atol=0, msg=name)
-    else:  # the Q8_0 blocks kept are hyserve's int8 of the HF weights, also where rows were moved (q/k) or joined
-        assert (got - want).abs().max() < 0.05 * want.abs().max()  # (the shared MLP's gate and up)
+    if outtype == "q8_0":  # the Q8_0 blocks kept are hyserve's int8 of the HF weights, also where rows were moved
+        assert (got - want).abs().max() < 0.05 * want.abs().max()  # (q/k) or joined (the shared MLP's gate, up)
         kept = _blocks(rt.model)
         ours = _blocks(ModelRuntime.load(folders(arch), device="cpu", quantization="int8").model)
         assert {"model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.k_proj",
                 "model.layers.0.shared_mlp.input_linear", "model.layers.0.mamba.in_proj"} <= kept.keys()
         for name, (qs, d) in kept.items():
             assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
-    if outtype == "f32" and "-" not in arch:  # (a q8_0 file's blocks serve as in tests/test_gguf_hybrid.py)
+        return  # (a q8_0 file's blocks serve a chat as in tests/test_gguf_hybrid.py)
+    # float rounding only (A_log through exp and log, Falcon-H1's folded multipliers)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if arch != "falcon_h1":
+        # every weight back in place: these have no rotary embedding, so logits alone would not show q/k rows
+        # left permuted alike (Falcon-H1's weights hold its folded multipliers: its logits are the proof)
+        mine, theirs = rt.model.state_dict(), folder.model.state_dict()
+        assert mine.keys() == theirs.keys()
+        for name, w in theirs.items():
+            torch.testing.assert_close(mine[name], w, rtol=1e-6, atol=0, msg=name)
+    if "-" not in arch:  # (the dense Granite serves as the MoE one)
         on = run_chat(make_service(arch, model_dir=path), SCRIPT[:2])
         off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:2])
         assert [t[0] for t in on] == [t[0] for t in off] and on[1][1] > 0 and all(t[1] == 0 for t in off)
