@@ -1,4 +1,4 @@
-"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 and Qwen3-Next files
+"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 (dense, MoE) and Qwen3-Next files
 written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
 Q4_0 weights stay the file's blocks, which are the blocks hyserve's own int8 / int4 make of the HF weights."""
 
@@ -19,7 +19,7 @@ from .gguf_files import requantize, write_header_only  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _cli, _logits, _refused, llama_cpp_converter  # noqa: E402,F401
 
-ARCHES = {"qwen3_5": "qwen35", "qwen3_next": "qwen3next"}
+ARCHES = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +70,14 @@ def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, mode
     kept, ours = _blocks(rt.model), _blocks(int8.model)
     # every linear layer but Qwen3.5's out_proj (its value heads were reordered across blocks, so it is
     # dequantized): the head, the embedding, attention, Gated DeltaNet and MLP / shared-expert projections
-    out_proj = {n for n in ours if n.endswith("linear_attn.out_proj")} if arch == "qwen3_5" else set()
+    out_proj = {n for n in ours if n.endswith("linear_attn.out_proj")} if arch.startswith("qwen3_5") else set()
     assert set(kept) == set(ours) - out_proj and len(kept) >= 10
     for name, (qs, d) in kept.items():  # llama.cpp's Q8_0 of the HF weight is hyserve's int8 of it
         assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
     assert rt.gguf_tensors.kept == {"Q8_0": len(kept)}
     assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
     want, got = _logits(int8), _logits(rt)
-    # not equal: Qwen3.5's out_proj is float here, Qwen3-Next's experts were Q8_0 in the file (float in int8)
+    # not equal: Qwen3.5's out_proj is float here, MoE experts were Q8_0 in the file (float under int8)
     assert (got - want).abs().max() < 0.005 * want.abs().max()
     on = run_chat(make_service(arch, model_dir=path), SCRIPT[:3])
     off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:3])
@@ -153,3 +153,29 @@ def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
     parts[1].unlink()
     for path in (first, tmp_path):
         assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)
+
+
+def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_converter, model_dirs, tmp_path):
+    """Value heads 32 wide (real Qwen3.5: 128): the reordered out_proj moves whole blocks, so every linear layer
+    keeps the file's blocks and the model is the folder's under --quantization int8, logit for logit."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = model_dirs["qwen3_5"]
+    config = AutoConfig.from_pretrained(src)
+    config.linear_key_head_dim = config.linear_value_head_dim = 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    for f in src.iterdir():
+        if f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / "hf" / f.name)
+    out = tmp_path / "wide-q8_0.gguf"
+    r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(tmp_path / "hf"), "--outtype", "q8_0",
+                        "--no-mtp", "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rt = ModelRuntime.load(out, device="cpu")
+    int8 = ModelRuntime.load(tmp_path / "hf", device="cpu", quantization="int8")
+    assert set(_blocks(rt.model)) == set(_blocks(int8.model)) and not rt.gguf_tensors.why
+    assert torch.equal(_logits(rt), _logits(int8))

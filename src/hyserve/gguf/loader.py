@@ -119,11 +119,13 @@ def load(path: Path, dtype: torch.dtype, device: str):
                 got = tuple(value[1].shape)
                 raise GGUFError(f"{path.name}: tensor {t.name} has shape {got} as {hf}, where the config from the "
                                 f"file's metadata makes {shapes[hf]}")
+            if value[0] is None and isinstance(value[1], torch.Tensor):
+                value = (None, value[1].to(dtype))  # now: no float32 copy of the whole model at once
             pieces.setdefault(hf, []).append(value)
 
     state: dict[str, torch.Tensor] = {}
-    for hf, parts in pieces.items():
-        value = _assemble(hf, parts, shapes[hf], modules, done)
+    for hf, its_pieces in pieces.items():
+        value = _assemble(hf, its_pieces, shapes[hf], modules, done)
         if isinstance(value, blocks.Blocks):
             _install(model, modules, hf, value, dtype)
             done.kept[value.kind] += 1
@@ -168,6 +170,7 @@ def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded):
     if kinds and (not quantizable or len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
         done.why[hf] = ("of a weight not held by a linear layer" if not quantizable else
                         "of a weight whose pieces differ in type")
+        done.converted.update(v.kind for _, v in parts if isinstance(v, blocks.Blocks))
     if quantizable and len(kinds) == 1 and all(isinstance(v, blocks.Blocks) for _, v in parts):
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]

@@ -1,17 +1,18 @@
-"""Qwen3.5 (`qwen35`) and Qwen3-Next (`qwen3next`) GGUF files back to the HF checkpoint.
+"""Qwen3.5 (`qwen35`, and its MoE `qwen35moe`) and Qwen3-Next (`qwen3next`) GGUF files back to the HF checkpoint.
 
 What llama.cpp's converter (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase, Qwen3_5TextModel)
-does, and what is undone here:
+(and Qwen3_5MoeTextModel) does, and what is undone here:
 - `A_log` -> `ssm_a` = -exp(A_log): back with log(-a);
 - `dt_bias` -> `ssm_dt.bias`; conv1d [c, 1, k] -> `ssm_conv1d` [c, k] (squeezed);
 - RMSNorm weights, which these models apply as (1 + w), stored as 1 + w, except the Gated DeltaNet's own norm
   (`linear_attn.norm` -> `ssm_norm`, applied as w): back with w - 1;
-- Qwen3.5 only, where there are more value heads than key heads: the value heads reordered from grouped by key
+- Qwen3.5 (dense and MoE) only, where there are more value heads than key heads: the value heads reordered from grouped by key
   head to tiled (rows of in_proj_qkv's v part, in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias, the conv's v
   channels; columns of out_proj): back with the inverse order;
 - Qwen3-Next only: in_proj_qkvz ([q, k, v, z] per key head) split into `attn_qkv` ([all q, all k, all v]) and
-  `attn_gate` (all z); the experts stacked into `ffn_{gate,up,down}_exps`: both go back into the fused HF
-  tensors as `Part`s;
+  `attn_gate` (all z): back into in_proj_qkvz as `Part`s;
+- MoE models: the experts stacked into `ffn_{gate,up,down}_exps`: gate and up go back into the fused
+  `experts.gate_up_proj` as `Part`s;
 - MTP layers (blocks past `block_count - nextn_predict_layers`) are not part of the HF model: dropped.
 Nothing else is transformed (no rope permutation: these are NeoX-rope models).
 """
@@ -25,8 +26,9 @@ import torch
 
 from ..architectures import Part
 
-ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen3next": "qwen3_next"}
-_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
+ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
+_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
+_TILED = ("qwen35", "qwen35moe")  # value heads reordered by the converter
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
            "output_norm.weight": "model.norm.weight"}
@@ -72,7 +74,7 @@ def config(meta: dict) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
             "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim}
     sections = get("rope.dimension_sections")
-    if arch == "qwen35" and sections and sum(sections[:3]) * 2 == get("rope.dimension_count"):
+    if arch in _TILED and sections and sum(sections[:3]) * 2 == get("rope.dimension_count"):
         rope.update(mrope_section=list(sections[:3]), mrope_interleaved=True)  # text alone: plain rope anyway
     cfg = {
         "model_type": ARCHITECTURES[arch], "architectures": [_CLASSES[arch]],
@@ -92,11 +94,12 @@ def config(meta: dict) -> dict:
                       ("pad_token_id", "padding_token_id")):
         if (value := meta.get(f"tokenizer.ggml.{name}")) is not None:
             cfg[key] = int(value)
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35moe"):
         cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
                    moe_intermediate_size=int(get("expert_feed_forward_length")),
-                   shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
-                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+                   shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")))
+    if arch == "qwen3next":
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return cfg
 
 
@@ -110,19 +113,19 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
         local, hf = m.group(2), f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
     else:
         raise KeyError(name)
-    w = torch.from_numpy(np.array(array))  # a copy: the file's pages stay read-only
+    w = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors: the file's read-only pages
     if local in _NORMS_PLUS_ONE:
         w = w - 1
     elif local == "ssm_a":
         w = torch.log(-w)
     elif local == "ssm_conv1d.weight":
         w = w.unsqueeze(1)
-    if arch == "qwen35":
+    if arch in _TILED:
         w = _untile_value_heads(local, w, cfg)
     elif local in ("attn_qkv.weight", "attn_gate.weight"):
         return [(hf.replace("in_proj_qkv", "in_proj_qkvz").replace("in_proj_z", "in_proj_qkvz"),
                  Part(_qkvz_rows(local, cfg), 0, w))]
-    elif local in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+    if local in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
         n_ff = w.shape[1]
         start = 0 if local == "ffn_gate_exps.weight" else n_ff
         return [(hf, Part(torch.arange(start, start + n_ff), 1, w))]
