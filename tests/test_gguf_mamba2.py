@@ -176,3 +176,14 @@ def test_nemotron_h_layers_are_read_as_llama_cpp_reads_them(arch, mlp):
     meta = {"general.architecture": arch, f"{arch}.block_count": 4, f"{arch}.attention.head_count_kv": [0, 2, 0, 0],
             f"{arch}.feed_forward_length": [0, 0, 128, 0]}
     assert nemotron_h.layer_types(meta) == ["linear_attention", "full_attention", mlp, "linear_attention"]
+    kinds = ["ssm_in", "attn_q", "ffn_up_exps" if mlp == "moe" else "ffn_up", "ssm_in"]
+    meta["tensor_shapes"] = {f"blk.{i}.{kind}.weight": (8, 8) for i, kind in enumerate(kinds)}
+    assert nemotron_h.layer_types(meta)[2] == mlp
+    # a dense Nemotron-H converted under transformers 5: written as nemotron_h_moe, its MLP blocks of width 0
+    meta |= {"general.architecture": "nemotron_h_moe", "nemotron_h_moe.block_count": 4,
+             "nemotron_h_moe.attention.head_count_kv": [0, 2, 0, 0], "nemotron_h_moe.feed_forward_length": [0] * 4}
+    meta["tensor_shapes"] = {f"blk.{i}.{kind}.weight": (8, 8) for i, kind in enumerate(["ssm_in", "attn_q", "ffn_up",
+                                                                                         "ssm_in"])}
+    with pytest.raises(GGUFError, match="block 2: its metadata makes it a linear_attention block, but the file has "
+                                        "no ssm_in.weight there"):
+        nemotron_h.layer_types(meta)

@@ -32,6 +32,8 @@ ARCHITECTURES = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 
 _TOP = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight",
         "output.weight": "lm_head.weight"}
+_PROOF = {"linear_attention": "ssm_in.weight", "full_attention": "attn_q.weight", "moe": "ffn_up_exps.weight",
+          "mlp": "ffn_up.weight"}  # a tensor each kind of block has
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
     "attn_norm.weight": "norm.weight",
     "attn_q.weight": "mixer.q_proj.weight", "attn_k.weight": "mixer.k_proj.weight",
@@ -52,7 +54,12 @@ def layer_types(meta: dict) -> list[str]:
     kv = per_layer(required(meta, "attention.head_count_kv"), n_layers)
     ff = per_layer(arch_value(meta, "feed_forward_length", 0), n_layers)
     mlp = "moe" if meta["general.architecture"] == "nemotron_h_moe" else "mlp"
-    return ["full_attention" if kv[i] else mlp if ff[i] else "linear_attention" for i in range(n_layers)]
+    types = ["full_attention" if kv[i] else mlp if ff[i] else "linear_attention" for i in range(n_layers)]
+    for i, t in enumerate(types):  # a dense model converted under transformers 5 is written as nemotron_h_moe
+        if not has(meta, f"blk.{i}.{_PROOF[t]}", True):  # with its MLP blocks' width 0: read as Mamba blocks
+            raise GGUFError(f"block {i}: its metadata makes it a {t} block, but the file has no {_PROOF[t]} there "
+                            "(a file from a converter that misread the layer pattern?)")
+    return types
 
 
 def config(meta: dict) -> dict:
