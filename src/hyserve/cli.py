@@ -287,9 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("serve", "serve a Hugging Face model folder or a GGUF file over the OpenAI API", cmd_serve)
     p.add_argument("model_dir", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer), or a "
-                   ".gguf file (qwen35, qwen35moe and qwen3next with Q8_0 / Q4_0 weights kept quantized; llama, qwen2, "
-                   "qwen3, lfm2 "
-                   "dequantized to --dtype; see docs/gguf.md)")
+                   ".gguf file (qwen35, qwen35moe, qwen3next, nemotron_h, granitehybrid, falcon-h1, mamba2 with Q8_0 / "
+                   "Q4_0 weights kept quantized; llama, qwen2, qwen3, lfm2 dequantized to --dtype; see docs/gguf.md)")
     _add_serve_options(p)
     p = command("make-tiny-model", "write a small random-init model + tokenizer (for tests and trying things)",
                 cmd_make_tiny_model)

@@ -3,7 +3,8 @@
 Each module there covers one family and exposes:
 
     ARCHITECTURES: dict[str, str]     # GGUF `general.architecture` -> the transformers model_type it loads as
-    def config(meta: dict) -> dict    # the file's metadata (key -> python value) -> the HF config.json dict
+    def config(meta: dict) -> dict    # the file's metadata (key -> python value, and "tensor_shapes": GGUF
+                                      # tensor name -> shape in numpy order) -> the HF config.json dict
     def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]
         # one GGUF tensor (dequantized: a float numpy array in GGUF's shape, i.e. numpy order, the reverse of
         # ggml's `ne`) -> the HF state-dict entries it becomes ([] for a tensor the HF model has no place for).

@@ -51,6 +51,14 @@ def metadata(r) -> dict:
     return {key: f.contents() for key, f in r.fields.items() if not key.startswith(_SKIP_META)}  # split.* too
 
 
+def file_metadata(parts) -> dict:
+    """What a family's `config` reads: the metadata, and under "tensor_shapes" every tensor's shape (numpy order),
+    since some of a config is only in which tensors there are (an optional norm or bias, the embedding's rows)."""
+    meta = metadata(parts[0])
+    meta["tensor_shapes"] = {t.name: tuple(int(n) for n in reversed(t.shape)) for r in parts for t in r.tensors}
+    return meta
+
+
 def build_config(names: set[str], meta: dict):
     """The HF config of a file with these tensor names and this metadata."""
     from transformers import AutoConfig
@@ -70,7 +78,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
     parts = readers(path)
-    meta = metadata(parts[0])
+    meta = file_metadata(parts)
     family = architectures.module_for(meta["general.architecture"])
     config, cfg = build_config({t.name for r in parts for t in r.tensors}, meta)
     cfg["model_type"] = config.model_type

@@ -1,0 +1,121 @@
+"""Granite 4.0-H GGUF files (`granitehybrid`: GraniteMoeHybrid, MoE or dense), as llama.cpp's converter writes
+them (conversion/granite.py: GraniteHybridModel on Mamba2Model and GraniteMoeModel), back to the HF model.
+
+What the converter did and `tensors` undoes: the Mamba2 mixer's steps (`_mamba2`); q/k rows permuted for
+llama.cpp's rotary layout (LlamaModel.permute); the routed experts' fused `input_linear` split into gate and up
+along its rows, and the shared MLP's likewise (into `ffn_*_shexp`, or `ffn_gate`/`ffn_up`/`ffn_down` for a dense
+model): those go back as `Part`s of the fused HF tensor. Granite's µP multipliers are kept as
+metadata (attention.scale, embedding_scale, residual_scale, logit_scale) and go back into the config; whether
+attention uses RoPE is `rope.scaling.finetuned` (what llama.cpp's granite-hybrid graph reads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..architectures import Part
+from ..file import GGUFError
+from . import _mamba2
+from ._common import (
+    arch_value,
+    as_tensor,
+    block,
+    has,
+    per_layer,
+    required,
+    token_ids,
+    unpermute,
+    vocab_size,
+)
+
+ARCHITECTURES = {"granitehybrid": "granitemoehybrid"}
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim)
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate_inp.weight": "block_sparse_moe.router.weight",
+    "ffn_gate_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 0, 1),
+    "ffn_up_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 1, 1),
+    "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj",
+    "ffn_gate_shexp.weight": ("shared_mlp.input_linear.weight", 0, 0),
+    "ffn_up_shexp.weight": ("shared_mlp.input_linear.weight", 1, 0),
+    "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+    "ffn_gate.weight": ("shared_mlp.input_linear.weight", 0, 0),  # a dense model's shared MLP
+    "ffn_up.weight": ("shared_mlp.input_linear.weight", 1, 0),
+    "ffn_down.weight": "shared_mlp.output_linear.weight",
+}
+
+
+def config(meta: dict) -> dict:
+    n_layers = int(required(meta, "block_count"))
+    kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
+    types = ["full_attention" if k else "linear_attention" for k in kv]
+    for i, t in enumerate(types):  # a folder whose layer_types the converter misread makes such a file
+        if has(meta, f"blk.{i}.attn_q.weight", t == "full_attention") != (t == "full_attention"):
+            raise GGUFError(f"block {i}: its tensors and its metadata (head_count_kv {kv[i]}) disagree on whether "
+                            "it is an attention layer (a file from a converter that misread the layer types?)")
+    if "linear_attention" not in types:
+        raise GGUFError("a granitehybrid file without Mamba layers")
+    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+    ssm = _mamba2.dims(meta)
+    if ssm["inner"] % hidden:
+        raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
+    first_ssm = types.index("linear_attention")
+    head_dim = int(arch_value(meta, "attention.key_length") or hidden // heads)
+    rope = bool(arch_value(meta, "rope.scaling.finetuned", True))
+    if rope and int(arch_value(meta, "rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} "
+                        "head dimensions (a partial-rotary Bamba file) is not supported")
+    experts = int(arch_value(meta, "expert_count", 0) or 0)
+    ff = int(per_layer(required(meta, "feed_forward_length"), n_layers)[0])
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": n_layers, "layer_types": types,
+        "num_attention_heads": heads, "num_key_value_heads": max(kv),
+        "max_position_embeddings": int(required(meta, "context_length")),
+        "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
+        "position_embedding_type": "rope" if rope else "nope",
+        "attention_bias": has(meta, f"blk.{types.index('full_attention')}.attn_q.bias", False)
+        if "full_attention" in types else False,
+        # absent (a Bamba file, whose config has no multipliers): llama.cpp scales scores by 1/sqrt(head_dim)
+        "attention_multiplier": float(arch_value(meta, "attention.scale") or head_dim ** -0.5),
+        "embedding_multiplier": float(arch_value(meta, "embedding_scale", 1.0)),
+        "residual_multiplier": float(arch_value(meta, "residual_scale", 1.0)),
+        "logits_scaling": float(arch_value(meta, "logit_scale", 1.0)),
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(arch_value(meta, "expert_used_count", 0) or 0),
+        "intermediate_size": ff,
+        # a dense model's shared MLP is written as the plain FFN, of feed_forward_length
+        "shared_intermediate_size": int(arch_value(meta, "expert_shared_feed_forward_length", 0) or 0) or ff,
+        "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"], "mamba_d_state": ssm["state"],
+        "mamba_n_groups": ssm["groups"], "mamba_d_conv": ssm["conv"], "mamba_expand": ssm["inner"] // hidden,
+        "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
+        "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        **token_ids(meta),
+    }
+
+
+def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
+    data = as_tensor(array)
+    bid, rest = block(name)
+    if bid is None:
+        return [(_TOP[name], data)]
+    prefix = f"model.layers.{bid}."
+    if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
+        return [(prefix + "mamba." + mixer[0], mixer[1])]
+    target = _LAYER[rest]
+    if rest in ("attn_q.weight", "attn_q.bias"):
+        data = unpermute(data, cfg["num_attention_heads"])
+    elif rest in ("attn_k.weight", "attn_k.bias"):
+        data = unpermute(data, cfg["num_key_value_heads"])
+    if isinstance(target, tuple):  # gate rows first, then up
+        hf, half, dim = target
+        size = data.shape[dim]
+        return [(prefix + hf, Part(torch.arange(half * size, (half + 1) * size), dim, data))]
+    return [(prefix + target, data)]
