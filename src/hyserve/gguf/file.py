@@ -217,23 +217,3 @@ def _same_file(path: Path, other) -> bool:
         return Path(other).resolve() == path.resolve()
     except (TypeError, OSError):
         return False
-
-
-def load(path: Path, dtype, device: str):
-    """(model, tokenizer, `loader.Loaded`) from a checked GGUF file: by hyserve's loader (Q8_0 / Q4_0 weights
-    kept quantized where they can be) or by transformers' (every tensor dequantized to `dtype`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from . import loader
-
-    if hyserve_loads(_field(reader(path), "general.architecture")):
-        try:
-            return loader.load(path, dtype, device)
-        finally:
-            _readers.clear()
-    folder, name = str(path.parent), path.name
-    with parsed_once(path):
-        types = Counter(t.tensor_type.name for t in reader(path).tensors)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    return model.to(device).eval(), tokenizer, loader.Loaded(dtype, converted=types)
