@@ -13,15 +13,12 @@ from .guards import GuardMiddleware
 from .openapi_doc import install_openapi
 from .routes import cache, chat, completions, messages, models, responses, tokens
 from .serving import Serving
-from .strict_json import StrictJSONRoute
 
 ROUTERS = (chat, completions, tokens, models, cache, responses, messages)  # (the order of the OpenAPI document)
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="hyserve", docs_url=None, redoc_url=None)
-    app.router.route_class = StrictJSONRoute
-    app.state.service = service
     app.state.serving = Serving(service)
     for surface in ROUTERS:
         app.include_router(surface.router)
