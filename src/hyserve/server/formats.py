@@ -48,7 +48,7 @@ class Format:
         """The chunks ending a stream whose generation failed or timed out: OpenAI's error line."""
         return [{"error": {"message": message, "type": type_, "param": None, "code": code}}]
 
-    def response(self, fins: list[Finished], formats: list["Format"]) -> dict:
+    def response(self, fins: list[Finished], formats: list[Format]) -> dict:
         """The whole (non-streamed) reply: `fins[i]` is choice i's, built by `formats[i]` (this one first)."""
         raise NotImplementedError
 
