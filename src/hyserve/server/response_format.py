@@ -1,14 +1,6 @@
 """The Responses API's response object and stream events: the reply is read by the request's `ChatTurn`
 into reasoning, message and function-call output items. A stream ends with `response.completed`,
-`response.incomplete` or, when generation fails, `response.failed`. (The routes: `routes/responses.py`.)
-
-`store: true` (the default) keeps the response's tokens (prompt + output, as generated) under the caller's
-tenant, and the engine records its state after the very last token (`keep_final`). A request with
-`previous_response_id` is then those tokens plus the template's rendering of the new input only
-(`chat.continuation`): nothing is re-rendered or re-tokenized, and the prefix cache restores the whole
-previous turn, its reply included, on any template. New `tools` are the exception: templates list tools
-ahead of the conversation, so the stored conversation (messages) is rendered again with them.
-"""
+`response.incomplete` or, when generation fails, `response.failed`. (The routes: `routes/responses.py`.)"""
 
 from __future__ import annotations
 
