@@ -59,3 +59,28 @@ def test_the_kept_texts_stay_within_their_byte_cap(keys):
         assert 0 < encoder.bytes <= encoder.max_bytes
     finally:
         encoder.max_bytes = cap
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dirs):
+    return PromptKeys(ServiceConfig(model_dir=model_dirs["qwen3_5"], device="cpu", api_keys=("key-a",)))
+
+
+@pytest.mark.parametrize("auth", [[], [(b"authorization", b"Bearer wrong")], [(b"x-api-key", b"key-b")]],
+                         ids=["none", "wrong", "unknown-x-api-key"])
+def test_a_request_without_a_valid_key_is_not_rendered(keyed, auth):
+    """The key is checked first: an unauthenticated body is neither parsed nor tokenized (the replica refuses
+    it), whatever it holds."""
+    spy = []
+    real = keyed.runtime.prompt_encoder.encode
+    keyed.runtime.prompt_encoder.encode = lambda *a, **kw: spy.append(a) or real(*a, **kw)
+    try:
+        body = json.dumps({"model": "m", "prompt": "hello there"}).encode()
+        assert keyed.admitted(auth) == (False, None)
+        assert keyed.of("/v1/completions", auth, body) == ("", None)
+        assert keyed.of("/v1/chat/completions", auth, b"{not json") == ("", None)
+        salt, tokens = keyed.of("/v1/completions", [(b"authorization", b"Bearer key-a")], body)
+        assert tokens == keyed.runtime.tokenizer("hello there", add_special_tokens=False)["input_ids"] and salt
+        assert len(spy) == 1  # the keyed request's only
+    finally:
+        del keyed.runtime.prompt_encoder.encode

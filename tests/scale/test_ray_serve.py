@@ -112,11 +112,15 @@ def test_errors_are_a_single_process_errors(cluster, single, case):
 
 
 def test_auth_is_a_single_process_auth(cluster, single):
+    t0 = time.time()
     for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
         a = cluster.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
         b = single.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
         assert (a.status_code, a.json(), a.headers.get("www-authenticate")) == \
             (b.status_code, b.json(), b.headers.get("www-authenticate")) == (401, b.json(), "Bearer")
+    events = cluster.get("/v1/routing/events", params={"limit": 20}, headers={"Authorization": f"Bearer {ADMIN}"})
+    mine = [e for e in events.json()["events"] if e["event"] == "routed" and e["ts"] >= t0]
+    assert len(mine) == 2 and all(e["prompt_tokens"] == 0 for e in mine)  # the key first: nothing rendered
     assert cluster.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert cluster.get("/health").json()["status"] == "ok"
 

@@ -49,7 +49,7 @@ STREAM_SCHEMAS = {  # the document's schema of each Responses stream event
     "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
-    "error": "ResponseErrorEvent",
+    "response.failed": "ResponseFailedEvent", "error": "ResponseErrorEvent",
 }
 
 
@@ -260,9 +260,10 @@ def responses_events(client, spec) -> list[dict]:
     for name, data in sse(body):
         event = json.loads(data)
         assert name == event["type"]
-        if name in ("response.created", "response.in_progress"):
-            # Quirk: these events carry `usage: null` (nothing is counted yet), which the Response schema
-            # does not allow; the rest of the snapshot is checked as it is
+        if name in ("response.created", "response.in_progress", "response.failed"):
+            # Quirk: these events carry `usage: null` (nothing is counted yet, or nothing counted as the failed
+            # response's, as in the document's own example), which the Response schema does not allow; the rest
+            # of the snapshot is checked as it is
             assert event["response"]["usage"] is None
             event = {**event, "response": {k: v for k, v in event["response"].items() if k != "usage"}}
         spec(STREAM_SCHEMAS[name], event)
@@ -304,6 +305,42 @@ def test_responses_cut_off_while_reasoning_count_every_token(openai_client, spec
     assert done["type"] == "response.incomplete"
     usage = done["response"]["usage"]  # the template opens a <think> block the random model never closes
     assert usage["output_tokens"] == 5 and usage["output_tokens_details"]["reasoning_tokens"] == 5
+
+
+def test_a_responses_stream_asked_for_usage_ends_as_any_other(openai_client, spec):
+    """`stream_options.include_usage` (accepted on every generating route) adds nothing to a Responses stream:
+    its last event carries the usage."""
+    assert [e for e in openai_client.responses.create(model="tpl", input="Hello", max_output_tokens=3, temperature=0,
+                                                      stream=True, extra_body={"stream_options": {"include_usage": True}})]
+    done = responses_events(openai_client, spec)[-1]
+    assert done["type"] == "response.incomplete" and done["response"]["usage"]["output_tokens"] == 3
+
+
+def test_a_failed_responses_stream_ends_with_response_failed(template_servers, spec):
+    """A generation that fails (here: times out) ends the stream with `response.failed`, whose response says
+    why, holds what was streamed, and is not stored."""
+    slow = template_servers(*QWEN35, request_timeout=0.05)
+    http = recording(httpx)
+    client = OpenAI(base_url=f"{slow.base_url}/v1", api_key="unused", max_retries=0, http_client=http,
+                    _strict_response_validation=True)
+    client.recorded = http
+    # min_tokens: the random model cannot end its turn before the timeout does
+    got = [e for e in client.responses.create(model="tpl", input="Hello", max_output_tokens=3000, temperature=0,
+                                              stream=True, extra_body={"min_tokens": 3000})]
+    events = responses_events(client, spec)
+    assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and got[-1].type == "response.failed"
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"] == {
+        "code": "server_error", "message": "request timed out"}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert not [e for e in events if e["type"] in ("error", "response.completed", "response.incomplete")]
+    streamed = [e for e in events if e["type"] == "response.output_item.added"]
+    assert len(failed["response"]["output"]) == len(streamed)
+    assert all(item["status"] != "in_progress" for item in failed["response"]["output"])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(failed["response"]["id"])
+    client.close()
 
 
 # -- models and errors -----------------------------------------------------------------------------------

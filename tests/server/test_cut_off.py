@@ -68,7 +68,7 @@ def test_a_chat_stream_cut_at_shutdown_raises_in_the_openai_client(make_service,
         assert all(c.choices[0].finish_reason is None for c in chunks if c.choices)
 
 
-def test_a_responses_stream_cut_at_shutdown_ends_with_an_error_event(make_service):
+def test_a_responses_stream_cut_at_shutdown_ends_with_response_failed(make_service):
     with stopping_server(make_service) as (base, stop):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         events = []
@@ -78,9 +78,10 @@ def test_a_responses_stream_cut_at_shutdown_ends_with_an_error_event(make_servic
             if event.type == "response.output_text.delta" and len(events) == 1 + [e.type for e in events].index(
                     "response.output_text.delta"):
                 stop()
-        assert events[-1].type == "error" and events[-1].code == "shutting_down", events[-3:]
-        assert events[-1].message == CUT_OFF and events[-1].sequence_number == events[-2].sequence_number + 1
-        assert not [e for e in events if e.type in ("response.completed", "response.incomplete")]
+        assert events[-1].type == "response.failed" and events[-1].response.status == "failed", events[-3:]
+        assert events[-1].response.error.message == CUT_OFF and events[-1].response.error.code == "server_error"
+        assert events[-1].sequence_number == events[-2].sequence_number + 1
+        assert not [e for e in events if e.type in ("error", "response.completed", "response.incomplete")]
 
 
 def test_a_messages_stream_cut_at_shutdown_raises_in_the_anthropic_client(make_service):

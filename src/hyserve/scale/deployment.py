@@ -169,15 +169,21 @@ class Ingress:
             return await self.every_cache(request)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
         limit = self.config.max_body_bytes
-        body = await _capped_body(request, limit)
-        if body is None:  # the replica answers 413 from the length, as a single server does (after its auth check)
-            body = b""
-            headers = [(k, v) for k, v in headers if k.lower() not in _DROP] + [("content-length", str(limit + 1))]
+        if not self.keys.admitted(request.scope["headers"])[0]:
+            # the API key first: the replica refuses this one from its headers (401), so its body is never read,
+            # parsed or rendered here; it is routed by load
+            body, routed = b"", Routed(uuid.uuid4().hex)
+            headers = [(k, v) for k, v in headers if k.lower() not in _DROP] + [("content-length", "0")]
+        else:
+            body = await _capped_body(request, limit)
+            if body is None:  # the replica answers 413 from the length, as a single server does (after its auth check)
+                body = b""
+                headers = [(k, v) for k, v in headers if k.lower() not in _DROP] + [("content-length", str(limit + 1))]
+            salt, tokens = await asyncio.get_running_loop().run_in_executor(
+                None, self.keys.of, path, request.scope["headers"], body)
+            routed = Routed(uuid.uuid4().hex, salt, tokens, _messages(path, body))
         req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
                           headers, body)
-        salt, tokens = await asyncio.get_running_loop().run_in_executor(
-            None, self.keys.of, path, request.scope["headers"], body)
-        routed = Routed(uuid.uuid4().hex, salt, tokens, _messages(path, body))
         for attempt in (0, 1):
             stream = self.engine.options(stream=True).forward.remote(routed, req)
             held: list = []

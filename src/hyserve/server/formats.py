@@ -13,53 +13,25 @@ from ..chat.messages import assistant_message
 from ..engine import Delta, Finished
 
 
-class _Format:
-    """Builds one endpoint's JSON. `__call__(kind, payload)`: kind 'start', 'delta' and 'final' give a list of
-    stream chunks, 'usage' the usage chunk, 'full' the whole response."""
+class Format:
+    """One reply's JSON in one API's shape. The generation loop (`generation`) asks it for the stream's chunks
+    (`start`, `delta`, `final`, `usage_chunks`, `failure`) or for the whole reply (`response`); `event` makes a
+    chunk a server-sent event."""
 
-    object_name = full_object = prefix = ""
     done: str | None = "[DONE]"  # the stream's last data line, if any
+    prefix = ""  # of the reply's id
+
+    def __init__(self, model: str):
+        self.model = model
+        self.index = 0  # the choice's index (n > 1)
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
 
     def event(self, chunk: dict) -> dict:
         """One stream chunk as a server-sent event (Responses and Messages name their events)."""
         return {"data": json.dumps(chunk)}
 
-    def error_event(self, message: str, type_: str, code: str | None) -> dict:
-        return {"data": json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})}
-
-    def __init__(self, model: str, token_ids: bool = False, tokenizer=None):
-        self.model, self.token_ids = model, token_ids
-        self.tokenizer = tokenizer  # for logprobs: each token's text
-        self.index = 0  # the choice's index (n > 1)
-        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
-
-    def _envelope(self, choices: list, obj: str | None = None) -> dict:
-        return {"id": self.id, "object": obj or self.object_name, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def __call__(self, kind: str, payload):
-        if kind == "start":
-            return self.start()
-        if kind == "delta":
-            return self.delta(payload)
-        if kind == "final":
-            return self.final(payload)
-        if kind == "usage":
-            return {**self._envelope([]), "usage": payload}
-        out = self._envelope([self.full(payload)], self.full_object)
-        out["usage"] = usage(payload)
-        return out
-
-    def _ids(self, choice: dict, ids: list[int] | None) -> dict:
-        if self.token_ids and ids is not None:
-            choice["token_ids"] = ids
-        return choice
-
     def start(self) -> list[dict]:
         return []
-
-    def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
 
     def delta(self, d: Delta) -> list[dict]:
         raise NotImplementedError
@@ -67,11 +39,56 @@ class _Format:
     def final(self, fin: Finished) -> list[dict]:
         raise NotImplementedError
 
-    def full(self, fin: Finished) -> dict:
+    def usage_chunks(self, usage: dict) -> list[dict]:
+        """The chunks carrying a stream's usage once every choice has finished (`stream_options.include_usage`);
+        APIs whose final event holds the usage send none."""
+        return []
+
+    def failure(self, message: str, type_: str, code: str | None) -> list[dict]:
+        """The chunks ending a stream whose generation failed or timed out: OpenAI's error line."""
+        return [{"error": {"message": message, "type": type_, "param": None, "code": code}}]
+
+    def response(self, fins: list[Finished], formats: list[Format]) -> dict:
+        """The whole (non-streamed) reply: `fins[i]` is choice i's, built by `formats[i]` (this one first)."""
         raise NotImplementedError
 
 
-class ChatFormat(_Format):
+class ChoiceFormat(Format):
+    """OpenAI's chat and text completions: an envelope around `choices`, one per format."""
+
+    object_name = full_object = ""
+
+    def __init__(self, model: str, token_ids: bool = False, tokenizer=None):
+        super().__init__(model)
+        self.token_ids = token_ids
+        self.tokenizer = tokenizer  # for logprobs: each token's text
+
+    def _envelope(self, choices: list, obj: str | None = None) -> dict:
+        return {"id": self.id, "object": obj or self.object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def usage_chunks(self, usage: dict) -> list[dict]:
+        return [{**self._envelope([]), "usage": usage}]
+
+    def response(self, fins: list[Finished], formats: list[Format]) -> dict:
+        out = self._envelope([f.choice(fin) for f, fin in zip(formats, fins)], self.full_object)
+        out["usage"] = usage(*fins)
+        return out
+
+    def choice(self, fin: Finished) -> dict:
+        """One finished choice of the whole reply."""
+        raise NotImplementedError
+
+    def _ids(self, choice: dict, ids: list[int] | None) -> dict:
+        if self.token_ids and ids is not None:
+            choice["token_ids"] = ids
+        return choice
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+class ChatFormat(ChoiceFormat):
     object_name, full_object, prefix = "chat.completion.chunk", "chat.completion", "chatcmpl"
 
     def __init__(self, model: str, token_ids: bool, turn: ChatTurn, tokenizer=None):
@@ -113,7 +130,7 @@ class ChatFormat(_Format):
         return self._chunks(self.reader.finish(), None) + [
             self._chunk({}, _finish(fin, self.reader.calls > 0), [] if self.token_ids else None)]
 
-    def full(self, fin: Finished) -> dict:
+    def choice(self, fin: Finished) -> dict:
         reply = self.turn.parse(fin.text)
         message = {**assistant_message(reply), "refusal": None}  # required (nullable): hyserve never refuses
         if reply.reasoning is not None:
@@ -136,7 +153,7 @@ def _deltas(ev) -> list[dict]:
     ]
 
 
-class CompletionFormat(_Format):
+class CompletionFormat(ChoiceFormat):
     object_name, full_object, prefix = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, model: str, token_ids: bool = False, tokenizer=None, echo: str | None = None):
@@ -172,7 +189,7 @@ class CompletionFormat(_Format):
     def final(self, fin: Finished) -> list[dict]:
         return [self._envelope([self._choice("", [], _finish(fin))])]
 
-    def full(self, fin: Finished) -> dict:
+    def choice(self, fin: Finished) -> dict:
         return self._choice((self.echo or "") + fin.text, fin.token_ids, _finish(fin), self._logprobs(fin.logprobs))
 
 
@@ -197,13 +214,3 @@ def usage(*fins: Finished) -> dict:
         "total_tokens": fin.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
     }
-
-
-def full_response(fmts: list[_Format], fins: list[Finished]) -> dict:
-    """The whole (non-streamed) response: one choice per format and its Finished item."""
-    if len(fmts) == 1:  # (Responses and Messages have no `choices`)
-        return fmts[0]("full", fins[0])
-    out = fmts[0]("full", fins[0])
-    out["choices"] += [fmt.full(fin) for fmt, fin in zip(fmts[1:], fins[1:])]
-    out["usage"] = usage(*fins)
-    return out

@@ -27,7 +27,7 @@ class LegacyFunctionsFormat(ChatFormat):
                logprobs: dict | None = None) -> dict:
         return super()._chunk(_legacy(delta), _reason(finish), ids, logprobs)
 
-    def full(self, fin: Finished) -> dict:
-        choice = super().full(fin)
+    def choice(self, fin: Finished) -> dict:
+        choice = super().choice(fin)
         choice["message"], choice["finish_reason"] = _legacy(choice["message"]), _reason(choice["finish_reason"])
         return choice

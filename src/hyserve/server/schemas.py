@@ -173,6 +173,10 @@ class SamplingFields(StructuredFields):
         """The field the request's token budget came from, as errors name it."""
         return "max_tokens"
 
+    def choice_param(self, param: str) -> str:
+        """A tool-choice error's field as the request named it."""
+        return param
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

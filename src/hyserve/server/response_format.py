@@ -1,36 +1,20 @@
-"""`POST /v1/responses` (OpenAI's Responses API) on the chat machinery: input items become chat messages,
-the reply is read by the request's `ChatTurn` into reasoning, message and function-call output items.
-
-`store: true` (the default) keeps the response's tokens (prompt + output, as generated) under the caller's
-tenant, and the engine records its state after the very last token (`keep_final`). A request with
-`previous_response_id` is then those tokens plus the template's rendering of the new input only
-(`chat.continuation`): nothing is re-rendered or re-tokenized, and the prefix cache restores the whole
-previous turn, its reply included, on any template. New `tools` are the exception: templates list tools
-ahead of the conversation, so the stored conversation (messages) is rendered again with them.
-"""
+"""The Responses API's response object and stream events: the reply is read by the request's `ChatTurn`
+into reasoning, message and function-call output items. A stream ends with `response.completed`,
+`response.incomplete` or, when generation fails, `response.failed`. (The routes: `routes/responses.py`.)"""
 
 from __future__ import annotations
 
 import json
 import uuid
 
-from fastapi import FastAPI, Request
-from starlette.concurrency import run_in_threadpool
-
-from ..chat import ChatRequestError, ChatTurn, template_message
-from ..chat.continuation import ContinuationError, continuation_ids
+from ..chat import ChatTurn
 from ..chat.reply import CallEvent, ParsedReply
+from ..engine import Delta, Finished
 from ..parsers.reasoning import REASONING
-from ..engine import Finished
-from ..prompt_bound import PromptTooLong
-from ..service import Service
-from .errors import APIError
-from .formats import _Format
-from .guards import API_KEY, key_tenant
-from .response_schemas import ResponsesRequest, input_messages
-from .response_store import ResponseStore
+from .formats import Format
+from .response_schemas import ResponsesRequest
 
-DEFAULT_STORE_BYTES = 64 << 20
+FAILED_CODE = "server_error"  # the failed response's `error.code` (the spec's codes name no timeout or shutdown)
 
 
 def _id(prefix: str) -> str:
@@ -58,7 +42,7 @@ def output_items(reply: ParsedReply) -> list[dict]:
     return out + [call_item(c) for c in reply.tool_calls]
 
 
-class ResponsesFormat(_Format):
+class ResponsesFormat(Format):
     """The response object and its stream of named events (`response.created` ... `response.completed`)."""
 
     done = None  # no `[DONE]` line: the stream ends after `response.completed`
@@ -75,28 +59,34 @@ class ResponsesFormat(_Format):
     def event(self, chunk: dict) -> dict:
         return {"event": chunk["type"], "data": json.dumps(chunk)}
 
-    def error_event(self, message: str, type_: str, code: str | None) -> dict:
-        return self.event(self._ev("error", code=code or type_, message=message, param=None))
-
     def _ev(self, type_: str, **fields) -> dict:
         self.seq += 1
         return {"type": type_, "sequence_number": self.seq - 1, **fields}
 
-    def __call__(self, kind: str, payload):
-        if kind == "start":
-            snapshot = self.response("in_progress", [])
-            return [self._ev("response.created", response=snapshot),
-                    self._ev("response.in_progress", response=snapshot)]
-        if kind == "delta":
-            return [e for ev in self.reader.feed(payload.text) for e in self._stream(ev)]
-        if kind == "final":
-            events = [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
-            resp = self.finished(payload, self.output)
-            return events + [self._ev("response.completed" if resp["status"] == "completed" else "response.incomplete",
-                                      response=resp)]
-        if kind == "full":
-            return self.finished(payload, output_items(self.turn.parse(payload.text)))
-        return []
+    def start(self) -> list[dict]:
+        snapshot = self.snapshot("in_progress", [])
+        return [self._ev("response.created", response=snapshot), self._ev("response.in_progress", response=snapshot)]
+
+    def delta(self, d: Delta) -> list[dict]:
+        return [e for ev in self.reader.feed(d.text) for e in self._stream(ev)]
+
+    def final(self, fin: Finished) -> list[dict]:
+        events = [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
+        resp = self.finished(fin, self.output)
+        return events + [self._ev("response.completed" if resp["status"] == "completed" else "response.incomplete",
+                                  response=resp)]
+
+    def failure(self, message: str, type_: str, code: str | None) -> list[dict]:
+        """`response.failed`, whose response holds the items streamed so far (the open one incomplete)."""
+        if self.open is not None:
+            item, text, idx = self.open["item"], self.open["text"], self.open["index"]
+            make = reasoning_item if item["type"] == "reasoning" else message_item
+            self.output[idx], self.open = make(text, item["id"], "incomplete"), None
+        error = {"code": FAILED_CODE, "message": message}
+        return [self._ev("response.failed", response=self.snapshot("failed", self.output, error=error))]
+
+    def response(self, fins: list[Finished], formats: list[Format]) -> dict:
+        return self.finished(fins[0], output_items(self.turn.parse(fins[0].text)))
 
     # -- streaming: one open item at a time, closed when the channel changes or a call follows ------------
     def _stream(self, ev) -> list[dict]:
@@ -156,15 +146,16 @@ class ResponsesFormat(_Format):
     # -- the response object --------------------------------------------------------------------------------
     def finished(self, fin: Finished, output: list[dict]) -> dict:
         status = "incomplete" if fin.reason in ("length", "cancelled") else "completed"
-        resp = self.response(status, output, fin)
+        resp = self.snapshot(status, output, fin)
         self.on_done(fin, resp)
         return resp
 
-    def response(self, status: str, output: list[dict], fin: Finished | None = None) -> dict:
+    def snapshot(self, status: str, output: list[dict], fin: Finished | None = None, error: dict | None = None) -> dict:
+        """The response object as it stands (`fin`: the finished generation, None before it)."""
         b = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
-            "error": None,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if fin and fin.reason == "length" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
             "output": output, "parallel_tool_calls": b.parallel_tool_calls,
@@ -212,90 +203,3 @@ def response_usage(fin: Finished, reasoning: int = 0) -> dict:
             "input_tokens_details": {"cached_tokens": fin.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": fin.prompt_tokens + out}
-
-
-def install_responses(app: FastAPI, service: Service) -> None:
-    api, cfg, rt = app.state.api, service.config, service.runtime
-    store = app.state.responses = ResponseStore(getattr(cfg, "response_store_bytes", DEFAULT_STORE_BYTES))
-
-    def tenant(request: Request) -> str:
-        return key_tenant(request.scope.get(API_KEY) if cfg.api_keys else None)
-
-    def stored(request: Request, rid: str, param: str | None = None):
-        item = store.get(tenant(request), rid)
-        if item is None:  # another tenant's id reads as unknown
-            raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error", param,
-                           "response_not_found")
-        return item
-
-    def render(messages, salt, template_kwargs):
-        try:
-            return service.engine.render_chat(messages, salt, template_kwargs)
-        except PromptTooLong:
-            raise
-        except Exception as exc:
-            raise ContinuationError(f"could not apply the chat template: {exc}") from exc
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request):
-        api.check_model(body.model)
-        grammar = await api.grammar_of(body)
-        messages = [template_message(m) for m in input_messages(body)]
-        if len(messages) > cfg.max_messages:
-            raise APIError(400, f"at most {cfg.max_messages} input items per request", param="input")
-        try:
-            turn = ChatTurn(service.parsers, body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls,
-                            body.template_options())
-        except ChatRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param)
-        salt, chat, history, earlier = api.salt_of(body, request), None, messages, []
-        instructions = body.instructions
-        try:
-            if body.previous_response_id is not None:
-                prev = stored(request, body.previous_response_id, "previous_response_id")
-                if instructions is not None and instructions != prev.instructions:
-                    raise APIError(400, "instructions cannot change when continuing a response: its tokens "
-                                   "already hold the earlier ones", param="instructions")
-                # they are in its tokens, so they hold here too (the response reports them)
-                instructions = body.instructions = prev.instructions
-                earlier = prev.messages or []
-                if turn.tools != prev.tools:  # the template lists tools up front: render it all with the new ones
-                    history = earlier + messages
-                    chat = await run_in_threadpool(render, history, salt, turn.template_kwargs)
-                    prompt = chat.prompt
-                else:
-                    history = None
-                    tail = await run_in_threadpool(continuation_ids, rt, messages, prev.tokens, salt,
-                                                   turn.template_kwargs)
-                    prompt = prev.tokens + tail
-            else:
-                chat = await run_in_threadpool(render, messages, salt, turn.template_kwargs)
-                prompt = chat.prompt
-        except PromptTooLong as exc:
-            raise api.too_long(exc, "input")
-        except ContinuationError as exc:
-            raise APIError(400, str(exc), param="input")
-        turn.note_prompt(rt.tokenizer, prompt)
-        req = api.build_request(body, prompt, history, request, chat, api.answer_grammar(grammar, turn))
-        req.template_kwargs, req.reply_message = turn.template_kwargs, turn.history_message
-        req.keep_final = body.store
-        who = tenant(request)
-
-        def on_done(fin: Finished, resp: dict) -> None:
-            if body.store and fin.reason in ("stop", "length"):
-                conversation = earlier + messages + [turn.history_message(fin.text)]
-                store.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions, conversation, turn.tools)
-
-        fmt = ResponsesFormat(service.model_name, turn, body, on_done, rt.decode)
-        return await api.run("responses", body, req, request, lambda: fmt)
-
-    @app.get("/v1/responses/{rid}")
-    async def get_response(rid: str, request: Request):
-        return stored(request, rid).response
-
-    @app.delete("/v1/responses/{rid}")
-    async def delete_response(rid: str, request: Request):
-        stored(request, rid)
-        store.delete(tenant(request), rid)
-        return {"id": rid, "object": "response.deleted", "deleted": True}
-
