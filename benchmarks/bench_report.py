@@ -155,6 +155,16 @@ def speculative(r: dict) -> str:
     return "\n".join(out)
 
 
+def speculative_trained(r: dict) -> str:
+    import bench_speculative as S
+
+    return "\n".join([f"Prompt lookup (k={r['k']}, n={r['ngram']}) against none on `{r['model']}`, replies of up to "
+                      f"{r['max_tokens']} tokens ending at EOS, median of {r['rounds']} interleaved round(s):", "",
+                      S.trained_table(r), "",
+                      "Lookup output token-identical to no speculation in every run." if not r["mismatches"]
+                      else f"Lookup output differed from no speculation: {r['mismatches']}."])
+
+
 def load(r: dict) -> str:
     import bench_load
 
@@ -298,6 +308,7 @@ REPORTS = {
     "peers-real-4b-int8": ("peers-real-4b-int8.json", peers_quant),
     "peers-real-4b-int4": ("peers-real-4b-int4.json", peers_quant),
     "speculative": ("speculative.json", speculative),
+    "speculative-smollm2": ("speculative-smollm2.json", speculative_trained),
     "load": ("load.json", load),
     "memory": ("memory.json", memory),
     "kernels": ("kernels.json", kernels),
