@@ -253,6 +253,20 @@ def _fit_mrope(model_dir: Path, cfg: dict, tmp: Path) -> Path:
     return tmp
 
 
+def renderer(model_dir: Path):
+    """The model's chat rendering without its weights (as the Ray router's `scale.keys` builds it): this process
+    only counts and renders prompts, and a real size's weights would take memory from the servers measured."""
+    import threading
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hyserve.runtime import ModelRuntime, context_length
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    context = context_length(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)
+    return ModelRuntime(None, tokenizer, None, model_dir, frozenset(), context, threading.Lock())
+
+
 # -- llama-server ---------------------------------------------------------------------------------
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
@@ -616,10 +630,8 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     from openai import OpenAI
 
-    from hyserve.runtime import ModelRuntime
-
     t_start = time.perf_counter()
-    rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: the prompts' token counts
+    rt = renderer(model_dir)  # this process's own: the prompts' token counts
     system, users = build_conversation(rt.tokenizer, args.turns, args.target_tokens, args.max_tokens,
                                        args.seed, args.final_tokens, args.user_tokens)
     info = C.machine_info()
