@@ -13,6 +13,7 @@ llama-server next to issue 37's targets.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -71,6 +72,7 @@ def ensure_quantized(base: Path, qtype: str, binary: str, threads: int) -> dict:
     run and what it wrote."""
     out = base.with_name(f"{base.stem}-{qtype}.gguf")
     cmd = [binary, str(base), str(out), qtype, str(threads)]
+    build = None  # llama-quantize's build line, printed as it quantizes (it has no --version)
     if not out.exists():
         part = out.with_suffix(f".part{os.getpid()}")
         cmd_part = [*cmd[:2], str(part), *cmd[3:]]
@@ -80,7 +82,10 @@ def ensure_quantized(base: Path, qtype: str, binary: str, threads: int) -> dict:
             part.unlink(missing_ok=True)
             raise RuntimeError(f"llama-quantize failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
         os.replace(part, out)
-    return {"path": str(out), "command": cmd, "bytes": out.stat().st_size, "tensor_types": tensor_types(out)}
+        found = re.search(r"build = (\d+) \(([^)]*)\)", r.stdout + r.stderr)
+        build = f"build {found[1]} ({found[2]})" if found else None
+    return {"path": str(out), "command": cmd, "bytes": out.stat().st_size, "tensor_types": tensor_types(out),
+            "build": build}
 
 
 def warm_turn_s(turns: list[dict], side: str) -> float | None:
@@ -151,6 +156,6 @@ def files_table(result: dict) -> str:
     """Each llama.cpp file: type, size, tensors per storage type."""
     import bench_common as C
 
-    rows = [[qtype, f"{q['bytes'] / 2**20:.0f}", ", ".join(f"{k} {v}" for k, v in q["tensor_types"].items())]
+    rows = [[qtype, f"{q['bytes'] / 2**20:.1f}", ", ".join(f"{k} {v}" for k, v in q["tensor_types"].items())]
             for qtype, q in result["quantization"]["types"].items()]
     return C.table(["llama.cpp type", "file (MiB)", "tensors by type"], rows)

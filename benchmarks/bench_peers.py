@@ -620,7 +620,7 @@ def main(argv=None) -> int:
         types = {t: Q.ensure_quantized(gguf, t, quantize, args.threads) for t in Q.LLAMA_TYPES[args.quantization]}
         peers = [(t, Path(q["path"])) for t, q in types.items()]
         quant = {"scheme": args.quantization, "source_gguf": str(gguf), "source_type": outtype, "types": types,
-                 "llama_quantize": {"binary": quantize, "version": server_version(quantize)}}
+                 "llama_quantize": {"binary": quantize, "version": next((q["build"] for q in types.values() if q["build"]), None)}}
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))  # unwinds the with-blocks: llama-server is stopped
