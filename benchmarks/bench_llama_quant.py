@@ -82,7 +82,7 @@ def ensure_quantized(base: Path, qtype: str, binary: str, threads: int) -> dict:
             part.unlink(missing_ok=True)
             raise RuntimeError(f"llama-quantize failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
         os.replace(part, out)
-        found = re.search(r"^version: (.*)$", r.stdout + r.stderr, re.M)
+        found = re.search(r"^version: (.*)$", r.stdout + r.stderr, re.MULTILINE)
         build = found[1].strip() if found else None
     return {"path": str(out), "command": cmd, "bytes": out.stat().st_size, "tensor_types": tensor_types(out),
             "build": build}

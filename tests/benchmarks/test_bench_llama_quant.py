@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_llama_quant as Q  # noqa: E402
+import bench_llama_quant as Q
 
 
 def _turn(ttft, total, tokens):
