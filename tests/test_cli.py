@@ -39,6 +39,29 @@ def test_the_real_moe_size_has_the_35b_a3b_layer():
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.46
 
 
+def test_the_real_4b_size_has_qwen35_4b_dimensions_in_bfloat16():
+    """`--size real-4b` (checked without writing its 8.4 GB): Qwen3.5-4B's published text dimensions, built
+    with every parameter in bfloat16 from the start (a float32 model would be 17 GB); counted on the meta
+    device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyserve.tiny import SIZES, default_arch, model_config, train_tokenizer
+
+    assert "real-4b" in SIZES and default_arch("real-4b") == "qwen3_5"
+    config, save_dtype = model_config("qwen3_5", "real-4b", train_tokenizer())
+    assert save_dtype == torch.bfloat16
+    real = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True)
+    assert {k: getattr(config, k) for k in real} == real
+    assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 8
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)  # as hyserve.tiny builds it
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 4.21
+
+
 def test_serve_rejects_unsupported_model(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     r = run("serve", str(tmp_path), "--port", "0")

