@@ -12,12 +12,16 @@ import pytest
 import torch
 
 from hyserve import model_thread, quant
+from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
 from hyserve.runtime import ModelRuntime
 
 from .conftest import FAMILIES
 from .test_engine_cache import run_chat
+
+# The families whose MoE blocks hold transformers' fused 3-D expert weights (qwen3_next is among FAMILIES).
+MOE = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "lfm2_moe", "jamba")
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +119,11 @@ def test_the_layout_holds_q4_0_blocks_as_they_are():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", FAMILIES + MOE)
 def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     """No float copy of a quantized weight stays in the model: what is left in the model's dtype is the norms',
-    convolutions' and recurrent layers' small parameters, the routers and the routed experts (listed)."""
+    convolutions' and recurrent layers' small parameters and the routers (listed); the routed experts are
+    held as blocks of the body's format."""
     rt = quantized(arch, scheme=scheme)
     q = rt.quantization
     assert q.layers > 0 and q.bytes_after < q.bytes_before / 3
@@ -128,7 +133,8 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     held = (layout.QuantLinear, layout.QuantEmbedding)
     shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, held)}
     floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
-              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
+              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes
+              and n.split(".")[-2] not in quant.ROUTERS]  # a router's shape may be a projection's
     assert not floats, floats
     head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
     assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
@@ -138,10 +144,14 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
         assert embedding.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
     body = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear) and m is not head]
     assert body and all(m.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8) for m in body)
-    if arch == "qwen3_next":
-        assert any("experts" in n for n in q.kept) and any(n.endswith("shared_expert_gate") for n in q.kept)
-    else:
-        assert not q.kept, q.kept
+    assert not [(n, tuple(t.shape)) for n, t in rt.model.named_parameters() if t.dim() == 3
+                and "conv" not in n], "a 3-D (expert) weight left in float"
+    held_experts = [m for m in rt.model.modules() if isinstance(m, qexperts.QuantExperts)]
+    assert bool(held_experts) == (arch in ("qwen3_next",) + MOE)
+    assert all(m.up_qs.dtype == m.down_qs.dtype == body[0].qs.dtype for m in held_experts)
+    routers = [n for n in q.kept if q.kept[n].startswith("MoE router")]
+    assert bool(routers) == (arch in ("qwen3_next", "qwen3_5_moe")), q.kept  # their shared_expert_gate
+    assert all(n in routers or n.endswith(".dt_proj") for n in q.kept), q.kept  # Jamba's: input width dt_rank 4
     assert rt.kernels.on("native_int8") and rt.kernels.on("native_int4") == (scheme == "int4"), rt.kernels.status
 
 
@@ -198,7 +208,8 @@ def _greedy(rt, n=10, together=True):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES] + [("qwen3_5", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES + MOE] + [("qwen3_5", "bfloat16"),
+                                                                                     ("qwen3_5_moe", "bfloat16")])
 def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
     rt = quantized(arch, dtype, scheme)
     assert rt.kernels.on("native_int8"), rt.kernels.status
@@ -206,7 +217,7 @@ def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, sch
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", FAMILIES + MOE)
 def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
     on_service = make_service(arch, quantization=scheme)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
