@@ -341,3 +341,56 @@ def test_a_weight_is_quantized_the_same_a_slice_of_rows_at_a_time(monkeypatch, s
     monkeypatch.setattr(layout, "CHUNK", 96 * 8)  # 8 rows a slice, the last one short
     sliced = layout.quantize(w, scheme)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
+def _experts(kind: str):
+    """A transformers experts module with random weights: gated (Qwen3-Next's) or not (Nemotron-H's)."""
+    if kind == "gated":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextExperts as Experts
+
+        config = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=96, num_experts=5)
+    else:
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts as Experts
+
+        config = NemotronHConfig(hidden_size=64, moe_intermediate_size=96, n_routed_experts=5)
+    config._experts_implementation = "eager"
+    module = Experts(config)
+    g = torch.Generator().manual_seed(4)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    return module
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_in_its_batch(kind, scheme):
+    """`QuantExperts` against transformers' own eager loop over the dequantized weights; with the C product on,
+    each token of a decode-sized batch gets bit for bit what it gets alone (experts hit by 1 to 8 rows)."""
+    module = _experts(kind)
+    held = qexperts.QuantExperts(module, scheme)
+    up, down = qexperts.fused_weights(module)
+    for name, qs, d in ((up, held.up_qs, held.up_d), (down, held.down_qs, held.down_d)):
+        getattr(module, name).data = torch.stack([layout.dequantize(qs[e], d[e], torch.float32)
+                                                  for e in range(held.num_experts)])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)])
+    weights = torch.rand(20, 2, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(held(x, index, weights), module(x, index, weights), atol=1e-5, rtol=1e-5)
+    lib, why = qnative.library()
+    assert lib is not None, why
+    fmt = layout.format_of(held.up_qs[0])
+    assert qnative._install(qnative.Products(lib, fmt), held.linears(), torch.float32) == ""
+
+    def alone_and_together():
+        with torch.inference_mode():
+            together = held(x[:8], index[:8], weights[:8])
+            alone = [held(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(8)]
+            return together, torch.cat(alone), module(x[:8], index[:8], weights[:8])
+
+    together, alone, want = model_thread.run(alone_and_together)
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
