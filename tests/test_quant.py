@@ -394,3 +394,29 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
     together, alone, want = model_thread.run(alone_and_together)
     assert torch.equal(together, alone)
     torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [{"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True},
+                                    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                    {"quant_method": "compressed-tensors", "format": "pack-quantized"}])
+def test_an_already_quantized_checkpoint_is_refused_at_start_in_one_line(model_dirs, tmp_path, capfd, config):
+    """Pre-quantized weights are not read yet: `hyserve serve` says so in one line that names the method, before any
+    weight is read, and a direct load raises the same; never a silently different model."""
+    import json
+    import shutil
+
+    from hyserve.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["qwen3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    method = config["quant_method"]
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot start" in lines[0] and f"quantization_config method '{method}'" in lines[0], lines
+    with pytest.raises(ValueError, match=f"method '{method}'"):
+        ModelRuntime.load(folder, device="cpu", quantization="int8")
+    assert quant.checkpoint.method_of(model_dirs["qwen3"]) is None

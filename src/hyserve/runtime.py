@@ -109,6 +109,8 @@ class ModelRuntime:
             model, tokenizer = gguf_file.load(info.path, _DTYPES[dtype], device)
         else:
             model_type = read_model_type(model_dir)
+            if why := quant.checkpoint.refusal(model_dir):
+                raise ValueError(why)
             weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
             log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
                      human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import human_bytes
+from . import checkpoint  # noqa: F401  (quant.checkpoint.refusal)
 from .experts import QuantExperts, fits_blocks, fused_weights
 from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
 
