@@ -125,7 +125,9 @@ class ModelRuntime:
             quantized = quant.apply(model, quantization)
             log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
-        if impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
+        if quantized is not None and quant.runs_all_experts(model):
+            log.info("experts: hyserve's loop over the quantized experts (quant.experts)")
+        elif impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)

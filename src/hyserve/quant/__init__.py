@@ -126,6 +126,13 @@ def apply(model, scheme: str) -> Quantized:
     return done
 
 
+def runs_all_experts(model) -> bool:
+    """Whether every MoE experts module of `model` is a `QuantExperts` (then transformers' experts
+    implementations run nowhere, and choosing one is moot)."""
+    held = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    return bool(held) and not any(fused_weights(m) is not None for m in model.modules())
+
+
 def install_products(model, dtype: torch.dtype) -> dict[str, str]:
     """The C products for a decode step's few rows over the quantized weights (`native.install`): per kernel
     name, "" or why off."""
