@@ -91,31 +91,42 @@ def apply(model, scheme: str) -> Quantized:
 
     def replace(parent: torch.nn.Module, prefix: str) -> None:
         for name in [name for name, _ in parent.named_children()]:
-            child, full = getattr(parent, name), f"{prefix}{name}"
-            if type(child) is torch.nn.Linear:
-                if name in ROUTERS:
-                    done.kept[full] = "MoE router(s), kept as llama.cpp keeps them"
-                elif child.in_features % BLOCK:
-                    done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
-                else:
-                    setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
-                    done.layers += 1
-            elif fused_weights(child) is not None and fits_blocks(child):
-                done.bytes_before += _nbytes(*(getattr(child, n) for n in fused_weights(child)))
-                held = QuantExperts(child, scheme)
-                setattr(parent, name, held)
-                done.layers += 2
-                done.bytes_after += _nbytes(held.up_qs, held.up_d, held.down_qs, held.down_d)
-            elif type(child) is torch.nn.Embedding and id(child) == embedding_id:
-                if child.embedding_dim % BLOCK:
-                    done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
-                else:
-                    setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
-                    done.layers += 1
-            else:
-                replace(child, full + ".")
-            del child
+            replace_child(parent, name, f"{prefix}{name}")
 
+    def replace_child(parent: torch.nn.Module, name: str, full: str) -> None:
+        child = getattr(parent, name)
+        if type(child) is torch.nn.Linear:
+            if name in ROUTERS:
+                done.kept[full] = "MoE router(s), kept as llama.cpp keeps them"
+            elif child.in_features % BLOCK:
+                done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
+            else:
+                setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
+                done.layers += 1
+        elif fused_weights(child) is not None and fits_blocks(child):
+            done.bytes_before += _nbytes(*(getattr(child, n) for n in fused_weights(child)))
+            held = QuantExperts(child, scheme)
+            setattr(parent, name, held)
+            done.layers += 2
+            done.bytes_after += _nbytes(held.up_qs, held.up_d, held.down_qs, held.down_d)
+        elif type(child) is torch.nn.Embedding and id(child) == embedding_id:
+            if child.embedding_dim % BLOCK:
+                done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
+            else:
+                setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
+                done.layers += 1
+        else:
+            replace(child, full + ".")
+
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.weight is getattr(model.get_input_embeddings(), "weight", None):
+        # a tied head first, so that its float weight goes with the embedding's, not after every layer
+        head_name = next(n for n, m in model.named_modules() if m is head)
+        parent_name, _, attr = head_name.rpartition(".")
+        del head
+        replace_child(model.get_submodule(parent_name), attr, head_name)
+    else:
+        del head
     replace(model, "")
     made.clear()
     for module_name, module in model.named_modules():
