@@ -20,16 +20,17 @@ from hyserve.allocator import keep_freed_memory
 
 keep_freed_memory()  # as ModelRuntime.load, before any big allocation
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
 
-from hyserve import quant  # noqa: E402
+from hyserve import quant
 
 
 def rss() -> tuple[int, int]:
     """(anonymous, file-backed) resident MiB of this process."""
-    fields = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in open("/proc/self/status")
-              if line.startswith(("RssAnon", "RssFile"))}
+    with open("/proc/self/status") as status:
+        fields = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in status
+                  if line.startswith(("RssAnon", "RssFile"))}
     return fields["RssAnon"], fields["RssFile"]
 
 
