@@ -347,13 +347,15 @@ def _experts(kind: str):
     """A transformers experts module with random weights: gated (Qwen3-Next's) or not (Nemotron-H's)."""
     if kind == "gated":
         from transformers import Qwen3NextConfig
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextExperts as Experts
+        from transformers.models.qwen3_next import modeling_qwen3_next
 
+        Experts = modeling_qwen3_next.Qwen3NextExperts
         config = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=96, num_experts=5)
     else:
         from transformers import NemotronHConfig
-        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts as Experts
+        from transformers.models.nemotron_h import modeling_nemotron_h
 
+        Experts = modeling_nemotron_h.NemotronHExperts
         config = NemotronHConfig(hidden_size=64, moe_intermediate_size=96, n_routed_experts=5)
     config._experts_implementation = "eager"
     module = Experts(config)
