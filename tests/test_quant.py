@@ -12,12 +12,16 @@ import pytest
 import torch
 
 from hyserve import model_thread, quant
+from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
 from hyserve.runtime import ModelRuntime
 
 from .conftest import FAMILIES
 from .test_engine_cache import run_chat
+
+# The families whose MoE blocks hold transformers' fused 3-D expert weights (qwen3_next is among FAMILIES).
+MOE = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "lfm2_moe", "jamba")
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +119,11 @@ def test_the_layout_holds_q4_0_blocks_as_they_are():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", FAMILIES + MOE)
 def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     """No float copy of a quantized weight stays in the model: what is left in the model's dtype is the norms',
-    convolutions' and recurrent layers' small parameters, the routers and the routed experts (listed)."""
+    convolutions' and recurrent layers' small parameters and the routers (listed); the routed experts are
+    held as blocks of the body's format."""
     rt = quantized(arch, scheme=scheme)
     q = rt.quantization
     assert q.layers > 0 and q.bytes_after < q.bytes_before / 3
@@ -128,7 +133,8 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     held = (layout.QuantLinear, layout.QuantEmbedding)
     shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, held)}
     floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
-              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes]
+              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes
+              and n.split(".")[-2] not in quant.ROUTERS]  # a router's shape may be a projection's
     assert not floats, floats
     head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
     assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
@@ -138,10 +144,14 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
         assert embedding.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
     body = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear) and m is not head]
     assert body and all(m.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8) for m in body)
-    if arch == "qwen3_next":
-        assert any("experts" in n for n in q.kept) and any(n.endswith("shared_expert_gate") for n in q.kept)
-    else:
-        assert not q.kept, q.kept
+    assert not [(n, tuple(t.shape)) for n, t in rt.model.named_parameters() if t.dim() == 3
+                and "conv" not in n], "a 3-D (expert) weight left in float"
+    held_experts = [m for m in rt.model.modules() if isinstance(m, qexperts.QuantExperts)]
+    assert bool(held_experts) == (arch in ("qwen3_next",) + MOE)
+    assert all(m.up_qs.dtype == m.down_qs.dtype == body[0].qs.dtype for m in held_experts)
+    routers = [n for n in q.kept if q.kept[n].startswith("MoE router")]
+    assert bool(routers) == (arch in ("qwen3_next", "qwen3_5_moe")), q.kept  # their shared_expert_gate
+    assert all(n in routers or n.endswith(".dt_proj") for n in q.kept), q.kept  # Jamba's: input width dt_rank 4
     assert rt.kernels.on("native_int8") and rt.kernels.on("native_int4") == (scheme == "int4"), rt.kernels.status
 
 
@@ -198,15 +208,16 @@ def _greedy(rt, n=10, together=True):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES] + [("qwen3_5", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES + MOE] + [("qwen3_5", "bfloat16"),
+                                                                                     ("qwen3_5_moe", "bfloat16")])
 def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
     rt = quantized(arch, dtype, scheme)
     assert rt.kernels.on("native_int8"), rt.kernels.status
     assert _greedy(rt, together=True) == _greedy(rt, together=False)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch,scheme", [(a, s) for a in FAMILIES + MOE for s in ("int8", "int4")
+                                         if (a, s) != ("jamba", "int4")])  # Jamba's takes ~45 s: int8 covers it
 def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
     on_service = make_service(arch, quantization=scheme)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
@@ -330,3 +341,84 @@ def test_a_weight_is_quantized_the_same_a_slice_of_rows_at_a_time(monkeypatch, s
     monkeypatch.setattr(layout, "CHUNK", 96 * 8)  # 8 rows a slice, the last one short
     sliced = layout.quantize(w, scheme)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
+def _experts(kind: str):
+    """A transformers experts module with random weights: gated (Qwen3-Next's) or not (Nemotron-H's)."""
+    if kind == "gated":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next import modeling_qwen3_next
+
+        Experts = modeling_qwen3_next.Qwen3NextExperts
+        config = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=96, num_experts=5)
+    else:
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h import modeling_nemotron_h
+
+        Experts = modeling_nemotron_h.NemotronHExperts
+        config = NemotronHConfig(hidden_size=64, moe_intermediate_size=96, n_routed_experts=5)
+    config._experts_implementation = "eager"
+    module = Experts(config)
+    g = torch.Generator().manual_seed(4)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    return module
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_in_its_batch(kind, scheme):
+    """`QuantExperts` against transformers' own eager loop over the dequantized weights; with the C product on,
+    each token of a decode-sized batch gets bit for bit what it gets alone (experts hit by 1 to 8 rows)."""
+    module = _experts(kind)
+    held = qexperts.QuantExperts(module, scheme)
+    up, down = qexperts.fused_weights(module)
+    for name, qs, d in ((up, held.up_qs, held.up_d), (down, held.down_qs, held.down_d)):
+        getattr(module, name).data = torch.stack([layout.dequantize(qs[e], d[e], torch.float32)
+                                                  for e in range(held.num_experts)])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)])
+    weights = torch.rand(20, 2, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(held(x, index, weights), module(x, index, weights), atol=1e-5, rtol=1e-5)
+    lib, why = qnative.library()
+    assert lib is not None, why
+    fmt = layout.format_of(held.up_qs[0])
+    assert qnative._install(qnative.Products(lib, fmt), held.linears(), torch.float32) == ""
+
+    def alone_and_together():
+        with torch.inference_mode():
+            together = held(x[:8], index[:8], weights[:8])
+            alone = [held(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(8)]
+            return together, torch.cat(alone), module(x[:8], index[:8], weights[:8])
+
+    together, alone, want = model_thread.run(alone_and_together)
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [{"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True},
+                                    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                    {"quant_method": "compressed-tensors", "format": "pack-quantized"}])
+def test_an_already_quantized_checkpoint_is_refused_at_start_in_one_line(model_dirs, tmp_path, capfd, config):
+    """Pre-quantized weights are not read yet: `hyserve serve` says so in one line that names the method, before any
+    weight is read, and a direct load raises the same; never a silently different model."""
+    import json
+    import shutil
+
+    from hyserve.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["qwen3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    method = config["quant_method"]
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot start" in lines[0] and f"quantization_config method '{method}'" in lines[0], lines
+    with pytest.raises(ValueError, match=f"method '{method}'"):
+        ModelRuntime.load(folder, device="cpu", quantization="int8")
+    assert quant.checkpoint.method_of(model_dirs["qwen3"]) is None

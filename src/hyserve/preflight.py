@@ -68,6 +68,10 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
         read_model_type(path)
     except (FileNotFoundError, ValueError) as exc:  # UnsupportedModelError is a ValueError
         raise StartupError(str(exc)) from exc
+    from .quant.checkpoint import refusal
+
+    if why := refusal(path):
+        raise StartupError(why)
     weights = [f for pattern in WEIGHT_GLOBS for f in path.glob(pattern)]
     if not weights:
         raise StartupError(f"{path} has no weights (*.safetensors or pytorch_model*.bin); hyserve never downloads "

@@ -107,6 +107,8 @@ class ModelRuntime:
             log.info("GGUF tensors: %s", from_file.describe())
         else:
             model_type = read_model_type(model_dir)
+            if why := quant.checkpoint.refusal(model_dir):
+                raise ValueError(why)
             weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
             log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
                      human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)
@@ -121,7 +123,9 @@ class ModelRuntime:
             quantized = quant.apply(model, quantization)
             log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
-        if impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
+        if quantized is not None and quant.runs_all_experts(model):
+            log.info("experts: hyserve's loop over the quantized experts (quant.experts)")
+        elif impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)

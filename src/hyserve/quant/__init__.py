@@ -4,6 +4,8 @@ What is quantized, as llama.cpp's Q8_0 and Q4_0 files have it (`layout`: GGUF's 
 and one float16 scale each):
 - every `nn.Linear` of the decoder (attention, Gated DeltaNet and Mamba2 projections, MLPs, shared experts):
   Q8_0 for int8, Q4_0 for int4;
+- the routed experts of MoE blocks (transformers' fused 3-D expert weights), at the body's format, each
+  expert's slice as a linear layer's weight (`experts.QuantExperts`);
 - the output head at Q8_0 for both: its errors land on every logit, so llama.cpp never puts it below the
   body's bits (Q8_0 in a Q8_0 file, Q6_K in Q4_0 and Q4_K_M files; Q8_0 is the nearest format here that is
   not below Q6_K);
@@ -14,8 +16,8 @@ and one float16 scale each):
 What stays in the model's dtype, with one start-up line saying so:
 - MoE routers (`gate`, `shared_expert_gate`, `router`): llama.cpp keeps `ffn_gate_inp` unquantized, since a
   rounding there changes which experts run;
-- the routed experts of MoE blocks (transformers' fused 3-D expert weights): not quantized yet;
-- a layer whose input width is not a multiple of 32 (no whole Q8_0 blocks).
+- a layer whose input width is not a multiple of 32 (no whole Q8_0 blocks), and routed experts of another
+  layout than transformers' eager one (transposed, with biases or a gating of their own).
 Norms, convolutions and the recurrent layers' small parameters stay as they are (llama.cpp keeps them F32).
 """
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import human_bytes
+from . import checkpoint  # noqa: F401  (quant.checkpoint.refusal)
+from .experts import QuantExperts, fits_blocks, fused_weights
 from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
 
 log = logging.getLogger("hyserve.quant")
@@ -73,41 +77,71 @@ def apply(model, scheme: str) -> Quantized:
     if device.type != "cpu":
         raise ValueError(f"--quantization {scheme} runs on CPU only (the model is on {device.type})")
     done = Quantized(scheme)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    head_weight = getattr(head, "weight", None)
+    # ids, not references: a float weight is freed as soon as its module is replaced (peak: float + one layer)
+    embedding_id = id(model.get_input_embeddings())
+    head_weight_id = id(getattr(model.get_output_embeddings(), "weight", None))
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qs, d): a tied weight quantized once
 
     def q(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(weight) not in made:
-            made[id(weight)] = quantize(weight, HEAD if weight is head_weight else scheme)
+            made[id(weight)] = quantize(weight, HEAD if id(weight) == head_weight_id else scheme)
             done.bytes_before += _nbytes(weight)
             done.bytes_after += _nbytes(*made[id(weight)])
         return made[id(weight)]
 
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is torch.nn.Linear:
-                if name in ROUTERS:
-                    done.kept[full] = "MoE router(s), kept as llama.cpp keeps them"
-                elif child.in_features % BLOCK:
-                    done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
-                else:
-                    setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
-                    done.layers += 1
-            elif type(child) is torch.nn.Embedding and child is embedding:
-                if child.embedding_dim % BLOCK:
-                    done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
-                else:
-                    setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
-                    done.layers += 1
+    def replace(parent: torch.nn.Module, prefix: str) -> None:
+        for name in [name for name, _ in parent.named_children()]:
+            replace_child(parent, name, f"{prefix}{name}")
+
+    def replace_child(parent: torch.nn.Module, name: str, full: str) -> None:
+        child = getattr(parent, name)
+        if type(child) is torch.nn.Linear:
+            if name in ROUTERS:
+                done.kept[full] = "MoE router(s), kept as llama.cpp keeps them"
+            elif child.in_features % BLOCK:
+                done.kept[full] = f"layer(s) whose input width is not a multiple of {BLOCK}"
+            else:
+                setattr(parent, name, QuantLinear(*q(child.weight), child.bias, child.weight.dtype))
+                done.layers += 1
+        elif fused_weights(child) is not None and fits_blocks(child):
+            done.bytes_before += _nbytes(*(getattr(child, n) for n in fused_weights(child)))
+            held = QuantExperts(child, scheme)
+            setattr(parent, name, held)
+            done.layers += 2
+            done.bytes_after += _nbytes(held.up_qs, held.up_d, held.down_qs, held.down_d)
+        elif type(child) is torch.nn.Embedding and id(child) == embedding_id:
+            if child.embedding_dim % BLOCK:
+                done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
+            else:
+                setattr(parent, name, QuantEmbedding(*q(child.weight), child.weight.dtype))
+                done.layers += 1
+        else:
+            replace(child, full + ".")
+
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.weight is getattr(model.get_input_embeddings(), "weight", None):
+        # a tied head first, so that its float weight goes with the embedding's, not after every layer
+        head_name = next(n for n, m in model.named_modules() if m is head)
+        parent_name, _, attr = head_name.rpartition(".")
+        del head
+        replace_child(model.get_submodule(parent_name), attr, head_name)
+    else:
+        del head
+    replace(model, "")
     made.clear()
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.modules.conv._ConvNd):  # a conv's weight is 3-D too
             for name, p in module.named_parameters(recurse=False):
                 if p.dim() == 3:
-                    done.kept[f"{module_name}.{name}"] = "routed expert weight(s) of MoE blocks (not quantized yet)"
+                    done.kept[f"{module_name}.{name}"] = "routed expert weight(s) of another layout or width"
     return done
+
+
+def runs_all_experts(model) -> bool:
+    """Whether every MoE experts module of `model` is a `QuantExperts` (then transformers' experts
+    implementations run nowhere, and choosing one is moot)."""
+    held = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    return bool(held) and not any(fused_weights(m) is not None for m in model.modules())
 
 
 def install_products(model, dtype: torch.dtype) -> dict[str, str]:

@@ -32,9 +32,12 @@ def quantize(weight: torch.Tensor, scheme: str = "int8") -> tuple[torch.Tensor, 
     of rows at a time (`CHUNK`), so that a 248k-row head needs no whole float32 copy."""
     n, k = weight.shape
     step = max(1, CHUNK // k)
-    parts = [_quantize(weight[a:a + step].detach().float().reshape(-1, k // BLOCK, BLOCK), scheme)
-             for a in range(0, n, step)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    qs = torch.empty(n, k // 2 if scheme == "int4" else k, dtype=torch.uint8 if scheme == "int4" else torch.int8)
+    d = torch.empty(n, k // BLOCK, dtype=torch.float16)
+    for a in range(0, n, step):  # into the result, not into parts then joined: no second copy of the values
+        qs[a:a + step], d[a:a + step] = _quantize(weight[a:a + step].detach().float().reshape(-1, k // BLOCK, BLOCK),
+                                                  scheme)
+    return qs, d
 
 
 def _quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:

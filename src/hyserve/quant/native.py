@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import native, verify
+from .experts import QuantExperts
 from .layout import QuantLinear, dequantized_linear, format_of
 
 SOURCE = Path(__file__).with_name("products.c")
@@ -67,6 +68,7 @@ def install(model, dtype: torch.dtype) -> dict[str, str]:
     `dequantized_linear` on each of their weight shapes, for one row and for `ROWS`. Returns, per kernel name
     (`KERNELS`) of the formats present, "" when on, else why not."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers += [linear for m in model.modules() if isinstance(m, QuantExperts) for linear in m.linears()]
     formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
     formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
