@@ -16,12 +16,15 @@ from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
 from hyserve.runtime import ModelRuntime
+from hyserve.tiny import ARCHS
 
 from .conftest import FAMILIES
 from .test_engine_cache import run_chat
 
 # The families whose MoE blocks hold transformers' fused 3-D expert weights (qwen3_next is among FAMILIES).
 MOE = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "lfm2_moe", "jamba")
+# The other hybrid families: their quantized layers are those above, so the six-turn chat alone covers them.
+OTHERS = tuple(a for a in ARCHS if a not in FAMILIES + MOE)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +219,7 @@ def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, sch
     assert _greedy(rt, together=True) == _greedy(rt, together=False)
 
 
-@pytest.mark.parametrize("arch,scheme", [(a, s) for a in FAMILIES + MOE for s in ("int8", "int4")
+@pytest.mark.parametrize("arch,scheme", [(a, s) for a in FAMILIES + MOE + OTHERS for s in ("int8", "int4")
                                          if (a, s) != ("jamba", "int4")])  # Jamba's takes ~45 s: int8 covers it
 def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
     on_service = make_service(arch, quantization=scheme)
