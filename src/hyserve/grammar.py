@@ -96,11 +96,12 @@ class Grammars:
             if self._lltok is None:
                 import llguidance.hf
 
-                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos or None)
+                self._lltok = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos or None
+                )
             return self._lltok
 
-    def compile(self, spec: Spec) -> "Compiled":
+    def compile(self, spec: Spec) -> Compiled:
         """Check the spec against the tokenizer: GrammarError (naming the field) when it is invalid."""
         import llguidance as llg
 
@@ -133,7 +134,7 @@ class Compiled:
     vocab_size: int
     after: tuple[int, ...] = ()  # tokens (a reasoning block's end tag) the grammar starts after; () from the first
 
-    def start(self) -> "Constraint":
+    def start(self) -> Constraint:
         return Constraint(self)
 
 
@@ -165,7 +166,7 @@ class Constraint:
     def accept(self, token: int) -> bool:
         """Advance by one accepted token; False if the grammar refuses it (the matcher is then in error)."""
         if self.waiting:
-            self.recent = (self.recent + [int(token)])[-len(self.waiting):]
+            self.recent = (self.recent + [int(token)])[-len(self.waiting) :]
             if self.recent == self.waiting:
                 self.waiting = []
             return True

@@ -14,7 +14,7 @@ message says). For ChatML that is the render of the messages without a generatio
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .cache.policy import first_difference
 

@@ -30,8 +30,16 @@ class PromptKeys:
         context = context_length(AutoConfig.from_pretrained(config.model_dir, local_files_only=True), tokenizer)
         self.config = config
         # the renderer of a loaded runtime, without weights: `render_chat` and `encode` use only these fields
-        self.runtime = ModelRuntime(None, tokenizer, None, config.model_dir, frozenset(), context, threading.Lock(),
-                                    special_tokens_in_content=config.allow_special_tokens_in_content)
+        self.runtime = ModelRuntime(
+            None,
+            tokenizer,
+            None,
+            config.model_dir,
+            frozenset(),
+            context,
+            threading.Lock(),
+            special_tokens_in_content=config.allow_special_tokens_in_content,
+        )
         self.runtime.prompt_encoder = PrefixEncoder(tokenizer, KEPT_TEXTS, self.runtime.escaper, KEPT_BYTES)
 
     def admitted(self, headers: list[tuple[bytes, bytes]]) -> tuple[bool, str | None]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache

@@ -42,5 +42,10 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     req = serving.build_request(body, prompt, None, request, grammar=grammar)
     rt = serving.runtime
     echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
-    return await serving.respond("completions", body, req, request,
-                                 lambda: CompletionFormat(serving.model_name, body.return_token_ids, rt.tokenizer, echo))
+    return await serving.respond(
+        "completions",
+        body,
+        req,
+        request,
+        lambda: CompletionFormat(serving.model_name, body.return_token_ids, rt.tokenizer, echo),
+    )
