@@ -262,7 +262,8 @@ def micro(rounds: int = 30) -> list[dict]:
             }
         )
         # a snapshot's copy (~4.2k-token bench qwen3_5 state: KV of 2 attention layers, conv and recurrent states
-        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone (state.caches.packed_clones)
+        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone
+        # (state.caches.packed_clones)
         state = (
             [r(1, 2, prefix + new, 64) for _ in range(4)]
             + [r(1, 8, 64, 64) for _ in range(6)]

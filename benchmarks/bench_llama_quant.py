@@ -159,7 +159,7 @@ def quant_table(result: dict) -> str:
         h = next(iter(values.values()))["hyserve"][key] if values else None
         fmt = "{:.1f}" if key != "warm_turn_s" else "{:.3f}"
         row = [label, "-" if h is None else fmt.format(h)]
-        for qtype, sides in values.items():
+        for sides in values.values():
             ll, hq = sides["llama"][key], sides["hyserve"][key]
             r = _ratio(hq, ll)
             met = None if r is None else (r >= target if higher else r <= target)

@@ -20,9 +20,11 @@ content chunk), prompt tokens and cached tokens as each server reports them
 log lines about checkpoints and its cache. The two servers never run at the same time: hyserve's
 idle-time work is waited for before llama-server is timed, and the order alternates per turn.
 
-    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
+    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64
+                                                    # tokens
     python benchmarks/bench_peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
-    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
+    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no
+                                                    # llama-server
     python benchmarks/bench_peers.py --arch qwen3   # attention-only model instead of the hybrid
     python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --growing --throughput
                                                     # 0.75B Qwen3.5 in bf16 on both sides: the chat, then cold

@@ -128,7 +128,8 @@ def table(result: dict) -> str:
         [
             C.table(["weights", "weights MiB", "top-1 = float32", "KL mean (nats)", "KL p99", "perplexity"], rows),
             "",
-            f"{result['model']}: {result['tokens']} positions ({result['windows']} windows of {result['window']} tokens) "
+            f"{result['model']}: {result['tokens']} positions "
+            f"({result['windows']} windows of {result['window']} tokens) "
             f"of Python {result['python']}'s help topics {', '.join(result['topics'])} (SHA-256 "
             f"{result['text_sha256'][:12]}); KL(float32 || scheme) per position, perplexity of the text's next token.",
         ]

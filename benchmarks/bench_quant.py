@@ -5,7 +5,8 @@ The runtimes are loaded into this process (the dtype's first, then each scheme o
 steps are timed block by block in turn (`--blocks` blocks of `--steps` steps per side, one request after a
 `--prompt`-token prompt, and a batch of `--batch` requests); the result is the median of the per-block ratios,
 so that the machine's drift between blocks cancels. Memory: the bytes each model holds (its parameters and
-buffers, exact) and the growth of this process's resident set over each load (approximate: the allocator may keep freed pages).
+buffers, exact) and the growth of this process's resident set over each load (approximate: the allocator may keep freed
+pages).
 
     python benchmarks/bench_quant.py --size real-0.8b --dtype bfloat16 --json benchmarks/results/quant.json
     python benchmarks/bench_quant.py --size real-0.8b --dtype float32 --schemes int8

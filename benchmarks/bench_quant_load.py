@@ -20,10 +20,10 @@ from hyserve.allocator import keep_freed_memory
 
 keep_freed_memory()  # as ModelRuntime.load, before any big allocation
 
-import torch
-from transformers import AutoModelForCausalLM
+import torch  # noqa: E402 (after keep_freed_memory, on purpose)
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-from hyserve import quant
+from hyserve import quant  # noqa: E402
 
 
 def rss() -> tuple[int, int]:

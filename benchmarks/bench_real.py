@@ -6,8 +6,8 @@ layers: 18 Gated DeltaNet + 6 full attention, hidden 1024, 248,320-token vocabul
 `--model real-moe` is `--size real-moe`: Qwen3.5-35B-A3B's layer at its real dimensions (hidden 2048, 8 routed
 + 1 shared experts of 512 per token) with 64 experts and 4 layers (3 Gated DeltaNet + 1 full attention),
 1.46B parameters; `--experts eager,grouped_mm,batched_mm` measures each of transformers' experts
-implementations (default: the one hyserve chooses at load). Models are built once under `benchmarks/.models`. Every phase
-runs on hyserve's model thread through the family adapter, as the engine runs it (kernels on, after their
+implementations (default: the one hyserve chooses at load). Models are built once under `benchmarks/.models`. Every
+phase runs on hyserve's model thread through the family adapter, as the engine runs it (kernels on, after their
 load-time check):
 
 - cold prefill of `--prompt` tokens, in pieces of `--chunk` (the engine's prefill chunk);

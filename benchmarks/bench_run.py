@@ -828,10 +828,10 @@ def main(argv=None) -> int:
                         results[m][wl_name][sname] = {"rows": rows}
                 if best[2]["incomplete"]:
                     skipped.append([m, sname, best[2]["incomplete"]])
-    for m, per_wl in results.items():
-        for wl, per_sys in per_wl.items():
+    for per_wl in results.values():
+        for per_sys in per_wl.values():
             ref = per_sys.get("hyserve-off", {}).get("rows")
-            for name, d in per_sys.items():
+            for d in per_sys.values():
                 d["summary"] = summarize(d["rows"], ref)
 
     info["loadavg_end"] = C._loadavg()

@@ -400,7 +400,10 @@ def simulate(proposer, output: list[int], n_prompt: int | None = None) -> dict:
     fewer when a request ends inside an accepted run (it adds keep-1, not the tokens pushed), so
     `metric_accepted` reproduces that for the cross-check against the counters."""
     T = len(output)
-    blank = lambda: {"passes": 0, "proposed": 0, "accepted": 0}
+
+    def blank():
+        return {"passes": 0, "proposed": 0, "accepted": 0}
+
     st = {
         "steps": 0,
         "verify_passes": 0,
@@ -667,7 +670,7 @@ def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
 
         f1 = []
         for _ in range(iters + 2):
-            dt, logits = timed(lambda: ad.forward(state, [tok]))
+            dt, logits = timed(lambda: ad.forward(state, [tok]))  # noqa: B023 (timed calls it at once)
             tok = int(torch.argmax(logits))
             f1.append(dt)
         rows = []
@@ -677,9 +680,9 @@ def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
             for it in range(2 * (iters + 2)):
                 props = [(tok + 1 + j) % 256 for j in range(k)]
                 dt_p, point = timed(lambda: ad.rollback_point(state))
-                dt_f, _ = timed(lambda: ad.forward(state, [tok] + props, all_logits=True))
+                dt_f, _ = timed(lambda: ad.forward(state, [tok] + props, all_logits=True))  # noqa: B023 (called at once)
                 keep = [tok] if it % 2 == 0 else ([tok] + props)[: k // 2 + 1]  # reject all / reject half
-                dt_r, _ = timed(lambda: ad.rewind(state, point, keep))
+                dt_r, _ = timed(lambda: ad.rewind(state, point, keep))  # noqa: B023 (timed calls it at once)
                 point_t.append(dt_p)
                 fwd_t.append(dt_f)
                 (rew0_t if it % 2 == 0 else rewh_t).append(dt_r)
@@ -744,7 +747,10 @@ def fmt(x, digits=1, suffix=""):
 def md_table(headers, rows) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+
+    def line(vals):
+        return "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+
     return "\n".join(
         [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [line(r) for r in cells]
     )
@@ -996,7 +1002,9 @@ def main(argv=None) -> int:
         configs = {}
         for k in ks:
             for a in acceptances:
-                configs[f"oracle k={k} a={a:.2f}"] = lambda prompt, k=k, a=a: OracleProposer(prompt, ref, k, a, vocab)
+                configs[f"oracle k={k} a={a:.2f}"] = lambda prompt, k=k, a=a, ref=ref, vocab=vocab: OracleProposer(
+                    prompt, ref, k, a, vocab
+                )
         log(f"[{arch}] oracle: {len(configs)} configs x {rounds} rounds")
         runs = interleaved(svc, oracle_prompt, oracle_msgs, max_tokens, ref, configs, rounds, log, guard)
         results["mismatches"] += [f"{arch} {m}" for m in runs.pop("_mismatches")]

@@ -60,7 +60,7 @@ def _together(svc, reqs):
             outs.append(_Collect())
             eng.submit(r, outs[-1])
     for o in outs:
-        o.final
+        o.final  # noqa: B018 (the property waits for the request to finish)
     return outs
 
 

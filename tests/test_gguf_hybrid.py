@@ -1,5 +1,5 @@
-"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 (dense, MoE) and Qwen3-Next files
-written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
+"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 (dense, MoE) and Qwen3-Next
+files written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
 Q4_0 weights stay the file's blocks, which are the blocks hyserve's own int8 / int4 make of the HF weights."""
 
 import subprocess
@@ -23,7 +23,7 @@ ARCHES = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3n
 
 
 @pytest.fixture(scope="module")
-def converted(llama_cpp_converter, model_dirs, tmp_path_factory):
+def converted(llama_cpp_converter, model_dirs, tmp_path_factory):  # noqa: F811 (the imported fixture)
     """convert(arch, outtype): the tiny `arch` folder through llama.cpp's converter (written once)."""
     made = {}
 
@@ -170,7 +170,11 @@ def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
         assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)
 
 
-def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_converter, model_dirs, tmp_path):
+def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(
+    llama_cpp_converter,  # noqa: F811 (the imported fixture)
+    model_dirs,
+    tmp_path,
+):
     """Value heads 32 wide (real Qwen3.5: 128): the reordered out_proj moves whole blocks, so every linear layer
     keeps the file's blocks and the model is the folder's under --quantization int8, logit for logit."""
     import shutil

@@ -59,7 +59,7 @@ from hyserve.cli import main
 torch_first = "torch" in sys.modules
 main([])  # bare `hyserve`: its help
 print(json.dumps({"torch_before_settings": torch_first, **{k: os.environ.get(k) for k in %r}}))
-""" % (SETTINGS,)
+""" % (SETTINGS,)  # noqa: UP031 (the script's own braces)
 
 
 def test_the_cli_sets_the_process_up_before_torch():

@@ -1,8 +1,9 @@
 """Constrained decoding with llguidance: a request's grammar masks its logits before sampling.
 
 llguidance was picked by measurement (benchmarks/bench_grammar.py): it compiles a JSON schema faster than
-xgrammar, masks a token no slower, and has no dependencies. `Grammars` (one per service) checks and compiles a request's constraint on the HTTP side, so a
-bad schema is a 400; `Constraint` (one per request) holds the matcher, which only accepted tokens advance.
+xgrammar, masks a token no slower, and has no dependencies. `Grammars` (one per service) checks and compiles a request's
+constraint on the HTTP side, so a bad schema is a 400; `Constraint` (one per request) holds the matcher, which only
+accepted tokens advance.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class Metrics:
         )
         self.decode_gathers = Counter(
             "hyserve_decode_batch_gathers",
-            "Batched decode passes that first gathered every request's state afresh (the others reused the batch, copying at most joining requests into free rows)",
+            "Batched decode passes that first gathered every request's state afresh (the others reused the batch, "
+            "copying at most joining requests into free rows)",
             registry=r,
         )
         self.malloc_trim = Histogram(

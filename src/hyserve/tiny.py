@@ -3,8 +3,8 @@
 Each directory is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template) that `hyserve serve` loads like a real checkpoint.
 With `chat_template=PATH` the directory carries that template instead (a real model's), and its tokenizer
-the template's control tokens: `<|...|>` (and Nemotron's `<SPECIAL_N>`) strings as special tokens, and the tags Qwen tokenizers keep as
-plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
+the template's control tokens: `<|...|>` (and Nemotron's `<SPECIAL_N>`) strings as special tokens, and the tags Qwen
+tokenizers keep as plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
 """
 
 from __future__ import annotations

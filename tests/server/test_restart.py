@@ -35,7 +35,11 @@ def wait_for_disk_entries(server, at_least):
     return stats
 
 
-def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(model_dirs, served, tmp_path):
+def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
+    model_dirs,
+    served,  # noqa: F811 (the imported fixture)
+    tmp_path,
+):
     model, cache_dir, damaged = model_dirs["qwen3_5"], tmp_path / "cache", tmp_path / "damaged"
     first = served(model, "--cache-dir", str(cache_dir), "--cache-disk-bytes", "1G")
     first.wait_healthy()

@@ -92,7 +92,7 @@ class Background(Phase):
         """Under the lock: one chunk of the job that the oldest of `waiting` (requests that extend a job)
         needs; the active job first if it is that one, else it pauses (recorded where it stands)."""
         for run in waiting:
-            if self._select(lambda job: job.extended_by(run.req.prompt, run.req.cache_salt)):
+            if self._select(lambda job: job.extended_by(run.req.prompt, run.req.cache_salt)):  # noqa: B023 (called at once)
                 self._piece(self.chunk)
                 return
 
@@ -106,7 +106,7 @@ class Background(Phase):
             if job is None:
                 return False
             self._pause()
-            self.scheduler.take_background(lambda j: j is job)
+            self.scheduler.take_background(lambda j: j is job)  # noqa: B023 (called at once)
             self._start(job)
 
     def _start(self, job: Job) -> None:

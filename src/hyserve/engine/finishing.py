@@ -1,6 +1,6 @@
 """Finishing: a request leaves the running list, with its final item, its post-decode checkpoint (when the
-policy says the next turn will start from it) and jobs that build its history as the next turn will send it. Its live state and
-its pin on the cache go in the same step, so the slot is free for the next one.
+policy says the next turn will start from it) and jobs that build its history as the next turn will send it. Its live
+state and its pin on the cache go in the same step, so the slot is free for the next one.
 
 Replies go out first: `finish` emits the final item and `settle` (before the step's next forward pass, and
 at the end of the step) delivers every reply of the step in one flush, then copies their checkpoints (fresh

@@ -52,7 +52,8 @@ class FamilyAdapter:
 
     @torch.inference_mode()
     def forward(self, state: LiveState, token_ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all ([n, vocab])."""
+        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all
+        ([n, vocab])."""
         if not token_ids:
             raise ValueError("forward needs at least one token")
         state.batch = None  # its tensors move on from the batch's rows

@@ -7,7 +7,7 @@
 |                  | at exact checkpoints          |                               |                    | the kept tokens   |
 
 Checkpoints inside a prefill piece come from hyserve's own kernels (`forward_capturing`).
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

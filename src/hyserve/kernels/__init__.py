@@ -12,9 +12,10 @@
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
-them), and the one registry of everything they replace (`seam.patches(model)`, `seam.revert_all`); `verify` is the load-time check each must pass against the installed transformers before it is
-switched on. `install` returns what was decided (`KernelReport`); the runtime exposes it on `/health` and
-as a metric. `HYSERVE_KERNELS=0` leaves transformers' functions alone.
+them), and the one registry of everything they replace (`seam.patches(model)`, `seam.revert_all`); `verify` is the
+load-time check each must pass against the installed transformers before it is switched on. `install` returns what was
+decided (`KernelReport`); the runtime exposes it on `/health` and as a metric. `HYSERVE_KERNELS=0` leaves transformers'
+functions alone.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Linear layers: bfloat16 weights packed once for oneDNN (`pack`), their products of a few rows in C once
-checked (`install_native`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with row-major float32 weights
-is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro` times both); a batched decode step runs
-one row per request through every layer. The result is returned as that transposed view (rows stay
-contiguous among themselves, so every reshape the models do still works): making it contiguous cost a
-quarter of the product.
+checked (`install_native`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with
+row-major float32 weights is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro`
+times both); a batched decode step runs one row per request through every layer. The result is returned as that
+transposed view (rows stay contiguous among themselves, so every reshape the models do still works): making it
+contiguous cost a quarter of the product.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
 A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
 its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
 and the state is read twice while it is in the core's cache. PyTorch's CPU flash attention reads a decode
-step's KV well below the memory's speed; in C both threads stream it, each over its own stretch of keys. The library is compiled once per source,
-compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
+step's KV well below the memory's speed; in C both threads stream it, each over its own stretch of keys. The library is
+compiled once per source, compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
 `~/.cache/hyserve/native`) and loaded with ctypes. Nothing here is trusted unchecked: no compiler, a failed
 build or a second OpenMP runtime in the process leaves it off, and the load-time check compares each
 kernel against the PyTorch operations it replaces. `HYSERVE_NATIVE=0` switches it off.

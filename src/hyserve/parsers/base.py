@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class ToolCall:
     id: str = ""
 
 
-Piece = Union[str, ToolCall]  # content text, or a parsed call
+Piece = str | ToolCall  # content text, or a parsed call
 
 
 @dataclass

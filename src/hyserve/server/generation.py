@@ -59,7 +59,7 @@ class Generation:
         except QueueFull as exc:
             self.cancel()
             self.count("rejected")
-            raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+            raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded") from exc
         items = merged(streams)
         if self.body.stream:
             return EventSourceResponse(self.events(items), ping=PING_SECONDS, headers=self.headers)

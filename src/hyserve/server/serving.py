@@ -91,7 +91,7 @@ class Serving:
         except ChatRequestError as exc:
             param = body.choice_param(exc.param)
             message = str(exc) if param == exc.param else str(exc).replace(exc.param, param)
-            raise APIError(400, message, param=param)
+            raise APIError(400, message, param=param) from exc
 
     async def render_chat(self, messages: list[dict], salt: str, turn: ChatTurn, param: str = "messages") -> ChatPrompt:
         """The chat prompt, rendered off the event loop; a 400 naming `param` when it is too long or the
@@ -99,9 +99,9 @@ class Serving:
         try:
             return await run_in_threadpool(self.service.engine.render_chat, messages, salt, turn.template_kwargs)
         except PromptTooLong as exc:
-            raise self.too_long(exc, param)
+            raise self.too_long(exc, param) from exc
         except Exception as exc:
-            raise APIError(400, f"could not apply the chat template: {exc}", param=param)
+            raise APIError(400, f"could not apply the chat template: {exc}", param=param) from exc
 
     async def grammar_of(self, body: SamplingFields):
         """The request's checked constraint (None without one), compiled off the event loop; a 400 naming
@@ -112,7 +112,7 @@ class Serving:
         try:
             return await run_in_threadpool(self.grammars.compile, spec)
         except GrammarError as exc:
-            raise APIError(400, str(exc), param=exc.param)
+            raise APIError(400, str(exc), param=exc.param) from exc
 
     def answer_grammar(self, grammar, turn: ChatTurn):
         """A chat reply that reasons first is constrained in its answer only (after the reasoning's end tag)."""
@@ -159,7 +159,8 @@ class Serving:
             raise APIError(
                 400,
                 f"This model's maximum context length is {rt.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + (wanted or 0)} tokens ({len(prompt)} in the messages, {wanted or 0} in the completion).",
+                f"{len(prompt) + (wanted or 0)} tokens ({len(prompt)} in the messages, "
+                f"{wanted or 0} in the completion).",
                 param="messages" if messages is not None else "prompt",
                 code="context_length_exceeded",
             )

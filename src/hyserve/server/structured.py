@@ -64,7 +64,7 @@ def _schema(value, param: str) -> str:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise APIError(400, f"{param} is not valid JSON: {exc}", param=param)
+            raise APIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(value, (dict, bool)):
         raise APIError(400, f"{param} must be a JSON schema (an object)", param=param)
     return json.dumps(value)

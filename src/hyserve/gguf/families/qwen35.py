@@ -6,8 +6,8 @@ What llama.cpp's converter (conversion/qwen.py: Qwen3NextModel, _LinearAttention
 - `dt_bias` -> `ssm_dt.bias`; conv1d [c, 1, k] -> `ssm_conv1d` [c, k] (squeezed);
 - RMSNorm weights, which these models apply as (1 + w), stored as 1 + w, except the Gated DeltaNet's own norm
   (`linear_attn.norm` -> `ssm_norm`, applied as w): back with w - 1;
-- Qwen3.5 (dense and MoE) only, where there are more value heads than key heads: the value heads reordered from grouped by key
-  head to tiled (rows of in_proj_qkv's v part, in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias, the conv's v
+- Qwen3.5 (dense and MoE) only, where there are more value heads than key heads: the value heads reordered from grouped
+  by key head to tiled (rows of in_proj_qkv's v part, in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias, the conv's v
   channels; columns of out_proj): back with the inverse order;
 - Qwen3-Next only: in_proj_qkvz ([q, k, v, z] per key head) split into `attn_qkv` ([all q, all k, all v]) and
   `attn_gate` (all z): back into in_proj_qkvz as `Part`s;

@@ -23,7 +23,7 @@ async def prompt_ids(serving: Serving, body: CompletionRequest, request: Request
         try:
             return await run_in_threadpool(rt.encode, body.prompt, serving.salt_of(body, request))
         except PromptTooLong as exc:
-            raise serving.too_long(exc, "prompt")
+            raise serving.too_long(exc, "prompt") from exc
     vocab = len(rt.tokenizer)
     if any(t < 0 or t >= vocab for t in body.prompt):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")

@@ -80,9 +80,9 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     try:
         prompt, chat, history, earlier = await prompt_of(serving, body, request, messages, turn)
     except PromptTooLong as exc:
-        raise serving.too_long(exc, "input")
+        raise serving.too_long(exc, "input") from exc
     except ContinuationError as exc:
-        raise APIError(400, str(exc), param="input")
+        raise APIError(400, str(exc), param="input") from exc
     req = serving.chat_request(body, prompt, history, request, chat, turn, grammar)
     req.keep_final = body.store
     who, instructions = serving.tenant(request), body.instructions
