@@ -40,16 +40,25 @@ import bench_common as C  # noqa: E402
 
 TEMPLATE = C.QWEN35_TEMPLATE
 TOOLS = [
-    {"type": "function", "function": {
-        "name": name, "description": desc,
-        "parameters": {"type": "object", "properties": {p: {"type": "string", "description": f"the {p}"} for p in ps},
-                       "required": list(ps)}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": f"the {p}"} for p in ps},
+                "required": list(ps),
+            },
+        },
+    }
     for name, desc, ps in [
         ("read_file", "Read a file of the repository", ("path",)),
         ("search_code", "Search the repository for a pattern", ("pattern", "glob")),
         ("run_tests", "Run the test suite, or some of it", ("selector",)),
         ("edit_file", "Replace a span of a file", ("path", "old", "new")),
-    ]]
+    ]
+]
 
 
 def parse_args(argv=None):
@@ -70,18 +79,26 @@ def build_model(size: str) -> Path:
 
 def tool_call_text(rng: random.Random, round_: int) -> str:
     tool = TOOLS[round_ % len(TOOLS)]["function"]
-    params = "".join(f"<parameter={p}>\n{rng.choice(['src/app.py', 'tests/', 'def main', '*.py', 'x = 1'])}\n"
-                     f"</parameter>\n" for p in tool["parameters"]["properties"])
-    return (f"I should look at the code before answering; step {round_}.\n</think>\n\n"
-            f"<tool_call>\n<function={tool['name']}>\n{params}</function>\n</tool_call>")
+    params = "".join(
+        f"<parameter={p}>\n{rng.choice(['src/app.py', 'tests/', 'def main', '*.py', 'x = 1'])}\n</parameter>\n"
+        for p in tool["parameters"]["properties"]
+    )
+    return (
+        f"I should look at the code before answering; step {round_}.\n</think>\n\n"
+        f"<tool_call>\n<function={tool['name']}>\n{params}</function>\n</tool_call>"
+    )
 
 
 def stream_turn(base: str, body: dict) -> tuple[dict, float]:
     """Send one streamed chat request; (the reply as the client sends it back, usage, token ids) and TTFT."""
     t0, ttft = time.perf_counter(), None
     reasoning, content, calls, usage, ids = [], [], {}, None, []
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True, "return_token_ids": True,
-                      "stream_options": {"include_usage": True}}, timeout=600) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/chat/completions",
+        json={**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}},
+        timeout=600,
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -92,14 +109,19 @@ def stream_turn(base: str, body: dict) -> tuple[dict, float]:
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 ids += choice.get("token_ids") or []
-                if ttft is None and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-                                     or choice.get("token_ids")):
+                if ttft is None and (
+                    delta.get("content")
+                    or delta.get("reasoning_content")
+                    or delta.get("tool_calls")
+                    or choice.get("token_ids")
+                ):
                     ttft = time.perf_counter() - t0
                 reasoning.append(delta.get("reasoning_content") or "")
                 content.append(delta.get("content") or "")
                 for call in delta.get("tool_calls") or []:
-                    slot = calls.setdefault(call["index"], {"id": None, "type": "function",
-                                                            "function": {"name": "", "arguments": ""}})
+                    slot = calls.setdefault(
+                        call["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                    )
                     slot["id"] = call.get("id") or slot["id"]
                     fn = call.get("function") or {}
                     slot["function"]["name"] += fn.get("name") or ""
@@ -136,48 +158,86 @@ def main(argv=None) -> int:
     from hyserve.server.run import BackgroundServer
     from hyserve.service import ServiceConfig, build_service
 
-    services = {name: build_service(ServiceConfig(model_dir=model_dir, served_model_name="agent", device="cpu",
-                                                  cache_enabled=(name == "on"), cache_bytes=2 << 30))
-                for name in ("on", "off")}
+    services = {
+        name: build_service(
+            ServiceConfig(
+                model_dir=model_dir,
+                served_model_name="agent",
+                device="cpu",
+                cache_enabled=(name == "on"),
+                cache_bytes=2 << 30,
+            )
+        )
+        for name in ("on", "off")
+    }
     for svc in services.values():
         forced.attach(svc.engine)
     rt = services["on"].runtime
     tok = rt.tokenizer
     rng = random.Random(0)
-    system = "You are a coding agent working in a Python repository. " + C.text_of_tokens(tok, rng, 250 if not args.quick else 60)
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": "The tests fail after the last change. " + C.prose(rng, 30)}]
+    system = "You are a coding agent working in a Python repository. " + C.text_of_tokens(
+        tok, rng, 250 if not args.quick else 60
+    )
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "The tests fail after the last change. " + C.prose(rng, 30)},
+    ]
     rows, previous = [], None
     servers = {name: BackgroundServer(svc).__enter__() for name, svc in services.items()}
     try:
         for turn in range(1, turns + 1):
             calls_tool = messages[-1]["role"] == "user"  # a user request: the agent reasons and calls a tool
-            body = {"model": "agent", "messages": messages, "tools": TOOLS, "temperature": 0,
-                    "max_tokens": 400 if calls_tool else args.max_tokens}
+            body = {
+                "model": "agent",
+                "messages": messages,
+                "tools": TOOLS,
+                "temperature": 0,
+                "max_tokens": 400 if calls_tool else args.max_tokens,
+            }
             if calls_tool:
                 body["seed"] = forced.seed_for(tok, tool_call_text(rng, turn))
-            history = (len(rt.render_next_turn([template_message(m) for m in previous], template_kwargs={"tools": TOOLS}))
-                       if previous else 0)
+            history = (
+                len(rt.render_next_turn([template_message(m) for m in previous], template_kwargs={"tools": TOOLS}))
+                if previous
+                else 0
+            )
             got = {}
             for name, srv in servers.items():
                 got[name] = stream_turn(srv.base_url, body)
             (on, ttft_on), (off, ttft_off) = got["on"], got["off"]
             usage = on["usage"]
             cached = usage["prompt_tokens_details"]["cached_tokens"]
-            rows.append({"turn": turn, "kind": "tool call" if calls_tool else "answer",
-                         "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached, "history_tokens": history,
-                         "cached_over_history": (cached / history) if history else None,
-                         "ttft_on_s": ttft_on, "ttft_off_s": ttft_off, "same_reply": on["ids"] == off["ids"]})
-            print(f"turn {turn:2d} {rows[-1]['kind']:9s} prompt {usage['prompt_tokens']:5d} cached {cached:5d} "
-                  f"history {history:5d} ttft on {ttft_on:.3f} s off {ttft_off:.3f} s same {rows[-1]['same_reply']}",
-                  file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "turn": turn,
+                    "kind": "tool call" if calls_tool else "answer",
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "cached_tokens": cached,
+                    "history_tokens": history,
+                    "cached_over_history": (cached / history) if history else None,
+                    "ttft_on_s": ttft_on,
+                    "ttft_off_s": ttft_off,
+                    "same_reply": on["ids"] == off["ids"],
+                }
+            )
+            print(
+                f"turn {turn:2d} {rows[-1]['kind']:9s} prompt {usage['prompt_tokens']:5d} cached {cached:5d} "
+                f"history {history:5d} ttft on {ttft_on:.3f} s off {ttft_off:.3f} s same {rows[-1]['same_reply']}",
+                file=sys.stderr,
+                flush=True,
+            )
             reply = on["message"]
             messages = messages + [reply]
             previous = list(messages)
             if reply.get("tool_calls"):
                 for call in reply["tool_calls"]:
-                    messages.append({"role": "tool", "tool_call_id": call["id"],
-                                     "content": C.text_of_tokens(tok, rng, result_tokens)})
+                    messages.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": call["id"],
+                            "content": C.text_of_tokens(tok, rng, result_tokens),
+                        }
+                    )
             else:
                 messages.append({"role": "user", "content": "Good. Next: " + C.prose(rng, 25)})
             if not args.back_to_back:
@@ -194,18 +254,43 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     later = [r for r in rows if r["history_tokens"]]
-    ok = all(r["same_reply"] for r in rows) and (args.back_to_back or all(r["cached_over_history"] >= 0.99 for r in later))
+    ok = all(r["same_reply"] for r in rows) and (
+        args.back_to_back or all(r["cached_over_history"] >= 0.99 for r in later)
+    )
     return 0 if ok else 1
 
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    return C.table(["turn", "kind", "prompt", "cached", "history", "cached/history", "TTFT on (s)", "TTFT off (s)",
-                    "off/on", "same reply"],
-                   [[r["turn"], r["kind"], r["prompt_tokens"], r["cached_tokens"], r["history_tokens"],
-                     C.fmt_ratio(r["cached_over_history"], 3) if r["cached_over_history"] is not None else "-",
-                     C.fmt_s(r["ttft_on_s"]), C.fmt_s(r["ttft_off_s"]), C.fmt_ratio(r["ttft_off_s"] / r["ttft_on_s"]),
-                     "yes" if r["same_reply"] else "NO"] for r in rows])
+    return C.table(
+        [
+            "turn",
+            "kind",
+            "prompt",
+            "cached",
+            "history",
+            "cached/history",
+            "TTFT on (s)",
+            "TTFT off (s)",
+            "off/on",
+            "same reply",
+        ],
+        [
+            [
+                r["turn"],
+                r["kind"],
+                r["prompt_tokens"],
+                r["cached_tokens"],
+                r["history_tokens"],
+                C.fmt_ratio(r["cached_over_history"], 3) if r["cached_over_history"] is not None else "-",
+                C.fmt_s(r["ttft_on_s"]),
+                C.fmt_s(r["ttft_off_s"]),
+                C.fmt_ratio(r["ttft_off_s"] / r["ttft_on_s"]),
+                "yes" if r["same_reply"] else "NO",
+            ]
+            for r in rows
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -58,16 +58,25 @@ class Recorder(httpx.AsyncBaseTransport):
             return await self.inner.handle_async_request(request)
         body = json.loads(request.content)
         body["seed"] = self.script(body["messages"])
-        request = httpx.Request(request.method, request.url, headers={k: v for k, v in request.headers.items()
-                                                                      if k.lower() != "content-length"},
-                                json=body)
+        request = httpx.Request(
+            request.method,
+            request.url,
+            headers={k: v for k, v in request.headers.items() if k.lower() != "content-length"},
+            json=body,
+        )
         t0 = time.perf_counter()
         response = await self.inner.handle_async_request(request)
         content = await response.aread()
         usage = json.loads(content)["usage"]
-        self.rows.append({"messages": body["messages"], "tools": body.get("tools"), "prompt_tokens": usage["prompt_tokens"],
-                          "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                          "seconds": time.perf_counter() - t0})
+        self.rows.append(
+            {
+                "messages": body["messages"],
+                "tools": body.get("tools"),
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "seconds": time.perf_counter() - t0,
+            }
+        )
         return httpx.Response(response.status_code, headers=response.headers, content=content)
 
 
@@ -119,12 +128,21 @@ async def drive(base: str, tok, rng: random.Random, turns: int, result_tokens: i
         return f"edited {path}"
 
     recorder = Recorder(httpx.AsyncHTTPTransport(), forced_script(forced, tok, rng))
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.AsyncClient(transport=recorder, timeout=600))
-    model = OpenAIChatCompletionsModel(model="agent", openai_client=client,
-                                       should_replay_reasoning_content=(lambda ctx: True) if replays else None)
-    agent = Agent(name="coder", model=model, tools=[read_file, search_code, run_tests, edit_file],
-                  instructions="You are a coding agent working in a Python repository. " + C.prose(rng, 120))
+    client = AsyncOpenAI(
+        base_url=f"{base}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=recorder, timeout=600),
+    )
+    model = OpenAIChatCompletionsModel(
+        model="agent", openai_client=client, should_replay_reasoning_content=(lambda ctx: True) if replays else None
+    )
+    agent = Agent(
+        name="coder",
+        model=model,
+        tools=[read_file, search_code, run_tests, edit_file],
+        instructions="You are a coding agent working in a Python repository. " + C.prose(rng, 120),
+    )
     items: list = []
     for turn in range(turns):
         items.append({"role": "user", "content": f"Turn {turn + 1}: " + C.prose(rng, 25)})
@@ -142,8 +160,16 @@ def histories(rt, rows: list[dict]) -> None:
     for row in rows:
         messages, tools = row.pop("messages"), row.pop("tools")
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        row["history_tokens"] = 0 if last is None else len(rt.render_next_turn(
-            [template_message(m) for m in messages[: last + 1]], template_kwargs={"tools": tools} if tools else None))
+        row["history_tokens"] = (
+            0
+            if last is None
+            else len(
+                rt.render_next_turn(
+                    [template_message(m) for m in messages[: last + 1]],
+                    template_kwargs={"tools": tools} if tools else None,
+                )
+            )
+        )
         row["after"] = messages[-1]["role"]
 
 
@@ -162,19 +188,29 @@ def main(argv=None) -> int:
     turns = args.turns or (2 if args.quick else 4)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = C.ensure_model("qwen3_5", size, TEMPLATE)
-    from hyserve.testing import ForcedReplies
     from hyserve.server.run import BackgroundServer
     from hyserve.service import ServiceConfig, build_service
+    from hyserve.testing import ForcedReplies
 
-    svc = build_service(ServiceConfig(model_dir=model_dir, served_model_name="agent", device="cpu",
-                                      cache_bytes=2 << 30))
+    svc = build_service(
+        ServiceConfig(model_dir=model_dir, served_model_name="agent", device="cpu", cache_bytes=2 << 30)
+    )
     forced = ForcedReplies(8_000_000).attach(svc.engine)
     runs = {}
     try:
         with BackgroundServer(svc) as srv:
             for habit, replays in (("reasoning dropped (default)", False), ("reasoning sent back", True)):
-                rows = asyncio.run(drive(srv.base_url, svc.runtime.tokenizer, random.Random(len(runs)), turns,
-                                         result_tokens, replays, forced))
+                rows = asyncio.run(
+                    drive(
+                        srv.base_url,
+                        svc.runtime.tokenizer,
+                        random.Random(len(runs)),
+                        turns,
+                        result_tokens,
+                        replays,
+                        forced,
+                    )
+                )
                 histories(svc.runtime, rows)
                 runs[habit] = rows
     finally:
@@ -195,11 +231,29 @@ def table(result: dict) -> str:
     out = []
     for habit, rows in result["runs"].items():
         rs = ratios(rows)
-        out.append([habit, len(rows), sum(r["prompt_tokens"] for r in rows), sum(r["cached_tokens"] for r in rows),
-                    C.fmt_ratio(min(rs), 3) if rs else "-", C.fmt_ratio(C.mean(rs), 3) if rs else "-",
-                    sum(r < 0.98 for r in rs)])
-    return C.table(["client habit", "requests", "prompt tokens", "cached tokens", "min cached/history",
-                    "mean cached/history", "requests under 0.98"], out)
+        out.append(
+            [
+                habit,
+                len(rows),
+                sum(r["prompt_tokens"] for r in rows),
+                sum(r["cached_tokens"] for r in rows),
+                C.fmt_ratio(min(rs), 3) if rs else "-",
+                C.fmt_ratio(C.mean(rs), 3) if rs else "-",
+                sum(r < 0.98 for r in rs),
+            ]
+        )
+    return C.table(
+        [
+            "client habit",
+            "requests",
+            "prompt tokens",
+            "cached tokens",
+            "min cached/history",
+            "mean cached/history",
+            "requests under 0.98",
+        ],
+        out,
+    )
 
 
 if __name__ == "__main__":

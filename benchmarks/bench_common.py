@@ -74,8 +74,9 @@ def ensure_model(arch: str, size: str, template: Path | None = None) -> Path:
 
 
 def _complete(d: Path) -> bool:
-    return all((d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json",
-                                          "tokenizer_config.json"))
+    return all(
+        (d / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    )
 
 
 def write_result(path: str, script: str, result: dict) -> None:
@@ -83,8 +84,16 @@ def write_result(path: str, script: str, result: dict) -> None:
     the machine it ran on."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python " + " ".join([f"benchmarks/{script}"] + sys.argv[1:]),
-                               "machine": machine_info(), **result}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python " + " ".join([f"benchmarks/{script}"] + sys.argv[1:]),
+                "machine": machine_info(),
+                **result,
+            },
+            indent=2,
+        )
+    )
 
 
 def machine_info() -> dict:
@@ -145,9 +154,12 @@ def provenance() -> dict:
         script = script.relative_to(BENCH_DIR.parent)
     except ValueError:
         pass
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "command": " ".join(["python", str(script), *sys.argv[1:]])}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(["python", str(script), *sys.argv[1:]]),
+    }
 
 
 def _loadavg() -> list[float] | None:
@@ -160,8 +172,12 @@ def _loadavg() -> list[float] | None:
 def warn_if_busy(threshold: float = 0.7) -> None:
     load = _loadavg()
     if load and load[0] > threshold:
-        print(f"WARNING: 1-minute load average is {load[0]} on {os.cpu_count()} cores; other processes will "
-              f"inflate the timings.", file=sys.stderr, flush=True)
+        print(
+            f"WARNING: 1-minute load average is {load[0]} on {os.cpu_count()} cores; other processes will "
+            f"inflate the timings.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # -- background load ----------------------------------------------------------------------------
@@ -219,8 +235,11 @@ def metric_samples(text: str) -> dict:
     """Every sample of a Prometheus exposition as {(sample name, ((label, value), ...)): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 # -- hyserve in a process of its own -----------------------------------------------------------------
@@ -244,26 +263,44 @@ class ServerProcess:
     to read the first chunk queued behind the model thread's next pass). Its CPU counts as this process's
     own for `CpuMonitor`. Use as a context manager; `flags` are `hyserve serve` options."""
 
-    live: list["ServerProcess"] = []
+    live: list[ServerProcess] = []
 
     def __init__(self, model_dir: Path, name: str, *flags: str, threads: int = 2, log_path: Path | None = None):
         from hyserve.server.run import free_port
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "hyserve.cli", "serve", str(model_dir), "--port", str(self.port),
-                    "--served-model-name", name, "--device", "cpu", *flags]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "hyserve.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            name,
+            "--device",
+            "cpu",
+            *flags,
+        ]
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
         self.log_path = log_path or Path(os.devnull)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         import subprocess
 
         import httpx
 
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig())
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_pdeathsig(),
+        )
         ServerProcess.live.append(self)
         self.http = httpx.Client(base_url=self.base_url, timeout=60)
         deadline = time.time() + 180
@@ -324,7 +361,7 @@ class CpuMonitor:
     def __init__(self):
         self.start()
 
-    def start(self) -> "CpuMonitor":
+    def start(self) -> CpuMonitor:
         self._stat, self._own = _proc_stat(), _own_cpu_seconds()
         return self
 
@@ -353,8 +390,12 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.15, sample: float = 2.0
         if busy is None or busy < threshold or waited >= max_wait:
             break
     if busy is not None and busy >= threshold:
-        print(f"WARNING: other processes still use {busy:.0%} of the CPU after waiting {waited:.0f}s; "
-              f"timings will be inflated", file=sys.stderr, flush=True)
+        print(
+            f"WARNING: other processes still use {busy:.0%} of the CPU after waiting {waited:.0f}s; "
+            f"timings will be inflated",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"waited": round(waited, 1), "others_busy": busy}
 
 
@@ -505,8 +546,10 @@ def table(headers: list[str], rows: list[list], markdown: bool = True) -> str:
     """A Markdown table (also readable as plain text)."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+
     def line(vals):
         return "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+
     out = [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
     out += [line(r) for r in cells]
     return "\n".join(out)

@@ -110,14 +110,25 @@ def decode_products(rt, prompt: int, batches: list[int], blocks: int, steps: int
                         ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
                     times[side].append((time.perf_counter() - t0) / steps)
             ad.drop_batch()
-            rows.append({"requests": batch, "c_step_s": C.median(times["c"]),
-                         "onednn_step_s": C.median(times["onednn"]),
-                         "onednn_over_c": C.median_ratio(times["c"], times["onednn"])})
+            rows.append(
+                {
+                    "requests": batch,
+                    "c_step_s": C.median(times["c"]),
+                    "onednn_step_s": C.median(times["onednn"]),
+                    "onednn_over_c": C.median_ratio(times["c"], times["onednn"]),
+                }
+            )
     finally:
         for w in weights:
             w.native = native
-    return {"rows": rows, "weights": len(weights), "weight_bytes": sum(w.plain.nbytes for w in weights),
-            "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
+    return {
+        "rows": rows,
+        "weights": len(weights),
+        "weight_bytes": sum(w.plain.nbytes for w in weights),
+        "prompt_tokens": prompt,
+        "blocks": blocks,
+        "steps": steps,
+    }
 
 
 def decode_attention(rt, contexts: list[int], blocks: int, steps: int) -> dict:
@@ -152,8 +163,14 @@ def decode_attention(rt, contexts: list[int], blocks: int, steps: int) -> dict:
                         ad.forward_batch([state], [(b + i) % vocab])
                     times[side].append((time.perf_counter() - t0) / steps)
             ad.drop_batch()
-            rows.append({"context": context, "c_step_s": C.median(times["c"]), "sdpa_step_s": C.median(times["sdpa"]),
-                         "sdpa_over_c": C.median_ratio(times["c"], times["sdpa"])})
+            rows.append(
+                {
+                    "context": context,
+                    "c_step_s": C.median(times["c"]),
+                    "sdpa_step_s": C.median(times["sdpa"]),
+                    "sdpa_over_c": C.median_ratio(times["c"], times["sdpa"]),
+                }
+            )
     finally:
         for m in layers:
             m.__dict__[attention.NATIVE] = kernel[id(m)]
@@ -196,37 +213,78 @@ def huge_pages(rows: int, blocks: int) -> dict:
                 t0 = time.perf_counter()
                 torch.nn.functional.linear(x, w)
                 times[side].append(time.perf_counter() - t0)
-    return {"huge_s": C.median(times["huge"]), "small_s": C.median(times["small"]),
-            "small_over_huge": C.median_ratio(times["huge"], times["small"]), "bytes": nbytes,
-            "huge_page_bytes": allocator.huge_page_bytes()}
+    return {
+        "huge_s": C.median(times["huge"]),
+        "small_s": C.median(times["small"]),
+        "small_over_huge": C.median_ratio(times["huge"], times["small"]),
+        "bytes": nbytes,
+        "huge_page_bytes": allocator.huge_page_bytes(),
+    }
 
 
 def table(result: dict) -> str:
     rows = []
     for r in result.get("decode_products", {}).get("rows", []):
-        rows.append([f"decode step, {r['requests']} request(s) after {result['decode_products']['prompt_tokens']} "
-                     "tokens (ms): C products / oneDNN's", f"{r['c_step_s'] * 1e3:.1f}",
-                     f"{r['onednn_step_s'] * 1e3:.1f}", f"{r['onednn_over_c']:.3f}x"])
+        rows.append(
+            [
+                f"decode step, {r['requests']} request(s) after {result['decode_products']['prompt_tokens']} "
+                "tokens (ms): C products / oneDNN's",
+                f"{r['c_step_s'] * 1e3:.1f}",
+                f"{r['onednn_step_s'] * 1e3:.1f}",
+                f"{r['onednn_over_c']:.3f}x",
+            ]
+        )
     d = result["decode_layers"]
     if "skipped" not in d:
         step = f"decode step, one request after {d['prompt_tokens']} tokens (ms)"
         if "torch_over_native" in d:
-            rows.append([f"{step}: C Gated DeltaNet step / its PyTorch operations", f"{d['lean_step_s'] * 1e3:.1f}",
-                         f"{d['lean_torch_step_s'] * 1e3:.1f}", f"{d['torch_over_native']:.3f}x"])
-            rows.append([f"{step}: lean layers / their own forward", f"{d['lean_torch_step_s'] * 1e3:.1f}",
-                         f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+            rows.append(
+                [
+                    f"{step}: C Gated DeltaNet step / its PyTorch operations",
+                    f"{d['lean_step_s'] * 1e3:.1f}",
+                    f"{d['lean_torch_step_s'] * 1e3:.1f}",
+                    f"{d['torch_over_native']:.3f}x",
+                ]
+            )
+            rows.append(
+                [
+                    f"{step}: lean layers / their own forward",
+                    f"{d['lean_torch_step_s'] * 1e3:.1f}",
+                    f"{d['own_step_s'] * 1e3:.1f}",
+                    f"{d['own_over_lean']:.3f}x",
+                ]
+            )
         else:
-            rows.append([f"{step}: lean layers / their own forward", f"{d['lean_step_s'] * 1e3:.1f}",
-                         f"{d['own_step_s'] * 1e3:.1f}", f"{d['own_over_lean']:.3f}x"])
+            rows.append(
+                [
+                    f"{step}: lean layers / their own forward",
+                    f"{d['lean_step_s'] * 1e3:.1f}",
+                    f"{d['own_step_s'] * 1e3:.1f}",
+                    f"{d['own_over_lean']:.3f}x",
+                ]
+            )
     for r in result.get("decode_attention", {}).get("rows", []):
-        rows.append([f"decode step, one request after {r['context']} tokens (ms): C decode attention / SDPA",
-                     f"{r['c_step_s'] * 1e3:.1f}", f"{r['sdpa_step_s'] * 1e3:.1f}", f"{r['sdpa_over_c']:.3f}x"])
+        rows.append(
+            [
+                f"decode step, one request after {r['context']} tokens (ms): C decode attention / SDPA",
+                f"{r['c_step_s'] * 1e3:.1f}",
+                f"{r['sdpa_step_s'] * 1e3:.1f}",
+                f"{r['sdpa_over_c']:.3f}x",
+            ]
+        )
     h = result["huge_pages"]
     if "skipped" not in h:
-        rows.append([f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights: huge pages / 4 KiB pages (ms)",
-                     f"{h['huge_s'] * 1e3:.1f}", f"{h['small_s'] * 1e3:.1f}", f"{h['small_over_huge']:.3f}x"])
+        rows.append(
+            [
+                f"the head's product over {h['bytes'] / 1e6:.0f} MB of weights: huge pages / 4 KiB pages (ms)",
+                f"{h['huge_s'] * 1e3:.1f}",
+                f"{h['small_s'] * 1e3:.1f}",
+                f"{h['small_over_huge']:.3f}x",
+            ]
+        )
     return C.table(["", "with", "without", "without / with (median of per-block ratios)"], rows) + (
-        "\n\nThe lean layers' row runs both sides with the Gated DeltaNet's PyTorch operations.")
+        "\n\nThe lean layers' row runs both sides with the Gated DeltaNet's PyTorch operations."
+    )
 
 
 def main(argv=None) -> int:
@@ -239,12 +297,16 @@ def main(argv=None) -> int:
     blocks = 3 if args.quick else args.blocks
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
     prompt = 64 if args.quick else 1088
-    result = {"args": vars(args), "model": size,
-              "decode_products": model_thread.run(decode_products, rt, prompt, [1, 4], blocks, args.steps),
-              "decode_layers": model_thread.run(decode_layers, rt, prompt, blocks, args.steps)}
+    result = {
+        "args": vars(args),
+        "model": size,
+        "decode_products": model_thread.run(decode_products, rt, prompt, [1, 4], blocks, args.steps),
+        "decode_layers": model_thread.run(decode_layers, rt, prompt, blocks, args.steps),
+    }
     contexts = [64, 300] if args.quick else [1088, 8000, 16000]
-    result["decode_attention"] = model_thread.run(decode_attention, rt, contexts, blocks if args.quick else 6,
-                                                  args.steps)
+    result["decode_attention"] = model_thread.run(
+        decode_attention, rt, contexts, blocks if args.quick else 6, args.steps
+    )
     del rt
     result["huge_pages"] = huge_pages(4096 if args.quick else 248320, blocks * (1 if args.quick else 3))
     print(table(result))

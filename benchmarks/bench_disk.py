@@ -38,8 +38,11 @@ def round_robin(service, chats: int, turns: int, words: int, seed: int = 0):
         for c in range(chats):
             messages = history[c] + [{"role": "user", "content": C.prose(rng, words)}]
             prompt = service.runtime.render_chat(messages, True)
-            fin = service.engine.generate(GenerationRequest(prompt=prompt, max_tokens=8, messages=messages,
-                                                            sampling=SamplingParams(temperature=0.0)))
+            fin = service.engine.generate(
+                GenerationRequest(
+                    prompt=prompt, max_tokens=8, messages=messages, sampling=SamplingParams(temperature=0.0)
+                )
+            )
             replies.append(fin.token_ids)
             prompt_tokens, cached_tokens = prompt_tokens + len(prompt), cached_tokens + fin.cached_tokens
             history[c] = messages + [{"role": "assistant", "content": fin.text}]
@@ -60,17 +63,32 @@ def hit_rates(model_dir, chats: int, turns: int, words: int) -> list[dict]:
     rows, replies = [], None
     for label in ("memory only", "memory + disk"):
         with tempfile.TemporaryDirectory() as tmp:
-            svc = build_service(ServiceConfig(model_dir=model_dir, device="cpu", cache_bytes=one * 5 // 2,
-                                              cache_dir=Path(tmp) if "disk" in label else None))
+            svc = build_service(
+                ServiceConfig(
+                    model_dir=model_dir,
+                    device="cpu",
+                    cache_bytes=one * 5 // 2,
+                    cache_dir=Path(tmp) if "disk" in label else None,
+                )
+            )
             got, prompt, cached = round_robin(svc, chats, turns, words)
             stats = svc.cache.stats()
             svc.engine.stop()
         if replies is not None and got != replies:
             sys.exit("replies differ between memory only and memory + disk: a correctness bug")
         replies = got
-        rows.append({"cache": label, "memory_budget_bytes": one * 5 // 2, "prompt_tokens": prompt,
-                     "cached_tokens": cached, "token_hit_rate": round(cached / prompt, 3), "lookups": stats["lookups"],
-                     "hits": stats["hits"], "disk_hits": stats["tiers"]["disk"].get("hits", 0)})
+        rows.append(
+            {
+                "cache": label,
+                "memory_budget_bytes": one * 5 // 2,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "token_hit_rate": round(cached / prompt, 3),
+                "lookups": stats["lookups"],
+                "hits": stats["hits"],
+                "disk_hits": stats["tiers"]["disk"].get("hits", 0),
+            }
+        )
     return rows
 
 
@@ -103,7 +121,7 @@ def warm_turns(model_dir, history_tokens: int, reps: int) -> list[dict]:
             t0 = time.perf_counter()
             restored = cache.restore(ad, prompt) if where != "none" else None
             live = restored.state if restored is not None else ad.new_state()
-            int(torch.argmax(ad.forward(live, prompt[live.position:])))
+            int(torch.argmax(ad.forward(live, prompt[live.position :])))
             seconds = time.perf_counter() - t0
             if restored is not None:
                 assert restored.cached_tokens == len(history), (where, restored.cached_tokens)
@@ -113,8 +131,14 @@ def warm_turns(model_dir, history_tokens: int, reps: int) -> list[dict]:
         rows = []
         for where in ("memory", "disk", "none"):
             turn(where)  # warm-up
-            rows.append({"checkpoint": where, "history_tokens": len(history), "new_tokens": len(prompt) - len(history),
-                         "ttft_ms": C.median([turn(where) for _ in range(reps)]) * 1e3})
+            rows.append(
+                {
+                    "checkpoint": where,
+                    "history_tokens": len(history),
+                    "new_tokens": len(prompt) - len(history),
+                    "ttft_ms": C.median([turn(where) for _ in range(reps)]) * 1e3,
+                }
+            )
         rows[1]["file_bytes"] = disk.usage()[1]
         disk.close()
     return rows
@@ -123,12 +147,25 @@ def warm_turns(model_dir, history_tokens: int, reps: int) -> list[dict]:
 def tables(result: dict) -> str:
     """The two tables, as docs/benchmarks.md shows them."""
     rates, warm = result["hit_rates"], result["warm_turns"]
-    first = C.table(["cache", "memory budget", "prompt tokens", "cached tokens", "token hit rate", "hits / lookups",
-                     "disk hits"],
-                    [[r["cache"], r["memory_budget_bytes"], r["prompt_tokens"], r["cached_tokens"],
-                      C.fmt_pct(r["token_hit_rate"]), f"{r['hits']} / {r['lookups']}", r["disk_hits"]] for r in rates])
-    second = C.table(["checkpoint", "history tokens", "new tokens", "warm-turn TTFT ms"],
-                     [[r["checkpoint"], r["history_tokens"], r["new_tokens"], round(r["ttft_ms"], 2)] for r in warm])
+    first = C.table(
+        ["cache", "memory budget", "prompt tokens", "cached tokens", "token hit rate", "hits / lookups", "disk hits"],
+        [
+            [
+                r["cache"],
+                r["memory_budget_bytes"],
+                r["prompt_tokens"],
+                r["cached_tokens"],
+                C.fmt_pct(r["token_hit_rate"]),
+                f"{r['hits']} / {r['lookups']}",
+                r["disk_hits"],
+            ]
+            for r in rates
+        ],
+    )
+    second = C.table(
+        ["checkpoint", "history tokens", "new tokens", "warm-turn TTFT ms"],
+        [[r["checkpoint"], r["history_tokens"], r["new_tokens"], round(r["ttft_ms"], 2)] for r in warm],
+    )
     return first + "\n\n" + second
 
 
@@ -147,8 +184,17 @@ def main() -> None:
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_disk.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), "hit_rates": rates, "warm_turns": warm}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "command": "python " + " ".join(["benchmarks/bench_disk.py"] + sys.argv[1:]),
+                    "machine": C.machine_info(),
+                    "hit_rates": rates,
+                    "warm_turns": warm,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

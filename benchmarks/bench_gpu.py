@@ -41,13 +41,27 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"bench_gpu: no CUDA device (torch {torch.__version__}); nothing measured. Run it on a machine "
-              "with an NVIDIA GPU and a CUDA build of torch.")
+        print(
+            f"bench_gpu: no CUDA device (torch {torch.__version__}); nothing measured. Run it on a machine "
+            "with an NVIDIA GPU and a CUDA build of torch."
+        )
         return 0
     results = {}
     for model in args.models.split(","):
-        cmd = ["--model", model, "--device", args.device, "--dtypes", args.dtypes, "--batch", str(args.batch),
-               "--decode", str(args.decode if not args.quick else 4), "--json", ""]
+        cmd = [
+            "--model",
+            model,
+            "--device",
+            args.device,
+            "--dtypes",
+            args.dtypes,
+            "--batch",
+            str(args.batch),
+            "--decode",
+            str(args.decode if not args.quick else 4),
+            "--json",
+            "",
+        ]
         if args.quick:
             cmd += ["--quick"]
         else:
@@ -55,8 +69,11 @@ def main(argv=None) -> int:
         print(f"== {model} on {torch.cuda.get_device_name(torch.device(args.device))}", flush=True)
         results[model] = bench_real.run(bench_real.parse_args(cmd))
     if args.json:
-        out = {"machine": {**C.machine_info(), "gpu": torch.cuda.get_device_name(torch.device(args.device))},
-               "args": vars(args), "models": results}
+        out = {
+            "machine": {**C.machine_info(), "gpu": torch.cuda.get_device_name(torch.device(args.device))},
+            "args": vars(args),
+            "models": results,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -47,15 +47,26 @@ SCHEMA = {
         "name": {"type": "string"},
         "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "tags", "address", "active"],
     "additionalProperties": False,
 }
-DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry"],
-                       "address": {"city": "London", "zip": "W1"}, "active": True})
+DOCUMENT = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "tags": ["math", "engines", "poetry"],
+        "address": {"city": "London", "zip": "W1"},
+        "active": True,
+    }
+)
 
 
 def big_tokenizer(vocab_size: int = 50_000):  # the sources give ~41.6k
@@ -74,8 +85,12 @@ def big_tokenizer(vocab_size: int = 50_000):  # the sources give ~41.6k
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
 
@@ -106,14 +121,14 @@ def bench_xgrammar(tok, vocab: int, tokens: list[int]) -> dict:
 def bench_llguidance(tok, vocab: int, tokens: list[int]) -> dict:
     import llguidance
     import llguidance.hf
+
     from hyserve.grammar import apply_bitmask, fill_bitmask, new_bitmask  # as the server does
 
     t0 = time.perf_counter()
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(SCHEMA))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
     matcher = llguidance.LLMatcher(lltok, grammar)
     compile_s = time.perf_counter() - t0
     assert not matcher.is_error(), matcher.get_error()
@@ -142,8 +157,10 @@ def main() -> None:
         t0 = time.perf_counter()
         toks.append(("bpe", big_tokenizer()))
         print(f"(trained the BPE tokenizer in {time.perf_counter() - t0:.1f} s)")
-    print(f"{'vocab':>14} {'engine':>15} {'setup ms':>9} {'compile ms':>11} {'1st mask ms':>12} "
-          f"{'mask mean us':>13} {'mask max us':>12}")
+    print(
+        f"{'vocab':>14} {'engine':>15} {'setup ms':>9} {'compile ms':>11} {'1st mask ms':>12} "
+        f"{'mask mean us':>13} {'mask max us':>12}"
+    )
     for name, tok in toks:
         vocab = len(tok)
         tokens = tok(DOCUMENT, add_special_tokens=False)["input_ids"]
@@ -151,9 +168,11 @@ def main() -> None:
             for run in ("", " 2nd"):  # the 2nd run: what a later request pays (process-wide warm-up done)
                 r = fn(tok, vocab, tokens)
                 rest = r["masks"][1:]
-                print(f"{name + ' ' + str(vocab):>14} {engine + run:>15} {r['setup'] * 1e3:9.1f} "
-                      f"{r['compile'] * 1e3:11.1f} {r['masks'][0] * 1e3:12.2f} "
-                      f"{statistics.mean(rest) * 1e6:13.1f} {max(rest) * 1e6:12.1f}")
+                print(
+                    f"{name + ' ' + str(vocab):>14} {engine + run:>15} {r['setup'] * 1e3:9.1f} "
+                    f"{r['compile'] * 1e3:11.1f} {r['masks'][0] * 1e3:12.2f} "
+                    f"{statistics.mean(rest) * 1e6:13.1f} {max(rest) * 1e6:12.1f}"
+                )
     print(f"({len(tokens)} tokens per document on the last vocab; numbers under CPU contention are rough)")
 
 

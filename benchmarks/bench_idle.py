@@ -66,8 +66,11 @@ def plain_ops(sleeps, reps: int) -> list[dict]:
     a, w = torch.randn(79, 512), torch.randn(1536, 512)  # 3 MB: stays in cache
     big = torch.randn(32 << 20)  # 128 MB: streamed from memory
     rows = []
-    for name, fn, n in (("(no model) 79x512 by 512x1536 product, in cache", lambda: a @ w.t(), 20),
-                        ("(no model) sum over 128 MB", lambda: big.sum(), 2)):
+    for name, fn, n in (
+        ("(no model) 79x512 by 512x1536 product, in cache", lambda: a @ w.t(), 20),
+        ("(no model) sum over 128 MB", lambda: big.sum(), 2),
+    ):
+
         def timed(fn=fn, n=n) -> float:
             t0 = time.perf_counter()
             for _ in range(n):
@@ -102,7 +105,8 @@ def idle_table(rows: list[dict]) -> str:
     """Rows as in the JSON: `weights` and the median ms after each idle time, keyed by the seconds as text."""
     sleeps = [k for k in rows[0] if k != "weights"]
     headers = ["warm turn, weights / operation"] + [
-        ("back to back" if float(s) == 0 else f"after {float(s):g} s idle") + " (ms)" for s in sleeps]
+        ("back to back" if float(s) == 0 else f"after {float(s):g} s idle") + " (ms)" for s in sleeps
+    ]
     return C.table(headers, [[r["weights"]] + [f"{r[s]:.1f}" for s in sleeps] for r in rows])
 
 
@@ -129,9 +133,17 @@ def main(argv=None) -> int:
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_idle.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), "rows": rows,
-                                   "table": table}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "command": "python " + " ".join(["benchmarks/bench_idle.py"] + sys.argv[1:]),
+                    "machine": C.machine_info(),
+                    "rows": rows,
+                    "table": table,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -40,11 +40,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
 
-VARIANTS = [("reference", {"HYSERVE_FLUSH_DENORMAL": "0", "HYSERVE_KERNELS": "0"}),
-            ("+ flush denormals", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "0"}),
-            ("+ kernels (default)", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "1"})]
-METRICS = [("cold_s", "cold prefill (s)"), ("warm_s", "warm-turn prefill (ms)"),
-           ("decode1_s", "decode step, 1 state (ms)"), ("decode16_s", "decode step, 16 states (ms)")]
+VARIANTS = [
+    ("reference", {"HYSERVE_FLUSH_DENORMAL": "0", "HYSERVE_KERNELS": "0"}),
+    ("+ flush denormals", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "0"}),
+    ("+ kernels (default)", {"HYSERVE_FLUSH_DENORMAL": "1", "HYSERVE_KERNELS": "1"}),
+]
+METRICS = [
+    ("cold_s", "cold prefill (s)"),
+    ("warm_s", "warm-turn prefill (ms)"),
+    ("decode1_s", "decode step, 1 state (ms)"),
+    ("decode16_s", "decode step, 16 states (ms)"),
+]
 
 
 def child(size: str, threads: int) -> dict:
@@ -113,11 +119,11 @@ def micro(rounds: int = 30) -> list[dict]:
     Gated DeltaNet 4 key and 8 value heads), on this process's model thread. Median ms of `rounds`."""
     import torch
     import torch.nn.functional as F
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from hyserve import kernels, model_thread
-    from hyserve.state.snapshot_blocks import BLOCKS
     from hyserve.state.caches import packed_clones
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from hyserve.state.snapshot_blocks import BLOCKS
 
     def ms(fn) -> float:
         for _ in range(3):
@@ -138,11 +144,17 @@ def micro(rounds: int = 30) -> list[dict]:
         mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)[None, None]
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
         diff = (kernels.grouped_attention(q, k, v, mask, 0.125) - want).abs().max().item()
-        rows.append({"piece": "attention, 79 queries over 4200 keys",
-                     "reference": "SDPA flash (enable_gqa)",
-                     "reference_ms": ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125,
-                                                                               enable_gqa=True)),
-                     "hyserve_ms": ms(lambda: kernels.grouped_attention(q, k, v, mask, 0.125)), "max_abs_diff": diff})
+        rows.append(
+            {
+                "piece": "attention, 79 queries over 4200 keys",
+                "reference": "SDPA flash (enable_gqa)",
+                "reference_ms": ms(
+                    lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+                ),
+                "hyserve_ms": ms(lambda: kernels.grouped_attention(q, k, v, mask, 0.125)),
+                "max_abs_diff": diff,
+            }
+        )
         # a decode step's attention: 8 rows of ~540 tokens at Qwen3.5-0.8B's heads (8 q / 2 KV x 256), bfloat16,
         # left padding masked per row; transformers hands SDPA the grouped heads (enable_gqa)
         qd = torch.randn(8, 8, 1, 256, generator=g).bfloat16()
@@ -152,22 +164,40 @@ def micro(rounds: int = 30) -> list[dict]:
             md[i, ..., : 7 * i] = False
         gqa = lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md, scale=0.0625, enable_gqa=True)  # noqa: E731
         dec = lambda: kernels.attention.decode_attention(qd, kd, vd, md, 0.0625)  # noqa: E731
-        rows.append({"piece": "decode attention, 8 rows x 540 keys, bfloat16", "reference": "SDPA flash (enable_gqa)",
-                     "reference_ms": ms(gqa), "hyserve_ms": ms(dec),
-                     "max_abs_diff": (dec().float() - gqa().transpose(1, 2).float()).abs().max().item()})
+        rows.append(
+            {
+                "piece": "decode attention, 8 rows x 540 keys, bfloat16",
+                "reference": "SDPA flash (enable_gqa)",
+                "reference_ms": ms(gqa),
+                "hyserve_ms": ms(dec),
+                "max_abs_diff": (dec().float() - gqa().transpose(1, 2).float()).abs().max().item(),
+            }
+        )
         chunked = modeling_qwen3_5.torch_chunk_gated_delta_rule
         chunked = getattr(chunked, "_hyserve_reference", chunked)
         r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-        x = dict(query=r(1, new, 4, 64), key=r(1, new, 4, 64), value=r(1, new, 8, 64),
-                 g=-torch.rand(1, new, 8, generator=g) * 8, beta=torch.rand(1, new, 8, generator=g),
-                 initial_state=r(1, 8, 64, 64) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        x = dict(
+            query=r(1, new, 4, 64),
+            key=r(1, new, 4, 64),
+            value=r(1, new, 8, 64),
+            g=-torch.rand(1, new, 8, generator=g) * 8,
+            beta=torch.rand(1, new, 8, generator=g),
+            initial_state=r(1, 8, 64, 64) * 0.3,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         size = kernels.chunk_size_for(new)
         want_out, _ = chunked(**x, chunk_size=size)
         diff = (kernels.chunked_delta_rule(**x, chunk_size=size)[0] - want_out).abs().max().item()
-        rows.append({"piece": f"Gated DeltaNet prefill, {new} tokens, one {size}-token chunk",
-                     "reference": "transformers torch_chunk_gated_delta_rule",
-                     "reference_ms": ms(lambda: chunked(**x, chunk_size=size)),
-                     "hyserve_ms": ms(lambda: kernels.chunked_delta_rule(**x, chunk_size=size)), "max_abs_diff": diff})
+        rows.append(
+            {
+                "piece": f"Gated DeltaNet prefill, {new} tokens, one {size}-token chunk",
+                "reference": "transformers torch_chunk_gated_delta_rule",
+                "reference_ms": ms(lambda: chunked(**x, chunk_size=size)),
+                "hyserve_ms": ms(lambda: kernels.chunked_delta_rule(**x, chunk_size=size)),
+                "max_abs_diff": diff,
+            }
+        )
         # a decode step's depthwise conv at real Qwen3.5-0.8B width (6,144 channels, 4 taps), in bfloat16
         w16, x16 = r(6144, 4).bfloat16(), r(1, 6144, 1).bfloat16()
         s16 = r(1, 6144, 4).bfloat16()
@@ -177,11 +207,15 @@ def micro(rounds: int = 30) -> list[dict]:
             return F.silu(F.conv1d(state, w16.unsqueeze(1), None, groups=6144)[..., -1:])
 
         want16 = conv_reference(s16.clone())
-        rows.append({"piece": "conv decode step, 6144 channels, bfloat16", "reference": "grouped F.conv1d",
-                     "reference_ms": ms(lambda: conv_reference(s16.clone())),
-                     "hyserve_ms": ms(lambda: kernels.conv_step(x16, s16.clone(), w16, None, "silu")),
-                     "max_abs_diff": (kernels.conv_step(x16, s16.clone(), w16, None, "silu") - want16)
-                     .abs().max().item()})
+        rows.append(
+            {
+                "piece": "conv decode step, 6144 channels, bfloat16",
+                "reference": "grouped F.conv1d",
+                "reference_ms": ms(lambda: conv_reference(s16.clone())),
+                "hyserve_ms": ms(lambda: kernels.conv_step(x16, s16.clone(), w16, None, "silu")),
+                "max_abs_diff": (kernels.conv_step(x16, s16.clone(), w16, None, "silu") - want16).abs().max().item(),
+            }
+        )
         # one decode row through a bfloat16 weight of Qwen3.5-0.8B's MLP (3584 x 1024), plain against packed
         lin = torch.nn.Linear(1024, 3584, bias=False).bfloat16()
         row = r(1, 1024).bfloat16()
@@ -189,39 +223,76 @@ def micro(rounds: int = 30) -> list[dict]:
 
         if klinear.pack(lin):
             packed = lin.__dict__[klinear.PACKED].onednn
-            rows.append({"piece": "decode row x bfloat16 weight 3584x1024", "reference": "F.linear",
-                         "reference_ms": ms(lambda: F.linear(row, lin.weight)),
-                         "hyserve_ms": ms(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")),
-                         "max_abs_diff": (torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")
-                                          - F.linear(row, lin.weight)).abs().max().item()})
+            rows.append(
+                {
+                    "piece": "decode row x bfloat16 weight 3584x1024",
+                    "reference": "F.linear",
+                    "reference_ms": ms(lambda: F.linear(row, lin.weight)),
+                    "hyserve_ms": ms(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")),
+                    "max_abs_diff": (
+                        torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")
+                        - F.linear(row, lin.weight)
+                    )
+                    .abs()
+                    .max()
+                    .item(),
+                }
+            )
         low = torch.empty(8 * 80 * 80).uniform_(-300.0, -90.0, generator=g)  # exp underflows: a chunk's decays
-        rows.append({"piece": "exp of 51,200 values in [-300, -90]", "reference": "torch.exp",
-                     "reference_ms": ms(lambda: low.exp()), "hyserve_ms": ms(lambda: kernels.safe_exp(low)),
-                     "max_abs_diff": (kernels.safe_exp(low) - low.exp()).abs().max().item()})
+        rows.append(
+            {
+                "piece": "exp of 51,200 values in [-300, -90]",
+                "reference": "torch.exp",
+                "reference_ms": ms(lambda: low.exp()),
+                "hyserve_ms": ms(lambda: kernels.safe_exp(low)),
+                "max_abs_diff": (kernels.safe_exp(low) - low.exp()).abs().max().item(),
+            }
+        )
         # the machine's cost of fresh memory, which hyserve's kept buffers (the grouped attention's scores, the
         # decode batch's rows) avoid: a copy into new pages faults every page in, a copy into a kept buffer not
         big = torch.randn(8 << 20, generator=g)
         kept = torch.empty_like(big)
-        rows.append({"piece": "copy of 32 MB (machine state)", "reference": "into a fresh buffer (clone)",
-                     "reference_ms": ms(lambda: big.clone()), "hyserve_ms": ms(lambda: kept.copy_(big)),
-                     "max_abs_diff": (kept - big).abs().max().item()})
+        rows.append(
+            {
+                "piece": "copy of 32 MB (machine state)",
+                "reference": "into a fresh buffer (clone)",
+                "reference_ms": ms(lambda: big.clone()),
+                "hyserve_ms": ms(lambda: kept.copy_(big)),
+                "max_abs_diff": (kept - big).abs().max().item(),
+            }
+        )
         # a snapshot's copy (~4.2k-token bench qwen3_5 state: KV of 2 attention layers, conv and recurrent states
-        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone (state.caches.packed_clones)
-        state = [r(1, 2, prefix + new, 64) for _ in range(4)] + [r(1, 8, 64, 64) for _ in range(6)] \
+        # of 6 Gated DeltaNet layers) into heap clones, against one block mapped for it alone
+        # (state.caches.packed_clones)
+        state = (
+            [r(1, 2, prefix + new, 64) for _ in range(4)]
+            + [r(1, 8, 64, 64) for _ in range(6)]
             + [r(1, 1024, 4) for _ in range(6)]
+        )
         mib = sum(t.numel() * t.element_size() for t in state) / 2**20
-        rows.append({"piece": f"snapshot copy of {mib:.1f} MiB", "reference": "heap clones (tensor.clone)",
-                     "reference_ms": ms(lambda: [t.clone() for t in state]),
-                     "hyserve_ms": ms(lambda: packed_clones(state)),
-                     "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state))})
+        rows.append(
+            {
+                "piece": f"snapshot copy of {mib:.1f} MiB",
+                "reference": "heap clones (tensor.clone)",
+                "reference_ms": ms(lambda: [t.clone() for t in state]),
+                "hyserve_ms": ms(lambda: packed_clones(state)),
+                "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state)),
+            }
+        )
         # the same copy into a block mapped afresh (every page faulted in), against one an evicted snapshot freed
         # (snapshot_blocks.BLOCKS: each copy above and below is dropped at once, so its block comes back)
         keep, BLOCKS.keep = BLOCKS.keep, 0
         afresh = ms(lambda: packed_clones(state))
         BLOCKS.keep = keep
-        rows.append({"piece": f"snapshot copy of {mib:.1f} MiB", "reference": "into a block mapped afresh",
-                     "reference_ms": afresh, "hyserve_ms": ms(lambda: packed_clones(state)),
-                     "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state))})
+        rows.append(
+            {
+                "piece": f"snapshot copy of {mib:.1f} MiB",
+                "reference": "into a block mapped afresh",
+                "reference_ms": afresh,
+                "hyserve_ms": ms(lambda: packed_clones(state)),
+                "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(packed_clones(state), state)),
+            }
+        )
         return rows
 
     return model_thread.run(run)
@@ -242,9 +313,20 @@ def summary_table(summary: dict[str, dict]) -> str:
 
 
 def micro_table(rows: list[dict]) -> str:
-    return C.table(["piece", "reference", "reference ms", "hyserve ms", "speedup", "max |diff|"],
-                   [[r["piece"], r["reference"], f"{r['reference_ms']:.3f}", f"{r['hyserve_ms']:.3f}",
-                     f"{r['reference_ms'] / r['hyserve_ms']:.2f}x", f"{r['max_abs_diff']:.1e}"] for r in rows])
+    return C.table(
+        ["piece", "reference", "reference ms", "hyserve ms", "speedup", "max |diff|"],
+        [
+            [
+                r["piece"],
+                r["reference"],
+                f"{r['reference_ms']:.3f}",
+                f"{r['hyserve_ms']:.3f}",
+                f"{r['reference_ms'] / r['hyserve_ms']:.2f}x",
+                f"{r['max_abs_diff']:.1e}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def main(argv=None) -> int:
@@ -277,8 +359,11 @@ def main(argv=None) -> int:
                 print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
                 return 1
             runs[name].append(json.loads(line[7:]))
-            print(f"round {r + 1}/{rounds} {name}: " + ", ".join(
-                f"{k} {runs[name][-1][k] * (1 if k == 'cold_s' else 1e3):.3g}" for k, _ in METRICS), flush=True)
+            print(
+                f"round {r + 1}/{rounds} {name}: "
+                + ", ".join(f"{k} {runs[name][-1][k] * (1 if k == 'cold_s' else 1e3):.3g}" for k, _ in METRICS),
+                flush=True,
+            )
     summary = {name: {k: C.median(x[k] for x in rs) for k, _ in METRICS} for name, rs in runs.items()}
     print(f"qwen3_5 {size}, torch threads {args.threads}, medians over {rounds} round(s); (Nx) = speed vs reference")
     print(summary_table(summary))
@@ -292,8 +377,20 @@ def main(argv=None) -> int:
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"machine": C.machine_info(), "size": size, "rounds": rounds, "runs": runs,
-                                   "summary": summary, "greedy_identical": same, "micro": pieces}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "machine": C.machine_info(),
+                    "size": size,
+                    "rounds": rounds,
+                    "runs": runs,
+                    "summary": summary,
+                    "greedy_identical": same,
+                    "micro": pieces,
+                },
+                indent=2,
+            )
+        )
     return 0 if same else 1
 
 

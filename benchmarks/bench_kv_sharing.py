@@ -45,8 +45,11 @@ def conversation(service, turns: int, user_tokens: int, reply_tokens: int, seed:
     for _ in range(turns):
         messages = messages + [{"role": "user", "content": C.text_of_tokens(tok, rng, user_tokens)}]
         prompt = service.runtime.render_chat(messages, True)
-        fin = service.engine.generate(GenerationRequest(prompt=prompt, max_tokens=reply_tokens, messages=messages,
-                                                        sampling=SamplingParams(temperature=0.0)))
+        fin = service.engine.generate(
+            GenerationRequest(
+                prompt=prompt, max_tokens=reply_tokens, messages=messages, sampling=SamplingParams(temperature=0.0)
+            )
+        )
         replies.append(fin.token_ids)
         rows.append({"prompt_tokens": len(prompt), "cached_tokens": fin.cached_tokens})
         messages = messages + [{"role": "assistant", "content": fin.text}]
@@ -61,9 +64,15 @@ def checkpoints(service) -> list[dict]:
     rows = []
     for _, snap in sorted(service.cache.tree.snapshots(), key=lambda ns: ns[1].num_tokens):
         tail = snap.kv
-        rows.append({"tokens": snap.num_tokens, "new_tokens": snap.num_tokens - (tail.start if tail else 0),
-                     "added_bytes": snap.state_nbytes + (tail.nbytes if tail else 0), "alone_bytes": snap.nbytes,
-                     "state_bytes": snap.state_nbytes})
+        rows.append(
+            {
+                "tokens": snap.num_tokens,
+                "new_tokens": snap.num_tokens - (tail.start if tail else 0),
+                "added_bytes": snap.state_nbytes + (tail.nbytes if tail else 0),
+                "alone_bytes": snap.nbytes,
+                "state_bytes": snap.state_nbytes,
+            }
+        )
     return rows
 
 
@@ -78,8 +87,9 @@ def warm_turn(service, messages: list, new_tokens: int, reps: int) -> dict:
 
     rt, cache = service.runtime, service.cache
     rng = random.Random(99)
-    prompt = rt.render_chat(messages + [{"role": "user", "content": C.text_of_tokens(rt.tokenizer, rng, new_tokens)}],
-                            True)
+    prompt = rt.render_chat(
+        messages + [{"role": "user", "content": C.text_of_tokens(rt.tokenizer, rng, new_tokens)}], True
+    )
 
     def once() -> tuple[float, float, int]:
         t0 = time.perf_counter()
@@ -93,8 +103,12 @@ def warm_turn(service, messages: list, new_tokens: int, reps: int) -> dict:
 
     once()  # warm-up
     runs = [once() for _ in range(reps)]
-    return {"prompt_tokens": len(prompt), "cached_tokens": runs[0][2],
-            "restore_ms": C.median([r[0] for r in runs]) * 1e3, "ttft_ms": C.median([r[1] for r in runs]) * 1e3}
+    return {
+        "prompt_tokens": len(prompt),
+        "cached_tokens": runs[0][2],
+        "restore_ms": C.median([r[0] for r in runs]) * 1e3,
+        "ttft_ms": C.median([r[1] for r in runs]) * 1e3,
+    }
 
 
 def measure(model_dir, turns: int, user_tokens: int, reply_tokens: int, reps: int) -> dict:
@@ -110,14 +124,22 @@ def measure(model_dir, turns: int, user_tokens: int, reply_tokens: int, reps: in
             replies = got
             stats = svc.cache.stats()
             points = checkpoints(svc)
-            if out["modes"] and [p["tokens"] for p in points] != [p["tokens"] for p in out["modes"]["shared"]["checkpoints"]]:
+            if out["modes"] and [p["tokens"] for p in points] != [
+                p["tokens"] for p in out["modes"]["shared"]["checkpoints"]
+            ]:
                 sys.exit("the two runs took different checkpoints")
             kv_per_token = max((p["alone_bytes"] - p["state_bytes"]) / p["tokens"] for p in points)
             out["modes"][name] = {
-                "kv_sharing": share, "entries": stats["entries"], "bytes": stats["bytes"],
-                "state_bytes": stats["state_bytes"], "kv_bytes": stats["kv_bytes"], "checkpoints": points,
-                "kv_bytes_per_token": kv_per_token, "snapshot_ms": snapshot_ms(svc),
-                "warm": warm_turn(svc, messages, user_tokens, reps)}
+                "kv_sharing": share,
+                "entries": stats["entries"],
+                "bytes": stats["bytes"],
+                "state_bytes": stats["state_bytes"],
+                "kv_bytes": stats["kv_bytes"],
+                "checkpoints": points,
+                "kv_bytes_per_token": kv_per_token,
+                "snapshot_ms": snapshot_ms(svc),
+                "warm": warm_turn(svc, messages, user_tokens, reps),
+            }
             out["turns"] = rows
         finally:
             svc.engine.stop()
@@ -129,21 +151,58 @@ def tables(result: dict) -> str:
     shared, whole = result["modes"]["shared"], result["modes"]["whole"]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     last = result["turns"][-1]
-    first = C.table(["KV", "checkpoints", "cache MiB", "states MiB", "KV MiB", "snapshot ms (median)"],
-                    [[name, m["entries"], mib(m["bytes"]), mib(m["state_bytes"]), mib(m["kv_bytes"]),
-                      C.fmt_s(m["snapshot_ms"], 2)] for name, m in (("shared", shared), ("whole copy", whole))])
+    first = C.table(
+        ["KV", "checkpoints", "cache MiB", "states MiB", "KV MiB", "snapshot ms (median)"],
+        [
+            [
+                name,
+                m["entries"],
+                mib(m["bytes"]),
+                mib(m["state_bytes"]),
+                mib(m["kv_bytes"]),
+                C.fmt_s(m["snapshot_ms"], 2),
+            ]
+            for name, m in (("shared", shared), ("whole copy", whole))
+        ],
+    )
     per_token = shared["kv_bytes_per_token"]
-    second = C.table(["checkpoint at tokens", "new tokens", "added, shared KiB", "state + new tokens' KV KiB",
-                      "alone (whole copy) KiB"],
-                     [[p["tokens"], p["new_tokens"], f"{p['added_bytes'] / 1024:.1f}",
-                       f"{(p['state_bytes'] + p['new_tokens'] * per_token) / 1024:.1f}", f"{w['alone_bytes'] / 1024:.1f}"]
-                      for p, w in zip(shared["checkpoints"], whole["checkpoints"])])
-    third = C.table(["KV", "history tokens", "prompt tokens", "restore ms", "warm-turn TTFT ms"],
-                    [[name, m["warm"]["cached_tokens"], m["warm"]["prompt_tokens"], C.fmt_s(m["warm"]["restore_ms"], 2),
-                      C.fmt_s(m["warm"]["ttft_ms"], 1)] for name, m in (("shared", shared), ("whole copy", whole))])
-    note = (f"{len(result['turns'])} turns, the last prompt {last['prompt_tokens']} tokens ({last['cached_tokens']} "
-            f"cached); KV {per_token:.0f} bytes per token. Cache bytes shared / whole copy = "
-            f"{shared['bytes'] / whole['bytes']:.2f}.")
+    second = C.table(
+        [
+            "checkpoint at tokens",
+            "new tokens",
+            "added, shared KiB",
+            "state + new tokens' KV KiB",
+            "alone (whole copy) KiB",
+        ],
+        [
+            [
+                p["tokens"],
+                p["new_tokens"],
+                f"{p['added_bytes'] / 1024:.1f}",
+                f"{(p['state_bytes'] + p['new_tokens'] * per_token) / 1024:.1f}",
+                f"{w['alone_bytes'] / 1024:.1f}",
+            ]
+            for p, w in zip(shared["checkpoints"], whole["checkpoints"])
+        ],
+    )
+    third = C.table(
+        ["KV", "history tokens", "prompt tokens", "restore ms", "warm-turn TTFT ms"],
+        [
+            [
+                name,
+                m["warm"]["cached_tokens"],
+                m["warm"]["prompt_tokens"],
+                C.fmt_s(m["warm"]["restore_ms"], 2),
+                C.fmt_s(m["warm"]["ttft_ms"], 1),
+            ]
+            for name, m in (("shared", shared), ("whole copy", whole))
+        ],
+    )
+    note = (
+        f"{len(result['turns'])} turns, the last prompt {last['prompt_tokens']} tokens ({last['cached_tokens']} "
+        f"cached); KV {per_token:.0f} bytes per token. Cache bytes shared / whole copy = "
+        f"{shared['bytes'] / whole['bytes']:.2f}."
+    )
     return "\n\n".join([first, second, third, note])
 
 

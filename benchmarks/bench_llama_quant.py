@@ -29,8 +29,21 @@ TARGETS = [
     (f"warm turn: TTFT + {WARM_TOKENS} tokens (s)", "warm_turn_s", False, 0.6),
 ]
 # the instruction sets that decide which kernels either side can use
-CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+CPU_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def find_llama_quantize(explicit: str | None, server_binary: str | None) -> str | None:
@@ -84,8 +97,13 @@ def ensure_quantized(base: Path, qtype: str, binary: str, threads: int) -> dict:
         os.replace(part, out)
         found = re.search(r"^version: (.*)$", r.stdout + r.stderr, re.MULTILINE)
         build = found[1].strip() if found else None
-    return {"path": str(out), "command": cmd, "bytes": out.stat().st_size, "tensor_types": tensor_types(out),
-            "build": build}
+    return {
+        "path": str(out),
+        "command": cmd,
+        "bytes": out.stat().st_size,
+        "tensor_types": tensor_types(out),
+        "build": build,
+    }
 
 
 def warm_turn_s(turns: list[dict], side: str) -> float | None:
@@ -141,12 +159,14 @@ def quant_table(result: dict) -> str:
         h = next(iter(values.values()))["hyserve"][key] if values else None
         fmt = "{:.1f}" if key != "warm_turn_s" else "{:.3f}"
         row = [label, "-" if h is None else fmt.format(h)]
-        for qtype, sides in values.items():
+        for sides in values.values():
             ll, hq = sides["llama"][key], sides["hyserve"][key]
             r = _ratio(hq, ll)
             met = None if r is None else (r >= target if higher else r <= target)
-            row += ["-" if ll is None else fmt.format(ll),
-                    "-" if r is None else f"{r:.2f}x " + ("(met)" if met else "(missed)")]
+            row += [
+                "-" if ll is None else fmt.format(ll),
+                "-" if r is None else f"{r:.2f}x " + ("(met)" if met else "(missed)"),
+            ]
         row.append(f"{'>=' if higher else '<='} {target}x")
         rows.append(row)
     return C.table(headers, rows)
@@ -156,6 +176,8 @@ def files_table(result: dict) -> str:
     """Each llama.cpp file: type, size, tensors per storage type."""
     import bench_common as C
 
-    rows = [[qtype, f"{q['bytes'] / 2**20:.1f}", ", ".join(f"{k} {v}" for k, v in q["tensor_types"].items())]
-            for qtype, q in result["quantization"]["types"].items()]
+    rows = [
+        [qtype, f"{q['bytes'] / 2**20:.1f}", ", ".join(f"{k} {v}" for k, v in q["tensor_types"].items())]
+        for qtype, q in result["quantization"]["types"].items()
+    ]
     return C.table(["llama.cpp type", "file (MiB)", "tensors by type"], rows)

@@ -70,21 +70,40 @@ def parse_args(argv=None):
     p.add_argument("--soak-sessions", type=int, default=16)
     p.add_argument("--rss-every", type=float, default=None, help="RSS sample interval, s (default 10; quick 2)")
     p.add_argument("--cache-mib", type=int, default=512, help="prefix-cache budget in MiB (default 512)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="hyserve serve --prefill-chunk (default: hyserve's default, 512)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="hyserve serve --prefill-chunk (default: hyserve's default, 512)",
+    )
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=64)
-    p.add_argument("--phase-timeout", type=float, default=600.0,
-                   help="seconds; a load phase still running after this is cancelled (its requests count as errors)")
+    p.add_argument(
+        "--phase-timeout",
+        type=float,
+        default=600.0,
+        help="seconds; a load phase still running after this is cancelled (its requests count as errors)",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="client timeout per request, s")
-    p.add_argument("--probe-ctx", type=int, default=None,
-                   help="context tokens per state in the decode-step probe (default 1000; quick 500; 0 = skip)")
-    p.add_argument("--probe-only", action="store_true",
-                   help="only the decode-step probe (no server, no load, no soak); prints its table, writes no JSON")
+    p.add_argument(
+        "--probe-ctx",
+        type=int,
+        default=None,
+        help="context tokens per state in the decode-step probe (default 1000; quick 500; 0 = skip)",
+    )
+    p.add_argument(
+        "--probe-only",
+        action="store_true",
+        help="only the decode-step probe (no server, no load, no soak); prints its table, writes no JSON",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--json", dest="json_out", default=None,
-                   help="result file (default benchmarks/results/load.json; quick: load-quick.json, so a smoke "
-                        "test never overwrites full results)")
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        help="result file (default benchmarks/results/load.json; quick: load-quick.json, so a smoke "
+        "test never overwrites full results)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.sessions = [int(x) for x in (args.sessions or ("1,4" if args.quick else "1,4,16")).split(",") if x]
@@ -166,16 +185,29 @@ def service_config(args, model_dir: Path):
     in-process service of the decode-step probe."""
     from hyserve.service import ServiceConfig
 
-    return ServiceConfig(model_dir=model_dir, served_model_name="bench", device="cpu",
-                         max_running=args.max_running, max_waiting=args.max_waiting,
-                         cache_bytes=args.cache_mib << 20,
-                         **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}))
+    return ServiceConfig(
+        model_dir=model_dir,
+        served_model_name="bench",
+        device="cpu",
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+        cache_bytes=args.cache_mib << 20,
+        **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
+    )
 
 
 def serve_flags(cfg) -> list[str]:
     """`hyserve serve` options for the settings `service_config` changes (the rest have the same defaults)."""
-    return ["--max-running", str(cfg.max_running), "--max-waiting", str(cfg.max_waiting),
-            "--cache-bytes", str(cfg.cache_bytes), "--prefill-chunk", str(cfg.prefill_chunk)]
+    return [
+        "--max-running",
+        str(cfg.max_running),
+        "--max-waiting",
+        str(cfg.max_waiting),
+        "--cache-bytes",
+        str(cfg.cache_bytes),
+        "--prefill-chunk",
+        str(cfg.prefill_chunk),
+    ]
 
 
 def param_count(model_dir: Path) -> int:
@@ -218,8 +250,11 @@ def hist_delta(a: dict, b: dict, name: str, **labels) -> dict:
             continue
         le = dict(k[1])["le"]
         buckets[float(le)] = v - a.get(k, 0.0)
-    return {"buckets": sorted(buckets.items()), "count": delta(a, b, f"{name}_count", **labels),
-            "sum": delta(a, b, f"{name}_sum", **labels)}
+    return {
+        "buckets": sorted(buckets.items()),
+        "count": delta(a, b, f"{name}_count", **labels),
+        "sum": delta(a, b, f"{name}_sum", **labels),
+    }
 
 
 def hist_quantile(h: dict, q: float) -> tuple[float | None, bool]:
@@ -255,7 +290,11 @@ class Conversation:
 async def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunk_times, parts, usage, finish = [], [], None, None
@@ -278,19 +317,32 @@ async def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -
         raise RuntimeError(f"unexpected finish_reason {finish!r}")
     details = getattr(usage, "prompt_tokens_details", None)
     return {
-        "start": t0, "end": t1,
+        "start": t0,
+        "end": t1,
         "ttft": chunk_times[0] - t0 if chunk_times else None,
         "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-        "first_chunk": chunk_times[0] if chunk_times else None, "chunk_times": chunk_times,
+        "first_chunk": chunk_times[0] if chunk_times else None,
+        "chunk_times": chunk_times,
         "last_chunk": chunk_times[-1] if chunk_times else None,
-        "text": "".join(parts), "finish": finish,
-        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+        "text": "".join(parts),
+        "finish": finish,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
         "cached_tokens": (details.cached_tokens or 0) if details else 0,
     }
 
 
-async def run_session(client, model, conv: Conversation, turns: int, max_tokens: int, results: list,
-                      errors: list, deadline: float | None = None, session: int = 0) -> list[str]:
+async def run_session(
+    client,
+    model,
+    conv: Conversation,
+    turns: int,
+    max_tokens: int,
+    results: list,
+    errors: list,
+    deadline: float | None = None,
+    session: int = 0,
+) -> list[str]:
     """One conversation, turn by turn; appends one dict per completed request to `results`. Returns
     the reply texts. Stops at the first failed turn (the history would be broken) or past `deadline`."""
     messages = [{"role": "system", "content": conv.system}]
@@ -317,8 +369,12 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     results, errors = [], []
     mon = C.CpuMonitor()
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(run_session(client, model, convs[i], args.turns, args.max_tokens, results, errors,
-                                             session=i)) for i in range(n)]
+    tasks = [
+        asyncio.create_task(
+            run_session(client, model, convs[i], args.turns, args.max_tokens, results, errors, session=i)
+        )
+        for i in range(n)
+    ]
     done, pending = await asyncio.wait(tasks, timeout=args.phase_timeout)
     for task in pending:
         task.cancel()
@@ -351,36 +407,56 @@ async def load_phase(client, http, model, n: int, convs: list[Conversation], arg
     c0, c1 = before["cache"], after["cache"]
     lookups_api = c1["lookups"] - c0["lookups"]
     return {
-        "sessions": n, "turns": args.turns, "requests": len(results), "errors": len(errors),
-        "error_messages": errors[:20], "wall_s": wall, "others_busy": others,
-        "output_tokens": out_tokens, "output_tok_s": out_tokens / wall if wall else None,
-        "decode_tokens": dec_tokens, "decode_active_s": dec_time,
+        "sessions": n,
+        "turns": args.turns,
+        "requests": len(results),
+        "errors": len(errors),
+        "error_messages": errors[:20],
+        "wall_s": wall,
+        "others_busy": others,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall if wall else None,
+        "decode_tokens": dec_tokens,
+        "decode_active_s": dec_time,
         "decode_tok_s": dec_tokens / dec_time if dec_time else None,
-        "steady_s": window[1] - window[0] if window else None, "steady_decode_tokens": steady_tokens,
+        "steady_s": window[1] - window[0] if window else None,
+        "steady_decode_tokens": steady_tokens,
         "steady_decode_tok_s": steady_tokens / (window[1] - window[0]) if window else None,
         "prompt_tokens": sum(r["prompt_tokens"] for r in results),
         "cached_tokens": sum(r["cached_tokens"] for r in results),
         "server_prefill_tokens": delta(before, after, "hyserve_prefill_tokens_computed_total"),
         "server_generated_tokens": delta(before, after, "hyserve_generation_tokens_total"),
-        "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "ttft_max": pct(ttfts, 100),
+        "ttft_p50": pct(ttfts, 50),
+        "ttft_p99": pct(ttfts, 99),
+        "ttft_max": pct(ttfts, 100),
         "ttft_warm_p50": pct(warm, 50),
-        "itl_p50": pct(itls, 50), "itl_p99": pct(itls, 99), "itl_max": pct(itls, 100), "itl_samples": len(itls),
-        "lock_step_p50": p50_step, "lock_step_p99": p99_step, "lock_step_p99_open": p99_open,
-        "lock_step_mean": step["sum"] / step["count"] if step["count"] else None, "steps": step["count"],
+        "itl_p50": pct(itls, 50),
+        "itl_p99": pct(itls, 99),
+        "itl_max": pct(itls, 100),
+        "itl_samples": len(itls),
+        "lock_step_p50": p50_step,
+        "lock_step_p99": p99_step,
+        "lock_step_p99_open": p99_open,
+        "lock_step_mean": step["sum"] / step["count"] if step["count"] else None,
+        "steps": step["count"],
         "lock_step_hist": step["buckets"],
-        "decode_passes": batch["count"], "decode_pass_s": passes["sum"],
+        "decode_passes": batch["count"],
+        "decode_pass_s": passes["sum"],
         "decode_pass_tok_s": batch["sum"] / passes["sum"] if passes["sum"] else None,
         "decode_batch_mean": batch["sum"] / batch["count"] if batch["count"] else None,
         "decode_gathers": delta(before, after, "hyserve_decode_batch_gathers_total"),
-        "cache_hits": hits, "cache_misses": misses,
+        "cache_hits": hits,
+        "cache_misses": misses,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "hit_rate_api": (c1["hits"] - c0["hits"]) / lookups_api if lookups_api else None,
         # requests that got nothing from the cache, by turn (turn 1 can only hit the shared system prompt)
-        "uncached_by_turn": {t: sum(1 for r in results if r["turn"] == t and not r["cached_tokens"])
-                             for t in range(1, args.turns + 1)},
+        "uncached_by_turn": {
+            t: sum(1 for r in results if r["turn"] == t and not r["cached_tokens"]) for t in range(1, args.turns + 1)
+        },
         "replies": replies,
-        "per_request": [{k: v for k, v in r.items() if k not in ("text", "itl")} | {"itl_n": len(r["itl"])}
-                        for r in results],
+        "per_request": [
+            {k: v for k, v in r.items() if k not in ("text", "itl")} | {"itl_n": len(r["itl"])} for r in results
+        ],
     }
 
 
@@ -409,14 +485,20 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=args.rss_every)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await sample()
 
     async def looper(i: int):
         k = 0
         while time.perf_counter() < deadline:
-            conv = Conversation(tokenizer, system, args.turns, 10_000_000 + args.seed * 100_000 + i * 1000 + k,
-                                args.min_user_tokens, args.max_user_tokens)
+            conv = Conversation(
+                tokenizer,
+                system,
+                args.turns,
+                10_000_000 + args.seed * 100_000 + i * 1000 + k,
+                args.min_user_tokens,
+                args.max_user_tokens,
+            )
             n_err = len(errors)
             started[0] += 1
             await run_session(client, model, conv, args.turns, args.max_tokens, results, errors, deadline)
@@ -445,30 +527,44 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
     # RSS held neither by the cache nor by running requests: what would grow if anything leaked. Its
     # highest sample in each third of the soak shows whether it levels off.
     rest = [(t, r - c - v) for t, r, c, v in samples if None not in (r, c, v)]
-    thirds = [max((x for t, x in rest if k * args.soak / 3 <= t < (k + 1) * args.soak / 3), default=None)
-              for k in range(3)]
+    thirds = [
+        max((x for t, x in rest if k * args.soak / 3 <= t < (k + 1) * args.soak / 3), default=None) for k in range(3)
+    ]
     ttfts = [r["ttft"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
     return {
-        "seconds": args.soak, "wall_s": wall, "sessions": args.soak_sessions, "others_busy": others,
-        "requests": len(results), "failures": len(errors), "error_messages": errors[:20],
+        "seconds": args.soak,
+        "wall_s": wall,
+        "sessions": args.soak_sessions,
+        "others_busy": others,
+        "requests": len(results),
+        "failures": len(errors),
+        "error_messages": errors[:20],
         "conversations_started": started[0],
-        "output_tokens": out_tokens, "output_tok_s": out_tokens / wall if wall else None,
-        "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
-        "rss_start": rss[0] if rss else None, "rss_max": max(rss) if rss else None,
-        "rss_end": rss[-1] if rss else None, "rss_samples": samples,
-        "rss_minus_cache_start": other[0] if other else None, "rss_minus_cache_max": max(other) if other else None,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall if wall else None,
+        "ttft_p50": pct(ttfts, 50),
+        "ttft_p99": pct(ttfts, 99),
+        "rss_start": rss[0] if rss else None,
+        "rss_max": max(rss) if rss else None,
+        "rss_end": rss[-1] if rss else None,
+        "rss_samples": samples,
+        "rss_minus_cache_start": other[0] if other else None,
+        "rss_minus_cache_max": max(other) if other else None,
         "rss_minus_cache_end": other[-1] if other else None,
         "live_bytes_max_sampled": max((v for *_, v in samples if v is not None), default=None),
-        "rss_rest_max_by_third": thirds, "rss_rest_end": rest[-1][1] if rest else None,
-        "cache_budget_bytes": after["cache"]["budget_bytes"], "cache_bytes_end": after["cache"]["bytes"],
+        "rss_rest_max_by_third": thirds,
+        "rss_rest_end": rest[-1][1] if rest else None,
+        "cache_budget_bytes": after["cache"]["budget_bytes"],
+        "cache_bytes_end": after["cache"]["bytes"],
         "cache_entries_end": after["cache"]["entries"],
         "cache_evictions": delta(before, after, "hyserve_cache_evictions_total"),
         "cache_bytes_max_sampled": max(c for _, _, c, _ in samples if c is not None),
         "malloc_trims": delta(before, after, "hyserve_malloc_trim_seconds_count"),
         "malloc_trim_seconds": delta(before, after, "hyserve_malloc_trim_seconds_sum"),
         "hit_rate": (lambda h, m: h / (h + m) if h + m else None)(
-            delta(before, after, "hyserve_cache_hits_total"), delta(before, after, "hyserve_cache_misses_total")),
+            delta(before, after, "hyserve_cache_hits_total"), delta(before, after, "hyserve_cache_misses_total")
+        ),
     }
 
 
@@ -532,8 +628,13 @@ def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[di
                         mask, pos = batch.inputs(model.device)
                         t1 = time.perf_counter()
                         x = torch.tensor([[5]] * n, dtype=torch.long, device=model.device)
-                        model(input_ids=x, use_cache=True, logits_to_keep=1, **{ad._cache_kw: batch.cache},
-                              **ad.batch_inputs(mask, pos))
+                        model(
+                            input_ids=x,
+                            use_cache=True,
+                            logits_to_keep=1,
+                            **{ad._cache_kw: batch.cache},
+                            **ad.batch_inputs(mask, pos),
+                        )
                         t2 = time.perf_counter()
                         scatter(batch, states, range(len(states)), toks)
                         t3 = time.perf_counter()
@@ -545,23 +646,53 @@ def _decode_probe(service, sizes: list[int], ctx: int, reps: int = 6) -> list[di
                     ad.forward(st, [5])
                 single.append(time.perf_counter() - t)
             step = med(full)
-            rows.append({
-                "n": n, "ctx": ctx, "snapshot_mib": snap.nbytes / 2**20,
-                "batched_step_s": step, "batched_tok_s": n / step,
-                "gather_s": med([a for a, _, _ in parts]), "model_s": med([b for _, b, _ in parts]),
-                "scatter_s": med([c for _, _, c in parts]),
-                "unbatched_s": med(single), "unbatched_tok_s": n / med(single),
-            })
+            rows.append(
+                {
+                    "n": n,
+                    "ctx": ctx,
+                    "snapshot_mib": snap.nbytes / 2**20,
+                    "batched_step_s": step,
+                    "batched_tok_s": n / step,
+                    "gather_s": med([a for a, _, _ in parts]),
+                    "model_s": med([b for _, b, _ in parts]),
+                    "scatter_s": med([c for _, _, c in parts]),
+                    "unbatched_s": med(single),
+                    "unbatched_tok_s": n / med(single),
+                }
+            )
             del states
     return rows
 
 
 def probe_table(rows: list[dict]) -> str:
-    headers = ["N", "ctx tok", "batched step ms", "gather ms", "model ms", "scatter ms", "batched tok/s",
-               "N single forwards ms", "unbatched tok/s"]
-    return C.table(headers, [[r["n"], r["ctx"], _ms(r["batched_step_s"]), _ms(r["gather_s"]), _ms(r["model_s"]),
-                              _ms(r["scatter_s"]), C.fmt_ratio(r["batched_tok_s"], 1), _ms(r["unbatched_s"]),
-                              C.fmt_ratio(r["unbatched_tok_s"], 1)] for r in rows])
+    headers = [
+        "N",
+        "ctx tok",
+        "batched step ms",
+        "gather ms",
+        "model ms",
+        "scatter ms",
+        "batched tok/s",
+        "N single forwards ms",
+        "unbatched tok/s",
+    ]
+    return C.table(
+        headers,
+        [
+            [
+                r["n"],
+                r["ctx"],
+                _ms(r["batched_step_s"]),
+                _ms(r["gather_s"]),
+                _ms(r["model_s"]),
+                _ms(r["scatter_s"]),
+                C.fmt_ratio(r["batched_tok_s"], 1),
+                _ms(r["unbatched_s"]),
+                C.fmt_ratio(r["unbatched_tok_s"], 1),
+            ]
+            for r in rows
+        ],
+    )
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -576,38 +707,104 @@ def _lock(p: dict) -> str:
 
 
 def load_table(phases: list[dict]) -> str:
-    headers = ["N", "requests", "out tok", "prefill tok", "wall s", "out tok/s", "decode tok/s", "steady s",
-               "steady decode tok/s", "pass tok/s", "TTFT p50 ms",
-               "TTFT p99 ms", "warm TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "lock/step mean ms",
-               "lock/step p99 ms", "mean decode batch", "gathers / passes", "hit rate", "errors", "bg CPU"]
+    headers = [
+        "N",
+        "requests",
+        "out tok",
+        "prefill tok",
+        "wall s",
+        "out tok/s",
+        "decode tok/s",
+        "steady s",
+        "steady decode tok/s",
+        "pass tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "warm TTFT p50 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "lock/step mean ms",
+        "lock/step p99 ms",
+        "mean decode batch",
+        "gathers / passes",
+        "hit rate",
+        "errors",
+        "bg CPU",
+    ]
     rows = []
     for p in phases:
-        rows.append([p["sessions"], p["requests"], p["output_tokens"], int(p["server_prefill_tokens"]),
-                     f"{p['wall_s']:.1f}", C.fmt_ratio(p["output_tok_s"], 1), C.fmt_ratio(p["decode_tok_s"], 1),
-                     C.fmt_ratio(p.get("steady_s"), 1), C.fmt_ratio(p.get("steady_decode_tok_s"), 1),
-                     C.fmt_ratio(p.get("decode_pass_tok_s"), 1), _ms(p["ttft_p50"]), _ms(p["ttft_p99"]), _ms(p["ttft_warm_p50"]),
-                     _ms(p["itl_p50"]), _ms(p["itl_p99"]), _ms(p["lock_step_mean"]), _lock(p),
-                     C.fmt_ratio(p["decode_batch_mean"], 2), f"{p.get('decode_gathers', 0):.0f} / {p['decode_passes']:.0f}",
-                     C.fmt_pct(p["hit_rate"]), p["errors"],
-                     C.fmt_pct(p["others_busy"])])
+        rows.append(
+            [
+                p["sessions"],
+                p["requests"],
+                p["output_tokens"],
+                int(p["server_prefill_tokens"]),
+                f"{p['wall_s']:.1f}",
+                C.fmt_ratio(p["output_tok_s"], 1),
+                C.fmt_ratio(p["decode_tok_s"], 1),
+                C.fmt_ratio(p.get("steady_s"), 1),
+                C.fmt_ratio(p.get("steady_decode_tok_s"), 1),
+                C.fmt_ratio(p.get("decode_pass_tok_s"), 1),
+                _ms(p["ttft_p50"]),
+                _ms(p["ttft_p99"]),
+                _ms(p["ttft_warm_p50"]),
+                _ms(p["itl_p50"]),
+                _ms(p["itl_p99"]),
+                _ms(p["lock_step_mean"]),
+                _lock(p),
+                C.fmt_ratio(p["decode_batch_mean"], 2),
+                f"{p.get('decode_gathers', 0):.0f} / {p['decode_passes']:.0f}",
+                C.fmt_pct(p["hit_rate"]),
+                p["errors"],
+                C.fmt_pct(p["others_busy"]),
+            ]
+        )
     return C.table(headers, rows)
 
 
 def soak_table(s: dict) -> str:
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    headers = ["seconds", "sessions", "requests", "failures", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-               "RSS start MiB", "RSS max MiB", "RSS end MiB", "RSS-cache start/max/end MiB", "cache MiB end / budget",
-               "live states max MiB", "RSS-cache-live max by third / end MiB", "evictions", "hit rate",
-               "heap trims (mean ms)", "bg CPU"]
+    headers = [
+        "seconds",
+        "sessions",
+        "requests",
+        "failures",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "RSS start MiB",
+        "RSS max MiB",
+        "RSS end MiB",
+        "RSS-cache start/max/end MiB",
+        "cache MiB end / budget",
+        "live states max MiB",
+        "RSS-cache-live max by third / end MiB",
+        "evictions",
+        "hit rate",
+        "heap trims (mean ms)",
+        "bg CPU",
+    ]
     trims = s.get("malloc_trims") or 0
-    row = [f"{s['wall_s']:.0f}", s["sessions"], s["requests"], s["failures"], C.fmt_ratio(s["output_tok_s"], 1),
-           _ms(s["ttft_p50"]), _ms(s["ttft_p99"]), mib(s["rss_start"]), mib(s["rss_max"]), mib(s["rss_end"]),
-           f"{mib(s['rss_minus_cache_start'])} / {mib(s['rss_minus_cache_max'])} / {mib(s['rss_minus_cache_end'])}",
-           f"{mib(s['cache_bytes_end'])} / {mib(s['cache_budget_bytes'])}", mib(s.get("live_bytes_max_sampled")),
-           " / ".join(mib(x) for x in s.get("rss_rest_max_by_third") or []) + f" / {mib(s.get('rss_rest_end'))}",
-           int(s["cache_evictions"]),
-           C.fmt_pct(s["hit_rate"]), f"{trims:.0f} ({s['malloc_trim_seconds'] / trims * 1e3:.1f})" if trims else "0",
-           C.fmt_pct(s["others_busy"])]
+    row = [
+        f"{s['wall_s']:.0f}",
+        s["sessions"],
+        s["requests"],
+        s["failures"],
+        C.fmt_ratio(s["output_tok_s"], 1),
+        _ms(s["ttft_p50"]),
+        _ms(s["ttft_p99"]),
+        mib(s["rss_start"]),
+        mib(s["rss_max"]),
+        mib(s["rss_end"]),
+        f"{mib(s['rss_minus_cache_start'])} / {mib(s['rss_minus_cache_max'])} / {mib(s['rss_minus_cache_end'])}",
+        f"{mib(s['cache_bytes_end'])} / {mib(s['cache_budget_bytes'])}",
+        mib(s.get("live_bytes_max_sampled")),
+        " / ".join(mib(x) for x in s.get("rss_rest_max_by_third") or []) + f" / {mib(s.get('rss_rest_end'))}",
+        int(s["cache_evictions"]),
+        C.fmt_pct(s["hit_rate"]),
+        f"{trims:.0f} ({s['malloc_trim_seconds'] / trims * 1e3:.1f})" if trims else "0",
+        C.fmt_pct(s["others_busy"]),
+    ]
     return C.table(headers, [row])
 
 
@@ -646,8 +843,10 @@ async def amain(args) -> int:
         rows = decode_probe(cfg, sorted(set(args.sessions)), args.probe_ctx or 1000)
         print(probe_table(rows))
         if len(rows) > 1:
-            print(f"probe batched tok/s N={rows[-1]['n']} / N={rows[0]['n']} = "
-                  f"{rows[-1]['batched_tok_s'] / rows[0]['batched_tok_s']:.2f}x")
+            print(
+                f"probe batched tok/s N={rows[-1]['n']} / N={rows[0]['n']} = "
+                f"{rows[-1]['batched_tok_s'] / rows[0]['batched_tok_s']:.2f}x"
+            )
         return 0
     tok = AutoTokenizer.from_pretrained(model_dir)  # the conversations' token counts; no weights here
     info = C.machine_info()
@@ -655,21 +854,30 @@ async def amain(args) -> int:
     params = param_count(model_dir)
     rng = random.Random(args.seed)
     system = "You are a helpful assistant. " + C.text_of_tokens(tok, rng, 40)
-    convs = [Conversation(tok, system, args.turns, args.seed * 100_000 + i, args.min_user_tokens,
-                          args.max_user_tokens) for i in range(max(args.sessions))]
-    print(f"model {model_dir.name} ({params / 1e6:.1f}M params); sessions {args.sessions}, {args.turns} turns, "
-          f"{args.min_user_tokens}-{args.max_user_tokens}-token user messages, max_tokens {args.max_tokens}; "
-          f"soak {args.soak:.0f}s x {args.soak_sessions} sessions; cache {args.cache_mib} MiB; "
-          f"prefill chunk {cfg.prefill_chunk}; "
-          f"{info['cores']} cores, torch {info['torch']} ({threads} threads)", flush=True)
+    convs = [
+        Conversation(tok, system, args.turns, args.seed * 100_000 + i, args.min_user_tokens, args.max_user_tokens)
+        for i in range(max(args.sessions))
+    ]
+    print(
+        f"model {model_dir.name} ({params / 1e6:.1f}M params); sessions {args.sessions}, {args.turns} turns, "
+        f"{args.min_user_tokens}-{args.max_user_tokens}-token user messages, max_tokens {args.max_tokens}; "
+        f"soak {args.soak:.0f}s x {args.soak_sessions} sessions; cache {args.cache_mib} MiB; "
+        f"prefill chunk {cfg.prefill_chunk}; "
+        f"{info['cores']} cores, torch {info['torch']} ({threads} threads)",
+        flush=True,
+    )
 
     phases, soak = [], None
     with C.ServerProcess(model_dir, "bench", *serve_flags(cfg), threads=threads) as srv:
         server_rss_healthy = C.pid_rss_bytes(srv.proc.pid)  # model loaded, nothing served yet
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        client = AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
-                             timeout=args.request_timeout,
-                             http_client=httpx.AsyncClient(limits=limits, timeout=args.request_timeout))
+        client = AsyncOpenAI(
+            base_url=srv.base_url + "/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=args.request_timeout,
+            http_client=httpx.AsyncClient(limits=limits, timeout=args.request_timeout),
+        )
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
             # warm-up (allocator, kernels, HTTP stack, a batched decode pass); not measured
             warm = Conversation(tok, system, 1, 999_999, 20, 40)
@@ -677,23 +885,30 @@ async def amain(args) -> int:
             for n in args.sessions:
                 p = await load_phase(client, http, "bench", n, convs, args)
                 phases.append(p)
-                print(f"  N={n}: {p['requests']} requests, {p['output_tokens']} tokens in {p['wall_s']:.1f}s "
-                      f"({p['output_tok_s']:.1f} tok/s, decode {C.fmt_ratio(p['decode_tok_s'], 1)} tok/s), "
-                      f"TTFT p50 {_ms(p['ttft_p50'])} ms, errors {p['errors']}, bg CPU {C.fmt_pct(p['others_busy'])}",
-                      flush=True)
+                print(
+                    f"  N={n}: {p['requests']} requests, {p['output_tokens']} tokens in {p['wall_s']:.1f}s "
+                    f"({p['output_tok_s']:.1f} tok/s, decode {C.fmt_ratio(p['decode_tok_s'], 1)} tok/s), "
+                    f"TTFT p50 {_ms(p['ttft_p50'])} ms, errors {p['errors']}, bg CPU {C.fmt_pct(p['others_busy'])}",
+                    flush=True,
+                )
             if args.soak > 0:
                 await http.delete("/v1/cache")
                 soak = await soak_phase(client, http, "bench", tok, system, args, srv.proc.pid)
-                print(f"  soak: {soak['requests']} requests in {soak['wall_s']:.0f}s, failures {soak['failures']}, "
-                      f"RSS {soak['rss_start'] / 2**20:.0f} -> max {soak['rss_max'] / 2**20:.0f} -> end "
-                      f"{soak['rss_end'] / 2**20:.0f} MiB", flush=True)
+                print(
+                    f"  soak: {soak['requests']} requests in {soak['wall_s']:.0f}s, failures {soak['failures']}, "
+                    f"RSS {soak['rss_start'] / 2**20:.0f} -> max {soak['rss_max'] / 2**20:.0f} -> end "
+                    f"{soak['rss_end'] / 2**20:.0f} MiB",
+                    flush=True,
+                )
             # after the load: is the engine idle (no leaked runs, no busy stepping)?
             idle0 = await scrape(http)
             await asyncio.sleep(2.0)
             idle1 = await scrape(http)
-            idle = {"steps_in_2s": delta(idle0, idle1, "hyserve_runtime_lock_hold_seconds_count", op="step"),
-                    "running": _sum(idle1, "hyserve_requests_running"),
-                    "waiting": _sum(idle1, "hyserve_requests_waiting")}
+            idle = {
+                "steps_in_2s": delta(idle0, idle1, "hyserve_runtime_lock_hold_seconds_count", op="step"),
+                "running": _sum(idle1, "hyserve_requests_running"),
+                "waiting": _sum(idle1, "hyserve_requests_waiting"),
+            }
         await client.close()
     probe = []  # the server process has exited: the probe has the cores to itself
     if args.probe_ctx > 0:
@@ -703,27 +918,42 @@ async def amain(args) -> int:
     lo, hi = min(by_n), max(by_n)
     ratio = None
     if lo != hi and by_n[lo]["decode_tok_s"] and by_n[hi]["decode_tok_s"]:
-        ratio = {"from": lo, "to": hi,
-                 "decode": by_n[hi]["decode_tok_s"] / by_n[lo]["decode_tok_s"],
-                 "output": by_n[hi]["output_tok_s"] / by_n[lo]["output_tok_s"],
-                 "pass": (by_n[hi]["decode_pass_tok_s"] / by_n[lo]["decode_pass_tok_s"]
-                          if by_n[hi].get("decode_pass_tok_s") and by_n[lo].get("decode_pass_tok_s") else None),
-                 "steady": (by_n[hi]["steady_decode_tok_s"] / by_n[lo]["steady_decode_tok_s"]
-                            if by_n[hi].get("steady_decode_tok_s") and by_n[lo].get("steady_decode_tok_s") else None),
-                 "target": TARGET_DECODE_RATIO}
+        ratio = {
+            "from": lo,
+            "to": hi,
+            "decode": by_n[hi]["decode_tok_s"] / by_n[lo]["decode_tok_s"],
+            "output": by_n[hi]["output_tok_s"] / by_n[lo]["output_tok_s"],
+            "pass": (
+                by_n[hi]["decode_pass_tok_s"] / by_n[lo]["decode_pass_tok_s"]
+                if by_n[hi].get("decode_pass_tok_s") and by_n[lo].get("decode_pass_tok_s")
+                else None
+            ),
+            "steady": (
+                by_n[hi]["steady_decode_tok_s"] / by_n[lo]["steady_decode_tok_s"]
+                if by_n[hi].get("steady_decode_tok_s") and by_n[lo].get("steady_decode_tok_s")
+                else None
+            ),
+            "target": TARGET_DECODE_RATIO,
+        }
     consistency = reply_consistency(phases)
     print()
     print(load_table(phases))
     if ratio:
         ok = "meets" if ratio["decode"] >= TARGET_DECODE_RATIO else "MISSES"
-        print(f"\ndecode tok/s N={hi} / N={lo} = {ratio['decode']:.2f}x ({ok} the >= {TARGET_DECODE_RATIO:.0f}x "
-              f"target); output tok/s N={hi} / N={lo} = {ratio['output']:.2f}x"
-              + (f"; steady decode tok/s N={hi} / N={lo} = {ratio['steady']:.2f}x" if ratio["steady"] else "")
-              + (f"; decode-pass tok/s N={hi} / N={lo} = {ratio['pass']:.2f}x" if ratio["pass"] else ""))
-    print(f"replies identical to the first phase that ran the same session: {consistency['equal_turns']}/"
-          f"{consistency['compared_turns']} turns compared")
-    print(f"engine after the load: {idle['steps_in_2s']:.0f} steps in 2 s idle, running {idle['running']:.0f}, "
-          f"waiting {idle['waiting']:.0f}")
+        print(
+            f"\ndecode tok/s N={hi} / N={lo} = {ratio['decode']:.2f}x ({ok} the >= {TARGET_DECODE_RATIO:.0f}x "
+            f"target); output tok/s N={hi} / N={lo} = {ratio['output']:.2f}x"
+            + (f"; steady decode tok/s N={hi} / N={lo} = {ratio['steady']:.2f}x" if ratio["steady"] else "")
+            + (f"; decode-pass tok/s N={hi} / N={lo} = {ratio['pass']:.2f}x" if ratio["pass"] else "")
+        )
+    print(
+        f"replies identical to the first phase that ran the same session: {consistency['equal_turns']}/"
+        f"{consistency['compared_turns']} turns compared"
+    )
+    print(
+        f"engine after the load: {idle['steps_in_2s']:.0f} steps in 2 s idle, running {idle['running']:.0f}, "
+        f"waiting {idle['waiting']:.0f}"
+    )
     if soak:
         print()
         print(soak_table(soak))
@@ -731,8 +961,10 @@ async def amain(args) -> int:
         print("\ndecode-step probe (one token for N live states, no HTTP, no prefill):")
         print(probe_table(probe))
         if len(probe) > 1:
-            print(f"probe batched tok/s N={probe[-1]['n']} / N={probe[0]['n']} = "
-                  f"{probe[-1]['batched_tok_s'] / probe[0]['batched_tok_s']:.2f}x")
+            print(
+                f"probe batched tok/s N={probe[-1]['n']} / N={probe[0]['n']} = "
+                f"{probe[-1]['batched_tok_s'] / probe[0]['batched_tok_s']:.2f}x"
+            )
     failures = sum(p["errors"] for p in phases) + (soak["failures"] if soak else 0)
     for p in phases:
         for m in p["error_messages"]:
@@ -743,14 +975,22 @@ async def amain(args) -> int:
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, Path.cwd())] + sys.argv[1:]),
         "mode": "quick" if args.quick else "full",
-        "machine": info, "model": model_dir.name, "params": params,
+        "machine": info,
+        "model": model_dir.name,
+        "params": params,
         "config": {k: v for k, v in vars(args).items()},
         "server_rss_healthy": server_rss_healthy,
         "phases": [{k: v for k, v in p.items() if k != "replies"} for p in phases],
-        "ratio": ratio, "reply_consistency": consistency, "soak": soak, "idle_after_load": idle,
-        "decode_probe": probe, "probe_table": probe_table(probe) if probe else None,
-        "total_seconds": time.perf_counter() - t_start, "failures": failures,
-        "load_table": load_table(phases), "soak_table": soak_table(soak) if soak else None,
+        "ratio": ratio,
+        "reply_consistency": consistency,
+        "soak": soak,
+        "idle_after_load": idle,
+        "decode_probe": probe,
+        "probe_table": probe_table(probe) if probe else None,
+        "total_seconds": time.perf_counter() - t_start,
+        "failures": failures,
+        "load_table": load_table(phases),
+        "soak_table": soak_table(soak) if soak else None,
     }
     if args.json_out:
         out = Path(args.json_out)

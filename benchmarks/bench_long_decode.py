@@ -26,9 +26,19 @@ import bench_common as C  # noqa: E402
 
 def context_table(rows: list[dict]) -> str:
     """One row per context length (the JSON's `rows`)."""
-    return C.table(["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
-                   [[r["context"], f"{r['concat_ms']:.2f}", f"{r['in_place_ms']:.2f}",
-                     f"{r['concat_ms'] / r['in_place_ms']:.2f}x", f"{r['max_logit_diff']:.1e}"] for r in rows])
+    return C.table(
+        ["context tok", "concatenate (ms/step)", "in place (ms/step)", "concat / in place", "max |logit diff|"],
+        [
+            [
+                r["context"],
+                f"{r['concat_ms']:.2f}",
+                f"{r['in_place_ms']:.2f}",
+                f"{r['concat_ms'] / r['in_place_ms']:.2f}x",
+                f"{r['max_logit_diff']:.1e}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def main(argv=None) -> int:
@@ -71,12 +81,18 @@ def main(argv=None) -> int:
             diff = max(diff, float((a - b).abs().max()))
         ad.drop_batch()
         skip = min(2, steps - 1)  # the first in-place step copies the KV into its buffer
-        return {"context": ctx, "concat_ms": statistics.median(ta[skip:]) * 1e3,
-                "in_place_ms": statistics.median(tb[skip:]) * 1e3, "max_logit_diff": diff}
+        return {
+            "context": ctx,
+            "concat_ms": statistics.median(ta[skip:]) * 1e3,
+            "in_place_ms": statistics.median(tb[skip:]) * 1e3,
+            "max_logit_diff": diff,
+        }
 
     rows = [model_thread.run(measure, c) for c in contexts]
-    print(f"qwen3_5 {size}, one request, median of {steps} alternating decode steps, torch {torch.__version__} "
-          f"({threads} threads)")
+    print(
+        f"qwen3_5 {size}, one request, median of {steps} alternating decode steps, torch {torch.__version__} "
+        f"({threads} threads)"
+    )
     print(context_table(rows))
     if args.json_out:
         out = Path(args.json_out)

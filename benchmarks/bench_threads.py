@@ -33,10 +33,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
 
+
 def where_table(rows: list[dict], new_tokens: int) -> str:
     """One row per place the same pass ran (the JSON's `rows`)."""
-    return C.table(["where", f"prefill {new_tokens} tok (ms)", "decode 1 tok (ms)"],
-                   [[r["where"], f"{r['prefill_ms']:.1f}", f"{r['decode_ms']:.1f}"] for r in rows])
+    return C.table(
+        ["where", f"prefill {new_tokens} tok (ms)", "decode 1 tok (ms)"],
+        [[r["where"], f"{r['prefill_ms']:.1f}", f"{r['decode_ms']:.1f}"] for r in rows],
+    )
 
 
 def main(argv=None) -> int:
@@ -89,19 +92,34 @@ def main(argv=None) -> int:
     t.join()
     rows.append(("a second thread (its own OpenMP pool)", other))
     rows.append(("model thread again, after the second thread", model_thread.run(timings)))
-    print(f"qwen3_5 {size}, {context}-token state, {new} new tokens, torch {torch.__version__} ({threads} threads), "
-          f"median of {reps}")
+    print(
+        f"qwen3_5 {size}, {context}-token state, {new} new tokens, torch {torch.__version__} ({threads} threads), "
+        f"median of {reps}"
+    )
     print(where_table([{"where": n, **r} for n, r in rows], new))
     first, last = rows[0][1], rows[2][1]
     second = rows[1][1]
-    print(f"second thread / model thread: prefill x{second['prefill_ms'] / first['prefill_ms']:.2f}, decode "
-          f"x{second['decode_ms'] / first['decode_ms']:.2f}; model thread after / before the second thread: "
-          f"prefill x{last['prefill_ms'] / first['prefill_ms']:.2f}, decode x{last['decode_ms'] / first['decode_ms']:.2f}")
+    print(
+        f"second thread / model thread: prefill x{second['prefill_ms'] / first['prefill_ms']:.2f}, decode "
+        f"x{second['decode_ms'] / first['decode_ms']:.2f}; model thread after / before the second thread: "
+        f"prefill x{last['prefill_ms'] / first['prefill_ms']:.2f}, decode x{last['decode_ms'] / first['decode_ms']:.2f}"
+    )
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"machine": C.machine_info(), "size": size, "context": context, "new_tokens": new,
-                                   "repeats": reps, "rows": [{"where": n, **r} for n, r in rows]}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "machine": C.machine_info(),
+                    "size": size,
+                    "context": context,
+                    "new_tokens": new,
+                    "repeats": reps,
+                    "rows": [{"where": n, **r} for n, r in rows],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -68,8 +68,9 @@ def template_model_dirs(tmp_path_factory):
     def get(arch: str, template: str) -> Path:
         if (arch, template) not in built:
             path = real_template(template)
-            built[arch, template] = make_tiny_model(tmp_path_factory.mktemp(f"{arch}-template"), arch,
-                                                    chat_template=path)
+            built[arch, template] = make_tiny_model(
+                tmp_path_factory.mktemp(f"{arch}-template"), arch, chat_template=path
+            )
         return built[arch, template]
 
     return get
@@ -94,8 +95,13 @@ def make_service(model_dirs):
     built = []
 
     def make(arch: str, **overrides):
-        cfg = dict(model_dir=model_dirs[arch], served_model_name=f"tiny-{arch}", device="cpu",
-                   cache_bytes=64 << 20, policy=CheckpointPolicy())
+        cfg = dict(
+            model_dir=model_dirs[arch],
+            served_model_name=f"tiny-{arch}",
+            device="cpu",
+            cache_bytes=64 << 20,
+            policy=CheckpointPolicy(),
+        )
         cfg.update(overrides)
         built.append(build_service(ServiceConfig(**cfg)))
         return built[-1]

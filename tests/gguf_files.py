@@ -57,8 +57,11 @@ def write_from_folder(model_dir: Path, out: Path, quantize: str | None = None) -
 
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """What convert_hf_to_gguf.py's LlamaModel.permute does (transformers' GGUF loader undoes it)."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def _add_tokenizer(w, model_dir: Path, arch: str) -> None:
@@ -109,8 +112,9 @@ def write_header_only(out: Path, arch: str, tokenizer: bool = True, raw=None) ->
     return out
 
 
-def requantize(src: Path, out: Path, qtype_of, split_max_tensors: int = 0, meta: dict | None = None,
-               extra: dict | None = None) -> Path:
+def requantize(
+    src: Path, out: Path, qtype_of, split_max_tensors: int = 0, meta: dict | None = None, extra: dict | None = None
+) -> Path:
     """`src` (an F32 file, e.g. from llama.cpp's converter) rewritten with the same metadata, each tensor in
     `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers) or F32
     where that is None. `split_max_tensors`: written as a split (`out`-0000i-of-0000n.gguf, as llama.cpp's
@@ -125,8 +129,12 @@ def requantize(src: Path, out: Path, qtype_of, split_max_tensors: int = 0, meta:
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = field.types[0]
-        w.add_key_value(key, (meta or {}).get(key, field.contents()), vtype,
-                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        w.add_key_value(
+            key,
+            (meta or {}).get(key, field.contents()),
+            vtype,
+            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None,
+        )
     for key, value in (meta or {}).items():
         if key not in r.fields:
             w.add_key_value(key, value, gguf.GGUFValueType.UINT32)

@@ -5,9 +5,9 @@ import pytest
 
 from hyserve import allocator
 
-
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not ctypes.util.find_library("c"),
-                           reason="malloc_trim is glibc's")
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not ctypes.util.find_library("c"), reason="malloc_trim is glibc's"
+)
 
 
 @glibc
@@ -118,8 +118,11 @@ def test_a_threads_freed_blocks_stay_mapped(keep):
     import subprocess
 
     env = {**os.environ, "HYSERVE_MALLOC_KEEP": keep}
-    handed_back = int(subprocess.run([sys.executable, "-c", _THREAD_SCRIPT], env=env, capture_output=True,
-                                     text=True, check=True).stdout)
+    handed_back = int(
+        subprocess.run(
+            [sys.executable, "-c", _THREAD_SCRIPT], env=env, capture_output=True, text=True, check=True
+        ).stdout
+    )
     if keep == "1":
         assert handed_back < (32 << 20)
     else:
@@ -149,8 +152,9 @@ def test_another_threads_allocations_come_from_the_main_arena(keep):
     import subprocess
 
     env = {**os.environ, "HYSERVE_MALLOC_KEEP": keep}
-    stats = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT], env=env, capture_output=True, text=True,
-                           check=True).stderr
+    stats = subprocess.run(
+        [sys.executable, "-c", _ARENA_SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stderr
     assert "Arena 0:" in stats
     assert ("Arena 1:" in stats) == (keep == "0")
 
@@ -184,6 +188,9 @@ def test_importing_hyserve_puts_torchs_large_allocations_on_huge_pages(asked):
         pytest.skip(f"transparent huge pages are {mode!r} here")
     env = {**os.environ, allocator.THP_ENV: "1"}  # as a child of a process that imported hyserve inherits it
     env["HYSERVE_HUGE_PAGES"] = "1" if asked else "0"
-    huge = int(subprocess.run([sys.executable, "-c", _HUGE_SCRIPT], env=env, capture_output=True, text=True,
-                              check=True).stdout.split()[-1])
+    huge = int(
+        subprocess.run(
+            [sys.executable, "-c", _HUGE_SCRIPT], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
     assert (huge >= 32 << 20) if asked else huge == 0, huge

@@ -118,9 +118,12 @@ def test_a_finished_batch_is_freed_without_the_cycle_collector(runtimes):
     try:
         ad.forward_batch(states, [3, 4])
         ad.forward_batch(states, [5, 6])
-        buffers = [weakref.ref(t) for layer in ad._batch.cache.layers
-                   for t in ([layer._k] if isinstance(layer, batch_layers.GrowingLayer) else layer.recurrent_states.values())
-                   if t is not None]
+        buffers = [
+            weakref.ref(t)
+            for layer in ad._batch.cache.layers
+            for t in ([layer._k] if isinstance(layer, batch_layers.GrowingLayer) else layer.recurrent_states.values())
+            if t is not None
+        ]
         assert buffers
         del states
         ad._batch = None  # what the next batch of other requests does

@@ -6,8 +6,9 @@ import sys
 
 
 def run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "hyserve.cli", *args], capture_output=True, text=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "hyserve.cli", *args], capture_output=True, text=True, timeout=300, **kw
+    )
 
 
 def test_make_tiny_model(tmp_path):
@@ -29,9 +30,20 @@ def test_the_real_moe_size_has_the_35b_a3b_layer():
     assert default_arch("real-moe") == "qwen3_5_moe" and default_arch("real-0.8b") == "qwen3_5"
     config, save_dtype = model_config("qwen3_5_moe", "real-moe", train_tokenizer())
     assert save_dtype == torch.bfloat16
-    real = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts_per_tok=8,
-                moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320)
+    real = dict(
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        vocab_size=248320,
+    )
     assert {k: getattr(config, k) for k in real} == real
     assert config.num_experts == 64 and config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     with torch.device("meta"):
@@ -51,9 +63,20 @@ def test_the_real_4b_size_has_qwen35_4b_dimensions_in_bfloat16():
     assert "real-4b" in SIZES and default_arch("real-4b") == "qwen3_5"
     config, save_dtype = model_config("qwen3_5", "real-4b", train_tokenizer())
     assert save_dtype == torch.bfloat16
-    real = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
-                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True)
+    real = dict(
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    )
     assert {k: getattr(config, k) for k in real} == real
     assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 8
     with torch.device("meta"):
@@ -120,13 +143,19 @@ def test_special_tokens_in_content_flag(tmp_path):
 def test_make_tiny_model_with_a_real_template_and_unknown_parser_names(tmp_path):
     from .conftest import QWEN35_TEMPLATE, real_template
 
-    r = run("make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3", "--chat-template",
-            str(real_template(QWEN35_TEMPLATE)))
+    r = run(
+        "make-tiny-model",
+        str(tmp_path / "m"),
+        "--arch",
+        "qwen3",
+        "--chat-template",
+        str(real_template(QWEN35_TEMPLATE)),
+    )
     assert r.returncode == 0, r.stderr
     tok = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
     added = {t["content"]: t["special"] for t in tok["added_tokens"]}
     assert added["<|im_end|>"] and added["<|vision_start|>"] and not added["<think>"] and not added["<tool_call>"]
-    template = (tmp_path / "m" / "chat_template.jinja")
+    template = tmp_path / "m" / "chat_template.jinja"
     config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
     assert "<function=" in (template.read_text() if template.exists() else config["chat_template"])
     r = run("serve", str(tmp_path / "m"), "--port", "0", "--tool-call-parser", "nope")
@@ -134,6 +163,7 @@ def test_make_tiny_model_with_a_real_template_and_unknown_parser_names(tmp_path)
 
 
 # -- CLI polish: help and defaults on every flag, --version, bare `hyserve`, human sizes -----------------------
+
 
 def _subparsers():
     import argparse
@@ -153,8 +183,14 @@ def test_every_flag_has_help_and_the_help_shows_defaults():
             if action.dest != "help":
                 assert action.help, f"hyserve {name} {action.option_strings or action.dest} has no help"
     text = commands["serve"].format_help()
-    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 8M)", "(default: 30.0)", "(default: info)",
-                  "25% of RAM"):
+    for shown in (
+        "(default: 8000)",
+        "(default: 127.0.0.1)",
+        "(default: 8M)",
+        "(default: 30.0)",
+        "(default: info)",
+        "25% of RAM",
+    ):
         assert shown in text, shown
 
 
@@ -170,8 +206,11 @@ def test_version_and_bare_hyserve_print_something_useful():
 def test_help_never_prints_an_api_key_from_the_environment():
     import os
 
-    r = run("serve", "--help", env={**os.environ, "HYSERVE_API_KEY": "sk-very-secret",
-                                    "HYSERVE_ADMIN_API_KEY": "sk-admin-secret"})
+    r = run(
+        "serve",
+        "--help",
+        env={**os.environ, "HYSERVE_API_KEY": "sk-very-secret", "HYSERVE_ADMIN_API_KEY": "sk-admin-secret"},
+    )
     assert r.returncode == 0 and "HYSERVE_API_KEY" in r.stdout and "secret" not in r.stdout
 
 
@@ -198,6 +237,7 @@ def test_kv_sharing_is_on_unless_turned_off(tmp_path):
 
 
 # -- make-tiny-model never writes over, or deletes, what it did not write ------------------------------------------
+
 
 def test_make_tiny_model_refuses_a_folder_that_holds_files(tmp_path):
     out = tmp_path / "real-model"
@@ -226,6 +266,7 @@ def test_make_tiny_model_force_keeps_every_file_it_did_not_write(tmp_path):
 
 
 # -- start-up checks before any weight is read -------------------------------------------------------------------
+
 
 def test_serve_checks_the_folder_and_the_port_before_loading(tmp_path, model_dirs):
     import shutil

@@ -28,8 +28,10 @@ DEVICE = os.environ.get("HYSERVE_CUDA_TESTS_DEVICE", "cuda")
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-                       reason=f"needs CUDA (torch {torch.__version__} sees no GPU)"),
+    pytest.mark.skipif(
+        DEVICE.startswith("cuda") and not torch.cuda.is_available(),
+        reason=f"needs CUDA (torch {torch.__version__} sees no GPU)",
+    ),
 ]
 
 DTYPES = ["float32", "bfloat16"]
@@ -42,9 +44,13 @@ def service(make_service):
 
 
 def hf_greedy(rt, prompt, n):
-    out = rt.model.generate(torch.tensor([prompt], device=rt.model.device), max_new_tokens=n, do_sample=False,
-                            pad_token_id=rt.tokenizer.pad_token_id)
-    return out[0, len(prompt):].tolist()
+    out = rt.model.generate(
+        torch.tensor([prompt], device=rt.model.device),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=rt.tokenizer.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,8 +63,9 @@ def test_cache_on_equals_cache_off_and_transformers(service, arch, dtype):
     assert any(r[1] > 0 for r in got)  # turns were served from the cache
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = on.runtime.render_chat(messages, True)
-    fin = on.engine.generate(GenerationRequest(prompt=prompt, max_tokens=12, sampling=SamplingParams(temperature=0),
-                                               messages=messages))
+    fin = on.engine.generate(
+        GenerationRequest(prompt=prompt, max_tokens=12, sampling=SamplingParams(temperature=0), messages=messages)
+    )
     ref = hf_greedy(on.runtime, prompt, 12)
     assert fin.token_ids == ref[: len(fin.token_ids)]
 
@@ -96,8 +103,9 @@ def test_a_snapshot_stays_on_the_gpu_and_restores_exactly(service):
     def run():
         live = state_after(ad, PROMPT)
         snap = ad.snapshot(live)
-        devices = {t.device.type for layer in snap.cache.layers for t in vars(layer).values()
-                   if isinstance(t, torch.Tensor)}
+        devices = {
+            t.device.type for layer in snap.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
+        }
         restored = ad.restore(snap, PROMPT)
         return devices, ad.forward(live, [7, 8, 9], all_logits=True), ad.forward(restored, [7, 8, 9], all_logits=True)
 
@@ -114,8 +122,9 @@ def test_the_disk_tier_reads_back_onto_the_gpu(service, tmp_path):
     entry = disk.find(PROMPT + [7, 8], "", 0, 100)
     assert entry is not None and entry.num_tokens == len(PROMPT)
     snap = model_thread.run(disk.load, entry, ad)
-    assert {t.device.type for layer in snap.cache.layers for t in vars(layer).values()
-            if isinstance(t, torch.Tensor)} == {torch.device(DEVICE).type}
+    assert {
+        t.device.type for layer in snap.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
+    } == {torch.device(DEVICE).type}
     restored = model_thread.run(ad.restore, snap, PROMPT)
     want = model_thread.run(ad.forward, live, [7, 8, 9], True)
     assert torch.equal(want, model_thread.run(ad.forward, restored, [7, 8, 9], True))
@@ -131,9 +140,18 @@ def test_logits_processors_and_seeded_sampling_on_the_gpu(service):
     svc = service()
     messages = [{"role": "user", "content": "Tell me a story about a robot."}]
     prompt = svc.runtime.render_chat(messages, True)
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=5, logit_bias=((5, 3.0),),
-                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
-                            logprobs=3)
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        seed=5,
+        logit_bias=((5, 3.0),),
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        min_tokens=4,
+        logprobs=3,
+    )
 
     def sample():
         return svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=12, sampling=params, messages=messages))

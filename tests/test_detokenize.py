@@ -1,9 +1,9 @@
 """Streaming text never splits a UTF-8 character and never leaks part of a stop string."""
 
+import torch
+
 from hyserve.detokenize import IncrementalDetokenizer, StopStringFilter
 from hyserve.sampling import Sampler, SamplingParams
-
-import torch
 
 
 def test_multibyte_characters_are_not_split(runtimes):

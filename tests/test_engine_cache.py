@@ -32,8 +32,9 @@ def run_chat(service, script=SCRIPT, max_tokens=8, pause=True):
             history, system = [], sys_prompt
         messages = [{"role": "system", "content": sys_prompt}] + history + [{"role": "user", "content": user}]
         prompt = service.runtime.render_chat(messages, True)
-        fin = service.engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY,
-                                                        messages=messages))
+        fin = service.engine.generate(
+            GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, messages=messages)
+        )
         boundary = len(service.runtime.render_chat(messages, False))
         results.append((fin.token_ids, fin.cached_tokens, len(prompt), boundary))
         history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
@@ -63,6 +64,7 @@ def test_six_turn_chat_matches_cache_off_in_bfloat16(make_service, arch):
     on_service = make_service(arch, dtype="bfloat16")
     assert on_service.runtime.model.dtype == torch.bfloat16
     from .test_native_kernels import packs_bfloat16
+
     status = on_service.runtime.adapter.kernels.status
     off = {k for k, v in status.items() if v != "on"}  # only what this CPU cannot run may be off
     assert status and off <= ({"native_linear"} if not packs_bfloat16() else set()), status
@@ -78,9 +80,12 @@ def test_back_to_back_turns_wait_for_the_checkpoints_left_to_a_job(make_service,
     sends turn N+1 the moment turn N ends leaves no idle time: turn N+1 (whose prompt extends the job) waits
     for the job, which is never lost, and restores at least from that boundary; output equals cache-off."""
     from hyserve.cache.policy import DEFER_TAIL, CheckpointPolicy
+
     on = make_service(arch, policy=CheckpointPolicy(defer_tail=DEFER_TAIL))
-    got, want = run_chat(on, SCRIPT[:3], pause=False), run_chat(make_service(arch, cache_enabled=False), SCRIPT[:3],
-                                                                 pause=False)
+    got, want = (
+        run_chat(on, SCRIPT[:3], pause=False),
+        run_chat(make_service(arch, cache_enabled=False), SCRIPT[:3], pause=False),
+    )
     assert [g[0] for g in got] == [w[0] for w in want]
     events = list(on.cache.telemetry.recent)
     deferred = [e for e in events if e["event"] == "deferred" and e["reason"] == "short_tail"]
@@ -101,6 +106,7 @@ def test_deferral_off_checkpoints_inline_and_matches_cache_off(make_service, arc
     """Every boundary taken inside the prefill that reaches it: captured from the same pass (Gated DeltaNet
     models) or by splitting the prefill there (mamba2). Output equals cache-off on every turn."""
     from hyserve.cache.policy import CheckpointPolicy
+
     # (no idle-time rebuilds of replies that do not re-tokenize: every pass counted below is a prompt's)
     svc = make_service(arch, policy=CheckpointPolicy(defer_tail=0, reply_rerender=False))
     pieces = _count_prefill_pieces(svc)
@@ -121,6 +127,7 @@ def test_a_failed_capture_takes_no_checkpoint_and_output_stays_exact(make_servic
     """Fail closed: when the kernels hand out no states (here: the adapter reports none), the boundaries
     inside the pass are declined, nothing is recorded from them, and the output still equals cache-off."""
     from hyserve.cache.policy import CheckpointPolicy
+
     svc = make_service("qwen3_5", policy=CheckpointPolicy(defer_tail=0, reply_rerender=False))
     real = svc.runtime.adapter.forward_capturing
     svc.runtime.adapter.forward_capturing = lambda state, ids, offsets: (real(state, ids, offsets)[0], None)
@@ -156,9 +163,11 @@ def _count_prefill_pieces(svc) -> list[int]:
 
 def _hf_generate(rt, prompt, n):
     import torch
-    out = rt.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                            pad_token_id=rt.tokenizer.pad_token_id)
-    return out[0, len(prompt):].tolist()
+
+    out = rt.model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=rt.tokenizer.pad_token_id
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -254,8 +263,9 @@ def test_no_duplicate_checkpoints_on_regeneration(make_service):
         svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=3, sampling=GREEDY, messages=messages))
         wait_idle(svc)  # the deferred history checkpoint is recorded in idle time
         # idle-time reply rebuilds (kind reply_rerender) differ with each random reply; count the rest
-        recorded.append(sum(e["event"] == "recorded" and e["kind"] != "reply_rerender"
-                            for e in svc.cache.telemetry.recent))
+        recorded.append(
+            sum(e["event"] == "recorded" and e["kind"] != "reply_rerender" for e in svc.cache.telemetry.recent)
+        )
     assert recorded[0] >= 2 and recorded[1] == recorded[2] == recorded[0]  # regenerations record nothing new
     depths = [s.num_tokens for _, s in svc.cache.tree.snapshots()]
     assert len(depths) == len(set(depths))
@@ -288,7 +298,9 @@ def test_reply_that_does_not_retokenize_is_rebuilt_in_idle_time(make_service, ar
 def test_a_busy_engine_takes_history_checkpoints_mid_prefill(make_service):
     """Under load there is no idle time to build deferred checkpoints, so they are split inline."""
     import threading
+
     from hyserve.engine import Finished
+
     svc = make_service("qwen3_5")
     pieces = _count_prefill_pieces(svc)
     done = []
@@ -358,8 +370,11 @@ def test_replies_go_out_before_their_post_decode_checkpoints_and_the_next_turn_f
             if isinstance(item, Finished):  # on the model thread, the moment the reply is emitted
                 seen.append(recorded())
                 follow = GenerationRequest(prompt=prompt + item.token_ids + prompt[:5], max_tokens=2, sampling=GREEDY)
-                svc.engine.submit(follow, lambda it: (nxt.append(it), len(nxt) == 2 and done.set())
-                                  if isinstance(it, Finished) else None)
+                svc.engine.submit(
+                    follow,
+                    lambda it: (nxt.append(it), len(nxt) == 2 and done.set()) if isinstance(it, Finished) else None,
+                )
+
         return emit
 
     firsts = [GenerationRequest(prompt=p, max_tokens=6, sampling=GREEDY, keep_final=True) for p in prompts]
@@ -368,6 +383,7 @@ def test_replies_go_out_before_their_post_decode_checkpoints_and_the_next_turn_f
             svc.engine.submit(req, emit_for(prompt))
     assert done.wait(60)
     assert seen == [0, 0]
-    assert {r.request_id for r in firsts} <= {e["request_id"] for e in svc.cache.telemetry.recent
-                                              if e["event"] == "recorded" and e["kind"] == "post_decode"}
+    assert {r.request_id for r in firsts} <= {
+        e["request_id"] for e in svc.cache.telemetry.recent if e["event"] == "recorded" and e["kind"] == "post_decode"
+    }
     assert sorted(f.cached_tokens for f in nxt) == sorted(len(p) + 6 for p in prompts)

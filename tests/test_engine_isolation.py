@@ -11,15 +11,26 @@ from hyserve.engine import Failed, Finished, GenerationRequest
 from hyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-TEXTS = ["Tell me a story about a robot.", "What is the capital of France?", "def add(a, b):",
-         "The weather today is sunny", "Numbers: 0 1 2 3", "Thank you for the explanation!"]
+TEXTS = [
+    "Tell me a story about a robot.",
+    "What is the capital of France?",
+    "def add(a, b):",
+    "The weather today is sunny",
+    "Numbers: 0 1 2 3",
+    "Thank you for the explanation!",
+]
 ARCHS = ["qwen3_5", "mamba2", "qwen3"]
 
 
 def _req(svc, i, sampling=GREEDY, max_tokens=None, **kw):
     msgs = [{"role": "user", "content": TEXTS[i % len(TEXTS)] + " please" * (i // len(TEXTS))}]
-    return GenerationRequest(prompt=svc.runtime.render_chat(msgs, True), max_tokens=max_tokens or 6 + 2 * i,
-                             sampling=sampling, messages=msgs, **kw)
+    return GenerationRequest(
+        prompt=svc.runtime.render_chat(msgs, True),
+        max_tokens=max_tokens or 6 + 2 * i,
+        sampling=sampling,
+        messages=msgs,
+        **kw,
+    )
 
 
 class _Collect:
@@ -49,7 +60,7 @@ def _together(svc, reqs):
             outs.append(_Collect())
             eng.submit(r, outs[-1])
     for o in outs:
-        o.final
+        o.final  # noqa: B018 (the property waits for the request to finish)
     return outs
 
 
@@ -71,14 +82,23 @@ def _clean(svc):
 
 # -- one bad request among innocent ones decoding in the same step -------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("bad", [SamplingParams(temperature=float("nan")), SamplingParams(temperature=1e-39),
-                                 SamplingParams(temperature=0.7, seed=2**64)], ids=["nan", "tiny", "seed"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(temperature=1e-39),
+        SamplingParams(temperature=0.7, seed=2**64),
+    ],
+    ids=["nan", "tiny", "seed"],
+)
 def test_a_bad_request_fails_alone_and_innocents_get_their_solo_tokens(make_service, arch, bad):
     svc = make_service(arch)
     solo = _solo(svc, 4)
-    outs = _together(svc, [_req(svc, i) for i in range(2)] + [_req(svc, 9, sampling=bad)]
-                     + [_req(svc, i) for i in range(2, 4)])
+    outs = _together(
+        svc, [_req(svc, i) for i in range(2)] + [_req(svc, 9, sampling=bad)] + [_req(svc, i) for i in range(2, 4)]
+    )
     innocent = [o.final for k, o in enumerate(outs) if k != 2]
     assert all(isinstance(f, Finished) for f in innocent), innocent
     assert [f.token_ids for f in innocent] == solo
@@ -141,6 +161,7 @@ def test_a_batched_pass_that_fails_midway_fails_only_the_culprit(make_service, a
 
 
 # -- a cancel at each point of a run's life -------------------------------------------------------------------
+
 
 class _Repeat:
     """Always proposes: the last token three times (a verify pass every step it is allowed one)."""
@@ -223,6 +244,7 @@ def test_a_cancel_at_any_point_of_a_runs_life_leaves_nothing_behind(make_service
 
 # -- the issue's load check: concurrent sessions with bad requests mixed in -----------------------------------
 
+
 def _sessions(svc, n, turns, bad=None):
     """`n` concurrent multi-turn chat sessions (each turn sends the history with the previous replies); with
     `bad`, a thread per bad kind keeps submitting such requests meanwhile. Returns each session's replies'
@@ -235,8 +257,12 @@ def _sessions(svc, n, turns, bad=None):
             msgs, got = [{"role": "system", "content": "You are brief."}], []
             for t in range(turns):
                 msgs.append({"role": "user", "content": f"{TEXTS[(i + t) % len(TEXTS)]} ({i}.{t})"})
-                req = GenerationRequest(prompt=svc.runtime.render_chat(msgs, True), max_tokens=4 + (i + t) % 5,
-                                        sampling=GREEDY, messages=msgs)
+                req = GenerationRequest(
+                    prompt=svc.runtime.render_chat(msgs, True),
+                    max_tokens=4 + (i + t) % 5,
+                    sampling=GREEDY,
+                    messages=msgs,
+                )
                 fin = eng.generate(req)
                 got.append(fin.token_ids)
                 msgs.append({"role": "assistant", "content": fin.text})
@@ -267,8 +293,11 @@ def _sessions(svc, n, turns, bad=None):
 
 
 def test_concurrent_sessions_with_bad_requests_mixed_in_equal_a_run_without_them(make_service):
-    bad = [SamplingParams(temperature=float("nan")), SamplingParams(temperature=0.5, seed=2**64),
-           SamplingParams(temperature=1e-39)]
+    bad = [
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(temperature=0.5, seed=2**64),
+        SamplingParams(temperature=1e-39),
+    ]
     clean, _ = _sessions(make_service("qwen3_5", max_running=16), 16, 3)
     svc = make_service("qwen3_5", max_running=16)
     mixed, finals = _sessions(svc, 16, 3, bad)

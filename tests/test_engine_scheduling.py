@@ -63,7 +63,9 @@ def test_a_streams_first_token_is_handed_to_its_consumer_before_the_next_pass(ma
     flush = eng.outbox.flush
 
     def spy():
-        seen.extend((type(item).__name__, taken is not None and not taken.is_set()) for *_, item, taken in eng.outbox.items)
+        seen.extend(
+            (type(item).__name__, taken is not None and not taken.is_set()) for *_, item, taken in eng.outbox.items
+        )
         flush()
         seen.extend(("taken-after-flush", taken.is_set()) for taken in firsts if taken is not None)
 

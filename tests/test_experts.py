@@ -40,8 +40,9 @@ def test_chosen_experts_greedy_equals_transformers_eager(runtimes, model_dirs, a
     eager = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32, experts_implementation="eager")
     assert experts.current(eager) == "eager"
     prompt = _prompt(rt)
-    ref = eager.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                         pad_token_id=rt.tokenizer.pad_token_id)[0, len(prompt):].tolist()
+    ref = eager.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=rt.tokenizer.pad_token_id
+    )[0, len(prompt) :].tolist()
     assert _hyserve_greedy(rt, prompt, 12)[: len(ref)] == ref
 
 

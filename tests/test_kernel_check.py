@@ -46,9 +46,10 @@ def _greedy(rt: ModelRuntime, n: int = 8) -> list[int]:
 def _transformers(rt: ModelRuntime, n: int = 8) -> list[int]:
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        out = rt.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+        out = rt.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(PROMPT) :].tolist()
 
 
 def _wrong(kernel):
@@ -69,8 +70,9 @@ def test_every_kernel_passes_the_check_on_the_installed_transformers(runtimes):
         assert all(status.get(name) == "on" for name in expected), (arch, status)
 
 
-@pytest.mark.parametrize("wrong", [delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL],
-                         ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "wrong", [delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL], ids=lambda k: k.name
+)
 def test_a_wrong_kernel_is_refused_and_the_output_stays_transformers(model_dirs, monkeypatch, caplog, wrong):
     monkeypatch.setattr(kernels, "FUNCTIONS", tuple(_wrong(k) if k is wrong else k for k in kernels.FUNCTIONS))
     rt = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu")
@@ -91,8 +93,9 @@ def test_a_kernel_the_probes_miss_is_caught_by_the_model_check(model_dirs, monke
     rt = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu")
     status = rt.adapter.kernels.status
     assert all(v.startswith("off: the model with kernels differs") for k, v in status.items() if k != "capture"), status
-    assert not any(hasattr(m.__dict__.get("forward"), "__func__") for m in rt.model.modules()
-                   if type(m) is torch.nn.Linear)  # unhooked
+    assert not any(
+        hasattr(m.__dict__.get("forward"), "__func__") for m in rt.model.modules() if type(m) is torch.nn.Linear
+    )  # unhooked
     assert _greedy(rt) == _transformers(rt)
 
 

@@ -4,10 +4,10 @@ import threading
 
 import pytest
 import torch
-
-from hyserve import kernels, model_thread
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from hyserve import kernels, model_thread
 
 
 class _Attn(torch.nn.Module):
@@ -28,9 +28,14 @@ def _reference_recurrent():
 def _deltanet_inputs(b, hk, h, d, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(query=r(b, 1, hk, d), key=r(b, 1, hk, d), value=r(b, 1, h, d),
-                g=-torch.rand(b, 1, h, generator=g) * 3, beta=torch.rand(b, 1, h, generator=g),
-                initial_state=r(b, h, d, d) * 0.3)
+    return dict(
+        query=r(b, 1, hk, d),
+        key=r(b, 1, hk, d),
+        value=r(b, 1, h, d),
+        g=-torch.rand(b, 1, h, generator=g) * 3,
+        beta=torch.rand(b, 1, h, generator=g),
+        initial_state=r(b, h, d, d) * 0.3,
+    )
 
 
 @pytest.mark.parametrize("b,hk,h,d", [(1, 2, 4, 16), (5, 4, 8, 64), (3, 2, 2, 8)])
@@ -63,8 +68,7 @@ def _reference_conv():
     return _reference("causal_conv1d_update")
 
 
-@pytest.mark.parametrize("b,state_len,bias,activation", [(1, 4, True, "silu"), (5, 4, False, None),
-                                                          (3, 6, True, None)])
+@pytest.mark.parametrize("b,state_len,bias,activation", [(1, 4, True, "silu"), (5, 4, False, None), (3, 6, True, None)])
 def test_conv_step_equals_the_reference(b, state_len, bias, activation):
     g = torch.Generator().manual_seed(1)
     channels, kernel = 24, 4
@@ -112,8 +116,9 @@ def test_gqa_attention_is_bit_identical_to_transformers_sdpa(q_len, kv_len):
     want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.25)
     got, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape and torch.equal(got, want)
-    wrong, _ = model_thread.run(kernels.gqa_sdpa_attention, _Attn(), q, k, v, ~mask | torch.eye(q_len, kv_len,
-                                dtype=torch.bool), scaling=0.25)
+    wrong, _ = model_thread.run(
+        kernels.gqa_sdpa_attention, _Attn(), q, k, v, ~mask | torch.eye(q_len, kv_len, dtype=torch.bool), scaling=0.25
+    )
     assert not torch.allclose(wrong, want)
 
 
@@ -167,8 +172,7 @@ def test_short_queries_over_a_long_cache_take_grouped_products_and_match_sdpa(q_
     assert not torch.allclose(kernels.grouped_attention(q, swapped, v, mask, 0.25).transpose(1, 2), want, atol=1e-3)
     if q_len > 1:
         open_mask = torch.ones_like(mask)
-        assert not torch.allclose(kernels.grouped_attention(q, k, v, open_mask, 0.25).transpose(1, 2), want,
-                                  atol=1e-3)
+        assert not torch.allclose(kernels.grouped_attention(q, k, v, open_mask, 0.25).transpose(1, 2), want, atol=1e-3)
 
 
 def test_long_pieces_and_batches_keep_sdpa():
@@ -199,8 +203,9 @@ def test_kernels_apply_on_the_model_thread_only(make_service, monkeypatch):
     x = _deltanet_inputs(2, 2, 4, 16)
     ref = _reference_recurrent()(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     off_thread = []
-    t = threading.Thread(target=lambda: off_thread.append(fn(**x, output_final_state=True,
-                                                              use_qk_l2norm_in_kernel=True)))
+    t = threading.Thread(
+        target=lambda: off_thread.append(fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
+    )
     t.start()
     t.join()
     assert all(torch.equal(a, b) for a, b in zip(off_thread[0], ref))  # elsewhere: transformers itself
@@ -241,9 +246,16 @@ def _reference_chunked():
 def test_fitted_chunks_equal_transformers_64_token_chunks(length):
     g = torch.Generator().manual_seed(length)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = dict(query=r(1, length, 2, 16), key=r(1, length, 2, 16), value=r(1, length, 4, 16),
-             g=-torch.rand(1, length, 4, generator=g), beta=torch.rand(1, length, 4, generator=g),
-             initial_state=r(1, 4, 16, 16) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    x = dict(
+        query=r(1, length, 2, 16),
+        key=r(1, length, 2, 16),
+        value=r(1, length, 4, 16),
+        g=-torch.rand(1, length, 4, generator=g),
+        beta=torch.rand(1, length, 4, generator=g),
+        initial_state=r(1, 4, 16, 16) * 0.3,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     chunk = kernels.chunk_size_for(length)
     assert chunk == length if length <= 96 else chunk in (32, 64)
     want_out, want_state = _reference_chunked()(**x)
@@ -252,15 +264,24 @@ def test_fitted_chunks_equal_transformers_64_token_chunks(length):
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("length,chunk,hk,decay", [(1, 16, 2, 1.0), (79, 80, 2, 1.0), (79, 80, 4, 40.0),
-                                                  (150, 32, 2, 40.0), (200, 64, 4, 3.0)])
+@pytest.mark.parametrize(
+    "length,chunk,hk,decay",
+    [(1, 16, 2, 1.0), (79, 80, 2, 1.0), (79, 80, 4, 40.0), (150, 32, 2, 40.0), (200, 64, 4, 3.0)],
+)
 def test_chunked_delta_rule_equals_the_reference(length, chunk, hk, decay):
     """Including decays strong enough that exp underflows inside a chunk (where `safe_exp` returns 0)."""
     g = torch.Generator().manual_seed(length)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = dict(query=r(1, length, hk, 16), key=r(1, length, hk, 16), value=r(1, length, 4, 16),
-             g=-torch.rand(1, length, 4, generator=g) * decay, beta=torch.rand(1, length, 4, generator=g),
-             initial_state=r(1, 4, 16, 16) * 0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    x = dict(
+        query=r(1, length, hk, 16),
+        key=r(1, length, hk, 16),
+        value=r(1, length, 4, 16),
+        g=-torch.rand(1, length, 4, generator=g) * decay,
+        beta=torch.rand(1, length, 4, generator=g),
+        initial_state=r(1, 4, 16, 16) * 0.3,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     want_out, want_state = model_thread.run(_reference_chunked(), **x, chunk_size=chunk)
     out, state = model_thread.run(kernels.chunked_delta_rule, **x, chunk_size=chunk)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
@@ -271,9 +292,13 @@ def test_chunked_delta_rule_equals_the_reference(length, chunk, hk, decay):
 
 def test_chunked_delta_rule_without_a_state_starts_from_zero():
     g = torch.Generator().manual_seed(1)
-    x = dict(query=torch.randn(1, 40, 2, 16, generator=g), key=torch.randn(1, 40, 2, 16, generator=g),
-             value=torch.randn(1, 40, 2, 16, generator=g), g=-torch.rand(1, 40, 2, generator=g),
-             beta=torch.rand(1, 40, 2, generator=g))
+    x = dict(
+        query=torch.randn(1, 40, 2, 16, generator=g),
+        key=torch.randn(1, 40, 2, 16, generator=g),
+        value=torch.randn(1, 40, 2, 16, generator=g),
+        g=-torch.rand(1, 40, 2, generator=g),
+        beta=torch.rand(1, 40, 2, generator=g),
+    )
     out, state = kernels.chunked_delta_rule(**x, chunk_size=16)
     want, _ = _reference_chunked()(**x, chunk_size=16)
     assert state is None
@@ -293,9 +318,14 @@ def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
     fn = _slot(svc, "chunk_gated_delta_rule")
     reference = _reference("torch_chunk_gated_delta_rule")
     g = torch.Generator().manual_seed(3)
-    x = dict(query=torch.randn(1, 20, 2, 16, generator=g), key=torch.randn(1, 20, 2, 16, generator=g),
-             value=torch.randn(1, 20, 4, 16, generator=g), g=-torch.rand(1, 20, 4, generator=g),
-             beta=torch.rand(1, 20, 4, generator=g), use_qk_l2norm_in_kernel=True)
+    x = dict(
+        query=torch.randn(1, 20, 2, 16, generator=g),
+        key=torch.randn(1, 20, 2, 16, generator=g),
+        value=torch.randn(1, 20, 4, 16, generator=g),
+        g=-torch.rand(1, 20, 4, generator=g),
+        beta=torch.rand(1, 20, 4, generator=g),
+        use_qk_l2norm_in_kernel=True,
+    )
     seen = []
     monkeypatch.setattr(kernels.delta_rule, "chunk_size_for", lambda n: seen.append(n) or 16)
     fn(**x)  # another thread: transformers' own 64-token chunks
@@ -305,8 +335,9 @@ def test_the_model_thread_runs_fitted_chunks(make_service, monkeypatch):
     torch.testing.assert_close(out, reference(**x, chunk_size=16)[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("length,bias,activation", [(1, True, "silu"), (7, False, None), (83, True, None),
-                                                    (300, False, "silu")])
+@pytest.mark.parametrize(
+    "length,bias,activation", [(1, True, "silu"), (7, False, None), (83, True, None), (300, False, "silu")]
+)
 def test_conv_prefill_equals_the_reference(length, bias, activation):
     g = torch.Generator().manual_seed(length)
     x = torch.randn(2, 24, length, generator=g)
@@ -339,8 +370,17 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
     if not grouped:
         pytest.skip("no oneDNN bfloat16 products on this CPU")
     names = {n.rsplit(".", 1)[-1] for n, m in rt.model.named_modules() if linear.GROUP in m.__dict__}
-    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "gate_proj", "up_proj", "q_proj", "k_proj",
-            "v_proj"} <= names
+    assert {
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "gate_proj",
+        "up_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+    } <= names
     assert not any(linear.PACKED in m.__dict__ for m in grouped)
     ad = rt.adapter
 
@@ -363,8 +403,10 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
     assert torch.equal(with_groups, apart)
 
     layer = next(m for n, m in rt.model.named_modules() if n.endswith("mlp"))
-    x, y = (torch.randn(1, 1, layer.gate_proj.in_features, generator=torch.Generator().manual_seed(s)).bfloat16()
-            for s in (0, 1))
+    x, y = (
+        torch.randn(1, 1, layer.gate_proj.in_features, generator=torch.Generator().manual_seed(s)).bfloat16()
+        for s in (0, 1)
+    )
 
     def mixed():
         return layer.gate_proj(x), layer.up_proj(y)
@@ -377,8 +419,11 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
 def _norms():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    return {modeling_qwen3_5.Qwen3_5RMSNorm: "zero_centered", modeling_qwen3_5.Qwen3_5RMSNormGated: "gated",
-            Qwen3RMSNorm: "weight_after_cast"}
+    return {
+        modeling_qwen3_5.Qwen3_5RMSNorm: "zero_centered",
+        modeling_qwen3_5.Qwen3_5RMSNormGated: "gated",
+        Qwen3RMSNorm: "weight_after_cast",
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -414,8 +459,11 @@ def test_the_model_thread_runs_the_norm_forms(make_service):
 
     rt = make_service("qwen3_5").runtime
     assert rt.kernels.on("norm")
-    forms = {type(m).__name__: m.forward.form.__name__ for m in rt.model.modules()
-             if getattr(m.__dict__.get("forward"), "form", None) is not None}
+    forms = {
+        type(m).__name__: m.forward.form.__name__
+        for m in rt.model.modules()
+        if getattr(m.__dict__.get("forward"), "form", None) is not None
+    }
     assert forms == {"Qwen3_5RMSNorm": "zero_centered", "Qwen3_5RMSNormGated": "gated"}
 
     def logits():

@@ -10,11 +10,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from hyserve.state import kv_chain
 from hyserve.cache.disk import DiskTier
 from hyserve.cache.manager import PrefixCache
 from hyserve.cache.telemetry import CacheTelemetry
 from hyserve.metrics import Metrics
+from hyserve.state import kv_chain
 from hyserve.state.caches import cache_tensors
 from hyserve.tiny import ARCHS
 
@@ -228,7 +228,9 @@ def test_attention_only_cut_assembles_the_chain_up_to_the_cut(runtimes):
         for layer, want in zip(restored.state.cache.layers, recorded.cache.layers):
             assert layer.keys.shape[-2] == cut and layer.keys.is_contiguous()
             assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
-            assert _same_bits(layer.keys, want.keys[..., :cut, :]) and _same_bits(layer.values, want.values[..., :cut, :])
+            assert _same_bits(layer.keys, want.keys[..., :cut, :]) and _same_bits(
+                layer.values, want.values[..., :cut, :]
+            )
         ref = ad.new_state()
         ref_logits = ad.forward(ref, prompt)
         logits = ad.forward(restored.state, prompt[cut:])

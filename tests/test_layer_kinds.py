@@ -8,8 +8,13 @@ import pathlib
 
 import pytest
 import torch
-from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
-                                      LinearAttentionAndFullAttentionLayer, LinearAttentionLayer)
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
 import hyserve
 from hyserve.state.layer_kinds import kind
@@ -26,8 +31,13 @@ def test_only_the_layer_kinds_module_names_cache_layer_classes():
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            named = ([node.module] if isinstance(node, ast.ImportFrom)
-                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            named = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             if "transformers.cache_utils" in named and rel not in _KIND_MODULES:
                 offenders.append(f"{rel}:{node.lineno}")
     assert not offenders, offenders
@@ -70,9 +80,16 @@ def _layer(name, n=5, seed=0):
     return layer
 
 
-@pytest.mark.parametrize("name,trims,n_tensors,has_kv", [("kv", True, 2, True), ("state", False, 2, False),
-                                                          ("both", False, 4, True), ("none", True, 0, False),
-                                                          ("opaque", False, 2, False)])
+@pytest.mark.parametrize(
+    "name,trims,n_tensors,has_kv",
+    [
+        ("kv", True, 2, True),
+        ("state", False, 2, False),
+        ("both", False, 4, True),
+        ("none", True, 0, False),
+        ("opaque", False, 2, False),
+    ],
+)
 def test_what_each_kind_holds(name, trims, n_tensors, has_kv):
     layer = _layer(name)
     k = kind(layer)
@@ -92,7 +109,7 @@ def test_a_rollback_puts_back_exactly_what_was_saved(name):
     if k.kv(layers[0]) is not None:
         layers[0].keys = torch.cat([layers[0].keys, torch.ones(1, 2, 3, 4)], dim=-2)
         layers[0].values = torch.cat([layers[0].values, torch.ones(1, 2, 3, 4)], dim=-2)
-    for t in list(k.tensors(layers[0]))[2 if k.kv(layers[0]) is not None else 0:]:
+    for t in list(k.tensors(layers[0]))[2 if k.kv(layers[0]) is not None else 0 :]:
         t.add_(1)  # a recurrent state moves on in place
     k.cut_kv(layers[0], 5)
     if saved is not None:

@@ -33,15 +33,26 @@ def captured():
 
 
 def test_access_line_text_and_json(captured):
-    fields = {"id": "chatcmpl-1", "prompt_tokens": 812, "cached_tokens": 790, "generated_tokens": 64,
-              "ttft_s": 0.081, "decode_tok_s": 41.2, "finish": "stop", "duration_s": 1.63}
+    fields = {
+        "id": "chatcmpl-1",
+        "prompt_tokens": 812,
+        "cached_tokens": 790,
+        "generated_tokens": 64,
+        "ttft_s": 0.081,
+        "decode_tok_s": 41.2,
+        "finish": "stop",
+        "duration_s": 1.63,
+    }
     text = captured("text")
     logs.log_access("127.0.0.1:5000", "POST", "/v1/chat/completions", "1.1", 200, fields)
     logs.log_access("127.0.0.1:5001", "GET", "/health", "1.1", 200, {"duration_s": 0.001})  # DEBUG: not shown
     (line,) = text.getvalue().splitlines()
-    assert line.split(" ", 3)[2:] == ["INFO", 'hyserve.access: 127.0.0.1:5000 - "POST /v1/chat/completions HTTP/1.1" '
-                                      "200 id=chatcmpl-1 prompt_tokens=812 cached_tokens=790 generated_tokens=64 "
-                                      "ttft_s=0.081 decode_tok_s=41.2 finish=stop duration_s=1.63"]
+    assert line.split(" ", 3)[2:] == [
+        "INFO",
+        'hyserve.access: 127.0.0.1:5000 - "POST /v1/chat/completions HTTP/1.1" '
+        "200 id=chatcmpl-1 prompt_tokens=812 cached_tokens=790 generated_tokens=64 "
+        "ttft_s=0.081 decode_tok_s=41.2 finish=stop duration_s=1.63",
+    ]
 
     out = captured("json", "debug")
     logs.log_access("127.0.0.1:5000", "POST", "/v1/chat/completions", "1.1", 200, fields)

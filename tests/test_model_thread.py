@@ -34,8 +34,9 @@ def test_every_engine_runs_its_forward_passes_on_the_model_thread(make_service, 
     msgs = [{"role": "user", "content": "Hello there, how are you?"}]
     for svc in services:
         prompt = svc.runtime.render_chat(msgs, True)
-        svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=4, sampling=SamplingParams(temperature=0.0),
-                                              messages=msgs))
+        svc.engine.generate(
+            GenerationRequest(prompt=prompt, max_tokens=4, sampling=SamplingParams(temperature=0.0), messages=msgs)
+        )
     assert seen == {"hyserve-model"}
 
 

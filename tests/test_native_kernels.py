@@ -59,7 +59,7 @@ def test_the_c_step_gives_the_pytorch_operations_results(model_dirs, arch):
             # rest one unit of the last place apart (float32 sums in another order)
             equal = (got == want).float().mean().item()
             assert equal > 0.99, equal
-            torch.testing.assert_close(got, want, atol=0.0, rtol=2 ** -7)
+            torch.testing.assert_close(got, want, atol=0.0, rtol=2**-7)
 
 
 def packs_bfloat16() -> bool:
@@ -116,7 +116,7 @@ def _equal_bf16(got, want, at_least):
     assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
     equal = (got == want).float().mean().item()
     assert equal >= at_least, equal
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=2 ** -7)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=2**-7)
 
 
 @pytest.mark.parametrize("rows,keys", [(1, 1), (1, 5), (1, 300), (3, 700), (1, 5000)])
@@ -131,8 +131,9 @@ def test_the_c_decode_attention_is_as_close_to_exact_as_sdpa(model_dirs, rows, k
     kv_heads, groups, dim = layer.config.num_key_value_heads, layer.num_key_value_groups, layer.head_dim
     g = torch.Generator().manual_seed(keys)
     q = torch.randn(rows, kv_heads * groups, 1, dim, generator=g).to(torch.bfloat16)
-    k, v = ((torch.randn(rows, kv_heads, keys + 16, dim, generator=g) * 3).to(torch.bfloat16)[:, :, :keys]
-            for _ in range(2))
+    k, v = (
+        (torch.randn(rows, kv_heads, keys + 16, dim, generator=g) * 3).to(torch.bfloat16)[:, :, :keys] for _ in range(2)
+    )
     mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
     for r in range(1, rows):
         mask[r, ..., : 11 * r] = False
@@ -147,7 +148,7 @@ def test_the_c_decode_attention_is_as_close_to_exact_as_sdpa(model_dirs, rows, k
         scale = exact.abs().max().item()
         err_c, err_sdpa = ((x.double() - exact).abs().max().item() / scale for x in (got, want))
         assert got.shape == want.shape and got.dtype == torch.bfloat16
-        assert err_c <= 1.25 * err_sdpa + 1e-3 and err_c < 2 ** -7, (err_c, err_sdpa)
+        assert err_c <= 1.25 * err_sdpa + 1e-3 and err_c < 2**-7, (err_c, err_sdpa)
         assert (got == want).float().mean().item() > 0.6
 
 
@@ -196,12 +197,22 @@ def test_greedy_tokens_with_and_without_the_c_kernels_are_the_same(model_dirs):
     assert _greedy(rt) == with_c
 
 
-@pytest.mark.parametrize("kernel,right,wrong", [
-    ("native_gdn_step", "const float decay = expf(g);", "const float decay = 1.0f;"),  # the state's decay left out
-    ("native_attention", "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
-     "const float sc = open ? dot : -INFINITY;"),
-    ("native_linear", "to_bf(dot_bf16(w + j * (long)k, x + r * x_stride, k))",  # each row's product with the next row
-     "to_bf(dot_bf16(w + (j + 1 < n ? j + 1 : j) * (long)k, x + r * x_stride, k))")])
+@pytest.mark.parametrize(
+    "kernel,right,wrong",
+    [
+        ("native_gdn_step", "const float decay = expf(g);", "const float decay = 1.0f;"),  # the state's decay left out
+        (
+            "native_attention",
+            "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
+            "const float sc = open ? dot : -INFINITY;",
+        ),
+        (
+            "native_linear",
+            "to_bf(dot_bf16(w + j * (long)k, x + r * x_stride, k))",  # each row's product with the next row
+            "to_bf(dot_bf16(w + (j + 1 < n ? j + 1 : j) * (long)k, x + r * x_stride, k))",
+        ),
+    ],
+)
 def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fresh_library, kernel, right, wrong):
     """The source with one mistake builds and runs, and the load-time check refuses that kernel."""
     if kernel == "native_linear" and not packs_bfloat16():
@@ -221,10 +232,13 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     assert all((w.native is None) == (kernel == "native_linear") for w in linear.every_packed(rt.model))
 
 
-@pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
-                                        ({"HYSERVE_NATIVE": "0"}, "off: disabled")])
-def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(model_dirs, monkeypatch, fresh_library,
-                                                                        env, reason):
+@pytest.mark.parametrize(
+    "env,reason",
+    [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"), ({"HYSERVE_NATIVE": "0"}, "off: disabled")],
+)
+def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(
+    model_dirs, monkeypatch, fresh_library, env, reason
+):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")

@@ -11,8 +11,14 @@ from hyserve import next_turn
 from hyserve.tiny import train_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "chat_templates"
-NAMES = ["Qwen3.5-4B.jinja", "Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
-         "ibm-granite-granite-4.0.jinja", "NVIDIA-Nemotron-Nano-v2.jinja", "LFM2.5-Instruct.jinja"]
+NAMES = [
+    "Qwen3.5-4B.jinja",
+    "Qwen-Qwen3-0.6B.jinja",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "ibm-granite-granite-4.0.jinja",
+    "NVIDIA-Nemotron-Nano-v2.jinja",
+    "LFM2.5-Instruct.jinja",
+]
 # templates that render the last assistant message differently from an earlier one (its reasoning)
 DROPS_REASONING = {"Qwen3.5-4B.jinja", "Qwen-Qwen3-0.6B.jinja"}
 
@@ -34,8 +40,11 @@ def _render_many(tok, tools=None):
         out = []
         for messages, gen in items:
             try:
-                out.append(tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=gen,
-                                                   return_dict=False))
+                out.append(
+                    tok.apply_chat_template(
+                        messages, tools=tools, tokenize=True, add_generation_prompt=gen, return_dict=False
+                    )
+                )
             except Exception as exc:
                 out.append(exc)
         return out
@@ -73,13 +82,24 @@ def test_the_reply_as_an_earlier_message_is_a_prefix_of_the_next_prompt(name):
 @pytest.mark.parametrize("name", ["Qwen3.5-4B.jinja", "Qwen-Qwen3-0.6B.jinja"])
 def test_a_tool_call_reply_is_a_prefix_of_the_turn_with_its_result(name):
     tok = _tokenizer(_template(name))
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers",
+                "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+            },
+        }
+    ]
     render = _render_many(tok, tools)
-    call = {"role": "assistant", "content": "<think>\nUse the tool.\n</think>\n\n",
-            "tool_calls": [{"id": "call_1", "type": "function",
-                            "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]}
+    call = {
+        "role": "assistant",
+        "content": "<think>\nUse the tool.\n</think>\n\n",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+        ],
+    }
     history = next_turn.history_ids(CHAT + [call], render, next_turn.special_ids(tok))
     (next_prompt,) = render([(CHAT + [call, {"role": "tool", "tool_call_id": "call_1", "content": "4"}], True)])
     assert next_prompt[: len(history)] == history

@@ -15,8 +15,9 @@ def _run(code: str, **env) -> dict:
     one JSON value, returned."""
     base = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     base["PYTHONPATH"] = os.pathsep.join([SRC, base.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -58,7 +59,7 @@ from hyserve.cli import main
 torch_first = "torch" in sys.modules
 main([])  # bare `hyserve`: its help
 print(json.dumps({"torch_before_settings": torch_first, **{k: os.environ.get(k) for k in %r}}))
-""" % (SETTINGS,)
+""" % (SETTINGS,)  # noqa: UP031 (the script's own braces)
 
 
 def test_the_cli_sets_the_process_up_before_torch():

@@ -28,6 +28,7 @@ class Spy:
         def counting(texts, *args, **kwargs):
             self.texts += len(texts)
             return self.real(texts, *args, **kwargs)
+
         self.encoder.encode_many = counting
         return self
 
@@ -49,16 +50,31 @@ def test_the_bound_is_the_longest_token_and_holds_on_dense_texts(tokenizer):
 
 def test_a_composing_normalizer_widens_it_and_lossy_pipelines_have_none(tokenizer):
     n = max_chars_per_token(tokenizer)
-    nfc = _variant(tokenizer, normalizers.NFC(), pre_tokenizers.Sequence([
-        pre_tokenizers.Split(QWEN_SPLIT, behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]))
+    nfc = _variant(
+        tokenizer,
+        normalizers.NFC(),
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(QWEN_SPLIT, behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+        ),
+    )
     assert max_chars_per_token(nfc) == 4 * n
     assert max_chars_per_token(_variant(tokenizer, normalizers.Strip())) is None
     assert max_chars_per_token(_variant(tokenizer, pre_tokenizer=pre_tokenizers.Whitespace())) is None
-    assert max_chars_per_token(_variant(tokenizer, pre_tokenizer=pre_tokenizers.Sequence([
-        pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()]))) is None
+    assert (
+        max_chars_per_token(
+            _variant(
+                tokenizer,
+                pre_tokenizer=pre_tokenizers.Sequence(
+                    [pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()]
+                ),
+            )
+        )
+        is None
+    )
 
     def lstrip(config):
         config["added_tokens"][0]["lstrip"] = True
+
     assert max_chars_per_token(_variant(tokenizer, edit=lstrip)) is None
 
 
@@ -74,8 +90,13 @@ def test_a_prompt_over_the_bound_is_refused_without_tokenizing(runtimes):
         assert isinstance(rt.render_many([(huge, False)])[0], PromptTooLong)  # a boundary render: in its place
     assert spy.texts == 0
     small = [{"role": "user", "content": "hello there"}]
-    assert rt.render_chat(small, True) == rt.tokenizer(rt.tokenizer.apply_chat_template(
-        small, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert (
+        rt.render_chat(small, True)
+        == rt.tokenizer(
+            rt.tokenizer.apply_chat_template(small, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
 
 
 def test_texts_the_context_cannot_hold_are_not_kept(tokenizer):

@@ -11,8 +11,10 @@ from hyserve import prompt_tokens
 from hyserve.prompt_tokens import PrefixEncoder
 from hyserve.tiny import CHATML_TEMPLATE, train_tokenizer
 
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,20 @@ def _variant(tok, normalizer=None, pre_tokenizer=None, edit=None):
     return fast
 
 
-_CONTENT = ["Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\n\n", "naïve café 東京 😀",
-            "numbers 12345 67.89", "code: def f(x):\n    return x * 2\n", "a <|im_start|> inside user text",
-            "ends with a newline\n", "", "repeat " * 30, "<|im_end|>", "x"]
+_CONTENT = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n",
+    "naïve café 東京 😀",
+    "numbers 12345 67.89",
+    "code: def f(x):\n    return x * 2\n",
+    "a <|im_start|> inside user text",
+    "ends with a newline\n",
+    "",
+    "repeat " * 30,
+    "<|im_end|>",
+    "x",
+]
 
 
 def _conversations(seed: int, n: int = 12):
@@ -75,9 +88,16 @@ def test_reuse_equals_a_full_encode_on_branching_chats(tokenizer, seed):
 
 
 def test_reuse_with_a_qwen_style_split_and_nfc(tokenizer):
-    tok = _variant(tokenizer, normalizers.NFC(), pre_tokenizers.Sequence([
-        pre_tokenizers.Split(QWEN_SPLIT, behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                         use_regex=False)]))
+    tok = _variant(
+        tokenizer,
+        normalizers.NFC(),
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(QWEN_SPLIT, behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+    )
     encoder = PrefixEncoder(tok)
     assert encoder.enabled, encoder.reason
     _check_equal(tok, encoder, 3)
@@ -101,9 +121,11 @@ def test_pipelines_it_cannot_prove_fall_back_to_full_encodes(tokenizer, kind):
     if kind == "metaspace":
         tok = _variant(tokenizer, pre_tokenizer=pre_tokenizers.Metaspace())
     elif kind == "lstrip":
+
         def edit(config):
             for t in config["added_tokens"]:
                 t["lstrip"] = True
+
         tok = _variant(tokenizer, edit=edit)
     else:
         tok = _variant(tokenizer, normalizer=normalizers.Prepend("_"))

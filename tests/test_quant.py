@@ -34,8 +34,9 @@ def quantized(model_dirs):
 
     def get(arch: str, dtype: str = "float32", scheme: str = "int8") -> ModelRuntime:
         if (arch, dtype, scheme) not in loaded:
-            loaded[arch, dtype, scheme] = ModelRuntime.load(model_dirs[arch], dtype=dtype, device="cpu",
-                                                            quantization=scheme)
+            loaded[arch, dtype, scheme] = ModelRuntime.load(
+                model_dirs[arch], dtype=dtype, device="cpu", quantization=scheme
+            )
         return loaded[arch, dtype, scheme]
 
     return get
@@ -135,9 +136,11 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     assert not any(type(m) is torch.nn.Embedding for m in rt.model.modules())
     held = (layout.QuantLinear, layout.QuantEmbedding)
     shapes = {tuple(m.qs.shape) for m in rt.model.modules() if isinstance(m, held)}
-    floats = [(n, tuple(t.shape)) for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
-              if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes
-              and n.split(".")[-2] not in quant.ROUTERS]  # a router's shape may be a projection's
+    floats = [
+        (n, tuple(t.shape))
+        for n, t in [*rt.model.named_parameters(), *rt.model.named_buffers()]
+        if t.is_floating_point() and t.dim() == 2 and tuple(t.shape) in shapes and n.split(".")[-2] not in quant.ROUTERS
+    ]  # a router's shape may be a projection's
     assert not floats, floats
     head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
     assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
@@ -147,8 +150,9 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
         assert embedding.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
     body = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear) and m is not head]
     assert body and all(m.qs.dtype == (torch.uint8 if scheme == "int4" else torch.int8) for m in body)
-    assert not [(n, tuple(t.shape)) for n, t in rt.model.named_parameters() if t.dim() == 3
-                and "conv" not in n], "a 3-D (expert) weight left in float"
+    assert not [(n, tuple(t.shape)) for n, t in rt.model.named_parameters() if t.dim() == 3 and "conv" not in n], (
+        "a 3-D (expert) weight left in float"
+    )
     held_experts = [m for m in rt.model.modules() if isinstance(m, qexperts.QuantExperts)]
     assert bool(held_experts) == (arch in ("qwen3_next",) + MOE)
     assert all(m.up_qs.dtype == m.down_qs.dtype == body[0].qs.dtype for m in held_experts)
@@ -168,15 +172,18 @@ def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
     layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
     assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs) for m in layers)
     g = torch.Generator().manual_seed(0)
-    extra = layout.QuantLinear(*layout.quantize(torch.randn(300, 1024, generator=g) * 0.05, scheme),
-                               torch.randn(300, generator=g), torch.float32)
+    extra = layout.QuantLinear(
+        *layout.quantize(torch.randn(300, 1024, generator=g) * 0.05, scheme),
+        torch.randn(300, generator=g),
+        torch.float32,
+    )
     extra.native = next(m.native for m in layers if m.native.format == layout.format_of(extra.qs))
     tol = 1e-4 if dtype == "float32" else 2e-2
     with torch.inference_mode():
         for m in [*layers, extra]:
             products = m.native
             k = m.in_features
-            x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(getattr(torch, dtype))[..., 3:3 + k]
+            x = torch.randn(products.ROWS, 1, k + 7, generator=g).to(getattr(torch, dtype))[..., 3 : 3 + k]
             got = products(x, m)
             want = layout.dequantized_linear(x, m.qs, m.d, m.bias)
             assert got.dtype == x.dtype and got.shape == want.shape
@@ -184,7 +191,7 @@ def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
             if dtype == "bfloat16":  # both sum the exact weights in float32 (in another order) and round once to
                 assert (got == want).float().mean() > 0.99  # bfloat16: the same numbers but for a rare tie
             for r in range(products.ROWS):
-                assert torch.equal(products(x[r:r + 1], m), got[r:r + 1])
+                assert torch.equal(products(x[r : r + 1], m), got[r : r + 1])
             assert products(torch.zeros(products.ROWS + 1, 1, k), m) is None
 
 
@@ -211,16 +218,18 @@ def _greedy(rt, n=10, together=True):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch,dtype", [(a, "float32") for a in FAMILIES + MOE] + [("qwen3_5", "bfloat16"),
-                                                                                     ("qwen3_5_moe", "bfloat16")])
+@pytest.mark.parametrize(
+    "arch,dtype", [(a, "float32") for a in FAMILIES + MOE] + [("qwen3_5", "bfloat16"), ("qwen3_5_moe", "bfloat16")]
+)
 def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
     rt = quantized(arch, dtype, scheme)
     assert rt.kernels.on("native_int8"), rt.kernels.status
     assert _greedy(rt, together=True) == _greedy(rt, together=False)
 
 
-@pytest.mark.parametrize("arch,scheme", [(a, s) for a in FAMILIES + MOE + OTHERS for s in ("int8", "int4")
-                                         if (a, s) != ("jamba", "int4")])  # Jamba's takes ~45 s: int8 covers it
+@pytest.mark.parametrize(
+    "arch,scheme", [(a, s) for a in FAMILIES + MOE + OTHERS for s in ("int8", "int4") if (a, s) != ("jamba", "int4")]
+)  # Jamba's takes ~45 s: int8 covers it
 def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
     on_service = make_service(arch, quantization=scheme)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
@@ -246,8 +255,9 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     source = qnative.SOURCE.read_text()
     parts = source.split(f"static float {function}(")
     assert len(parts) == 4  # one per instruction set
-    parts = [parts[0]] + [p.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);", 1)
-                          for p in parts[1:]]
+    parts = [parts[0]] + [
+        p.replace(right, "const float scale = h2f(d[b + 1 < blocks ? b + 1 : b]);", 1) for p in parts[1:]
+    ]
     (tmp_path / "products.c").write_text(f"static float {function}(".join(parts))
     monkeypatch.setattr(qnative, "SOURCE", tmp_path / "products.c")
     with caplog.at_level(logging.WARNING, logger="hyserve.runtime"):
@@ -262,9 +272,14 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     assert _greedy(rt, n=3)  # still serves
 
 
-@pytest.mark.parametrize("env,reason", [({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
-                                        ({"HYSERVE_NATIVE": "0"}, "off: disabled"),
-                                        ({"HYSERVE_KERNELS": "0"}, "off: disabled")])
+@pytest.mark.parametrize(
+    "env,reason",
+    [
+        ({"CC": "/nonexistent/cc"}, "off: the C compiler does not run"),
+        ({"HYSERVE_NATIVE": "0"}, "off: disabled"),
+        ({"HYSERVE_KERNELS": "0"}, "off: disabled"),
+    ],
+)
 def test_without_the_c_product_every_product_dequantizes_first(model_dirs, monkeypatch, fresh_library, env, reason):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -279,8 +294,16 @@ def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
     weight, the start-up line names it, and the model still computes what it did within int8's rounding."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=20, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=20,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(config).eval()
     ids = torch.arange(3, 20)[None]
     with torch.inference_mode():
@@ -377,8 +400,9 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
     held = qexperts.QuantExperts(module, scheme)
     up, down = qexperts.fused_weights(module)
     for name, qs, d in ((up, held.up_qs, held.up_d), (down, held.down_qs, held.down_d)):
-        getattr(module, name).data = torch.stack([layout.dequantize(qs[e], d[e], torch.float32)
-                                                  for e in range(held.num_experts)])
+        getattr(module, name).data = torch.stack(
+            [layout.dequantize(qs[e], d[e], torch.float32) for e in range(held.num_experts)]
+        )
     g = torch.Generator().manual_seed(5)
     x = torch.randn(20, 64, generator=g)
     index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)])
@@ -393,7 +417,7 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
     def alone_and_together():
         with torch.inference_mode():
             together = held(x[:8], index[:8], weights[:8])
-            alone = [held(x[i:i + 1], index[i:i + 1], weights[i:i + 1]) for i in range(8)]
+            alone = [held(x[i : i + 1], index[i : i + 1], weights[i : i + 1]) for i in range(8)]
             return together, torch.cat(alone), module(x[:8], index[:8], weights[:8])
 
     together, alone, want = model_thread.run(alone_and_together)
@@ -401,9 +425,14 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
     torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("config", [{"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True},
-                                    {"quant_method": "fp8", "weight_block_size": [128, 128]},
-                                    {"quant_method": "compressed-tensors", "format": "pack-quantized"}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True},
+        {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    ],
+)
 def test_an_already_quantized_checkpoint_is_refused_at_start_in_one_line(model_dirs, tmp_path, capfd, config):
     """Pre-quantized weights are not read yet: `hyserve serve` says so in one line that names the method, before any
     weight is read, and a direct load raises the same; never a silently different model."""
@@ -421,7 +450,9 @@ def test_an_already_quantized_checkpoint_is_refused_at_start_in_one_line(model_d
     assert main(["serve", str(folder), "--port", "0"]) == 2
     out = capfd.readouterr()
     lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
-    assert len(lines) == 1 and "cannot start" in lines[0] and f"quantization_config method '{method}'" in lines[0], lines
+    assert len(lines) == 1 and "cannot start" in lines[0] and f"quantization_config method '{method}'" in lines[0], (
+        lines
+    )
     with pytest.raises(ValueError, match=f"method '{method}'"):
         ModelRuntime.load(folder, device="cpu", quantization="int8")
     assert quant.checkpoint.method_of(model_dirs["qwen3"]) is None

@@ -14,8 +14,10 @@ def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path):
     tok = train_tokenizer()
     text = {k: v for k, v in _TINY["qwen3_5"].items() if k != "model_type"}
     text.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
-                                                             num_heads=2, out_hidden_size=64))
+    cfg = Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
     torch.manual_seed(0)
     vlm = Qwen3_5ForConditionalGeneration(cfg).eval()
     vlm.save_pretrained(tmp_path)
@@ -52,5 +54,6 @@ def test_engine_render_chat_finds_the_policy_boundaries(make_service):
     rt = svc.runtime
     assert chat.prompt == rt.render_chat(msgs, True)
     from .cache.test_policy import prefill_boundaries
+
     want = prefill_boundaries(svc.engine.policy, chat.prompt, msgs, rt.render_chat, True)
     assert (chat.boundaries, chat.skipped) == want and [b.kind for b in chat.boundaries] == ["system", "history"]

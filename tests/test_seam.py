@@ -48,7 +48,9 @@ def test_every_patch_is_recorded_and_revert_all_restores_each_original(bf16_runt
             assert p.owner.__dict__.get(p.name, seam.MISSING) is p.original, (p.kernel, p.name)
     assert _hyserve_attributes(model) == set()
     assert model.config._attn_implementation == "sdpa"
-    assert not any(hasattr(f.__dict__.get("forward"), "reference") for _, f in seam.slots(model, "chunk_gated_delta_rule"))
+    assert not any(
+        hasattr(f.__dict__.get("forward"), "reference") for _, f in seam.slots(model, "chunk_gated_delta_rule")
+    )
     got = _greedy(rt)  # transformers' own functions now, on the model thread too
     assert got == _transformers(rt)
     assert got == want

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from hyserve.state.snapshot_blocks import CHUNK, BlockPool, size_class
 from hyserve.state.caches import packed_clones
+from hyserve.state.snapshot_blocks import CHUNK, BlockPool, size_class
 
 
 def _tensors(seed=0, rows=512):

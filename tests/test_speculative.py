@@ -33,8 +33,9 @@ class OracleProposer:
 
 def generate(svc, max_tokens, stop=(), messages=MSGS):
     prompt = svc.runtime.render_chat(messages, True)
-    return svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY,
-                                                 stop=list(stop), messages=messages))
+    return svc.engine.generate(
+        GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, stop=list(stop), messages=messages)
+    )
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_occurrence():
@@ -109,8 +110,9 @@ def test_real_prompt_lookup_equals_plain_decode(make_service, arch):
 def test_sampling_requests_do_not_speculate(make_service):
     spec = make_service("qwen3_5", speculative=SpeculativeConfig(ngram=1))
     prompt = spec.runtime.render_chat(MSGS, True)
-    spec.engine.generate(GenerationRequest(prompt=prompt, max_tokens=20, sampling=SamplingParams(temperature=0.8,
-                                                                                                seed=1)))
+    spec.engine.generate(
+        GenerationRequest(prompt=prompt, max_tokens=20, sampling=SamplingParams(temperature=0.8, seed=1))
+    )
     assert spec.metrics.spec_proposed._value.get() == 0
 
 
@@ -129,8 +131,7 @@ def test_proposals_that_keep_failing_back_off(make_service):
     spec.engine.make_proposer = lambda prompt: Wrong()
     got = generate(spec, 40)
     assert got.token_ids == ref.token_ids
-    passes = spec.metrics.spec_seconds._sum is not None and sum(
-        b.get() for b in spec.metrics.spec_seconds._buckets)
+    passes = spec.metrics.spec_seconds._sum is not None and sum(b.get() for b in spec.metrics.spec_seconds._buckets)
     assert 0 < passes <= 6  # cooldowns 2, 4, 8, 16, 32 steps: not one pass per step
 
 
@@ -165,13 +166,13 @@ def test_speculating_request_moving_in_and_out_of_the_decode_batch(make_service,
                 with cond:
                     done[i] = item.token_ids
                     cond.notify()
+
         return emit
 
     with spec.runtime.lock:  # all three start together and decode side by side
         for i, m in enumerate(chats):
             prompt = spec.runtime.render_chat(m, True)
-            spec.engine.submit(GenerationRequest(prompt=prompt, max_tokens=20, sampling=GREEDY, messages=m),
-                               emitter(i))
+            spec.engine.submit(GenerationRequest(prompt=prompt, max_tokens=20, sampling=GREEDY, messages=m), emitter(i))
     with cond:
         assert cond.wait_for(lambda: len(done) == 3, timeout=120)
     assert [done[i] for i in range(3)] == refs

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hyserve.runtime import ModelRuntime
 from hyserve.families import UnsupportedModelError
+from hyserve.runtime import ModelRuntime
 from hyserve.state.snapshot import token_hash
 
 from .conftest import FAMILIES
@@ -99,8 +99,8 @@ def test_snapshot_tensors_share_one_block_of_their_own(runtimes, arch):
     import gc
     import sys
 
-    from hyserve.state.kv_chain import standalone
     from hyserve.state.caches import cache_nbytes
+    from hyserve.state.kv_chain import standalone
 
     rt = runtimes(arch)
     ad = rt.adapter
@@ -137,8 +137,13 @@ def test_packed_clones_of_mixed_dtypes_and_views():
     from hyserve.state.caches import packed_clones
 
     base = torch.arange(60, dtype=torch.float32).view(6, 10)
-    tensors = [base[1:4, ::3], torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64),
-               torch.empty(0), base.t()]
+    tensors = [
+        base[1:4, ::3],
+        torch.tensor([True, False, True]),
+        torch.arange(5, dtype=torch.int64),
+        torch.empty(0),
+        base.t(),
+    ]
     copies = packed_clones(tensors)
     for t, c in zip(tensors, copies):
         assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)
@@ -148,6 +153,7 @@ def test_packed_clones_of_mixed_dtypes_and_views():
 
 def _tensors(cache):
     from hyserve.state.caches import cache_tensors
+
     return list(cache_tensors(cache))
 
 

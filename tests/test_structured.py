@@ -12,9 +12,17 @@ from hyserve.speculative import SpeculativeConfig
 
 from .test_speculative import OracleProposer
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
-          "color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "ok", "color", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "color", "n"],
+    "additionalProperties": False,
+}
 MSGS = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
@@ -23,15 +31,27 @@ def grammars(rt) -> Grammars:
 
 
 def matches_schema(obj) -> bool:
-    return (isinstance(obj, dict) and set(obj) == {"name", "ok", "color", "n"} and isinstance(obj["name"], str)
-            and len(obj["name"]) <= 8 and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green")
-            and type(obj["n"]) is int and 0 <= obj["n"] <= 99)
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"name", "ok", "color", "n"}
+        and isinstance(obj["name"], str)
+        and len(obj["name"]) <= 8
+        and isinstance(obj["ok"], bool)
+        and obj["color"] in ("red", "green")
+        and type(obj["n"]) is int
+        and 0 <= obj["n"] <= 99
+    )
 
 
 def generate(svc, spec: Spec, max_tokens=60):
     prompt = svc.runtime.render_chat(MSGS, True)
-    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                            messages=MSGS, grammar=grammars(svc.runtime).compile(spec))
+    req = GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0),
+        messages=MSGS,
+        grammar=grammars(svc.runtime).compile(spec),
+    )
     return svc.engine.generate(req)
 
 

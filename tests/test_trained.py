@@ -27,13 +27,24 @@ from hyserve.speculative import SpeculativeConfig  # noqa: E402
 from .conftest import wait_idle  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-FACTS = [("What is the capital of France?", "Paris"), ("What is the capital of Japan?", "Tokyo"),
-         ("How many days are in a week?", "7"), ("What is the chemical symbol for gold?", "Au")]
-PASSAGE = ("The lighthouse keeper climbed the stairs every evening at six, lit the great lamp, and wrote the "
-           "weather in a small blue notebook before the ships came home.")
-CHAT = [PASSAGE + "\nRepeat the passage above word for word.", "What colour was the notebook?",
-        "Repeat the passage again, exactly.", "When did the keeper climb the stairs?",
-        "Now write the first sentence of the passage once more.", "Thank you!"]
+FACTS = [
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("How many days are in a week?", "7"),
+    ("What is the chemical symbol for gold?", "Au"),
+]
+PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at six, lit the great lamp, and wrote the "
+    "weather in a small blue notebook before the ships came home."
+)
+CHAT = [
+    PASSAGE + "\nRepeat the passage above word for word.",
+    "What colour was the notebook?",
+    "Repeat the passage again, exactly.",
+    "When did the keeper climb the stairs?",
+    "Now write the first sentence of the passage once more.",
+    "Thank you!",
+]
 
 
 def smollm2_gguf() -> Path:
@@ -56,8 +67,7 @@ def trained():
     built = []
 
     def make(**options):
-        cfg = ServiceConfig(model_dir=path, served_model_name="smollm2", device="cpu", cache_bytes=256 << 20,
-                            **options)
+        cfg = ServiceConfig(model_dir=path, served_model_name="smollm2", device="cpu", cache_bytes=256 << 20, **options)
         with mock.patch.object(ModelRuntime, "load", return_value=runtime):
             built.append(build_service(cfg))
         return built[-1]
@@ -70,8 +80,9 @@ def trained():
 
 def ask(svc, messages, max_tokens):
     prompt = svc.runtime.render_chat(messages, True)
-    return svc.engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY,
-                                                 messages=messages))
+    return svc.engine.generate(
+        GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, messages=messages)
+    )
 
 
 def test_greedy_answers_are_right(trained):
@@ -113,16 +124,27 @@ def test_six_turn_chat_is_the_same_cache_on_off_and_speculated(trained):
 def test_json_schema_is_filled_sensibly(trained):
     import openai
 
-    schema = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
-              "required": ["country", "capital"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"],
+        "additionalProperties": False,
+    }
     svc = trained()
     with BackgroundServer(svc) as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x")
         r = client.chat.completions.create(
-            model="smollm2", temperature=0, max_tokens=40,
-            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON with the keys "
-                                                  "country and capital."}],
-            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+            model="smollm2",
+            temperature=0,
+            max_tokens=40,
+            messages=[
+                {
+                    "role": "user",
+                    "content": "What is the capital of France? Answer in JSON with the keys country and capital.",
+                }
+            ],
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+        )
     svc.engine.stop()
     reply = json.loads(r.choices[0].message.content)
     assert set(reply) == {"country", "capital"} and r.choices[0].finish_reason == "stop"
@@ -137,6 +159,6 @@ def test_the_tokens_are_those_of_transformers_loading_the_same_file(trained):
         prompt = svc.runtime.render_chat(messages, True)
         got = ask(svc, messages, 16).token_ids
         with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :]
         assert got == want.tolist()[: len(got)] and len(got) > 4, (question, got, want)
     svc.engine.stop()

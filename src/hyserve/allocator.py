@@ -106,8 +106,21 @@ def huge_page_bytes() -> int | None:
 class MallInfo2(ctypes.Structure):
     """glibc's `struct mallinfo2`: its own account of its allocations, over all arenas."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def mallinfo2() -> MallInfo2 | None:

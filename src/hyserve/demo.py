@@ -23,28 +23,32 @@ def run_demo(arch: str = "qwen3_5", cache_dir: str | None = None) -> int:
     if not (model_dir / "config.json").exists():
         print(f"building a tiny random-init {arch} model in {model_dir} ...")
         make_tiny_model(model_dir, arch, force=True)  # its own cache folder: a half-built one is redone
-    service = build_service(ServiceConfig(model_dir=model_dir, served_model_name=f"tiny-{arch}",
-                                          cache_bytes=256 << 20))
+    service = build_service(ServiceConfig(model_dir=model_dir, served_model_name=f"tiny-{arch}", cache_bytes=256 << 20))
     print("NOTE: the weights are random, so the replies are gibberish; the point is the plumbing and the cache.")
     with BackgroundServer(service) as srv:
         client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
-        messages = [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": "What is the capital of France?"}]
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
         cached = 0
         for turn in (1, 2):
-            resp = client.chat.completions.create(model=f"tiny-{arch}", messages=messages, max_tokens=24,
-                                                  temperature=0)
+            resp = client.chat.completions.create(model=f"tiny-{arch}", messages=messages, max_tokens=24, temperature=0)
             reply = resp.choices[0].message.content
             u = resp.usage
             print(f"turn {turn} reply: {reply!r}")
-            print(f"turn {turn} usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-                  f"cached_tokens={u.prompt_tokens_details.cached_tokens}")
+            print(
+                f"turn {turn} usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                f"cached_tokens={u.prompt_tokens_details.cached_tokens}"
+            )
             if turn == 2:
                 cached = u.prompt_tokens_details.cached_tokens
                 history = len(service.runtime.render_chat(messages[:-1], False))
                 print(f"turn 2 history_tokens={history} (the conversation before the new message)")
-            messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": "Tell me a story about a robot."}]
+            messages += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Tell me a story about a robot."},
+            ]
             if turn == 1:  # a user reads the reply first: the server records the history's checkpoint meanwhile
                 _wait_idle(srv.base_url)
         stats = client.get("/cache", cast_to=object)

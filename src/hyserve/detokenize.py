@@ -3,7 +3,7 @@ never shows any part of a stop string."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class IncrementalDetokenizer:

@@ -30,9 +30,11 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu", quantization=quantization)
         lines.append(f"model: {model_dir} ({rt.model.config.model_type}, {dtype})")
         if info is not None:
-            lines.append(f"gguf: {info.path.name}, architecture {info.architecture}, tensors {info.describe()}: "
-                         f"{rt.gguf_tensors.describe()}" + (f"; then the float ones quantized ({quantization})"
-                                                            if quantization else ""))
+            lines.append(
+                f"gguf: {info.path.name}, architecture {info.architecture}, tensors {info.describe()}: "
+                f"{rt.gguf_tensors.describe()}"
+                + (f"; then the float ones quantized ({quantization})" if quantization else "")
+            )
         if rt.quantization is not None:
             lines.append(f"quantization: {rt.quantization.describe()}")
             from .quant.layout import QuantLinear

@@ -59,8 +59,7 @@ def choose(model, adapter, vocab: int) -> str | None:
     except Exception as exc:  # an implementation that cannot run here is as good as a wrong one
         why = f"raised {type(exc).__name__}: {exc}"
     if why:
-        log.warning("experts implementation %s differs from eager on this model (%s): eager runs instead", wanted,
-                    why)
+        log.warning("experts implementation %s differs from eager on this model (%s): eager runs instead", wanted, why)
         model.set_experts_implementation(REFERENCE)
         return REFERENCE
     return wanted

@@ -1,8 +1,9 @@
 """Constrained decoding with llguidance: a request's grammar masks its logits before sampling.
 
 llguidance was picked by measurement (benchmarks/bench_grammar.py): it compiles a JSON schema faster than
-xgrammar, masks a token no slower, and has no dependencies. `Grammars` (one per service) checks and compiles a request's constraint on the HTTP side, so a
-bad schema is a 400; `Constraint` (one per request) holds the matcher, which only accepted tokens advance.
+xgrammar, masks a token no slower, and has no dependencies. `Grammars` (one per service) checks and compiles a request's
+constraint on the HTTP side, so a bad schema is a 400; `Constraint` (one per request) holds the matcher, which only
+accepted tokens advance.
 """
 
 from __future__ import annotations
@@ -96,11 +97,12 @@ class Grammars:
             if self._lltok is None:
                 import llguidance.hf
 
-                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos or None)
+                self._lltok = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos or None
+                )
             return self._lltok
 
-    def compile(self, spec: Spec) -> "Compiled":
+    def compile(self, spec: Spec) -> Compiled:
         """Check the spec against the tokenizer: GrammarError (naming the field) when it is invalid."""
         import llguidance as llg
 
@@ -133,7 +135,7 @@ class Compiled:
     vocab_size: int
     after: tuple[int, ...] = ()  # tokens (a reasoning block's end tag) the grammar starts after; () from the first
 
-    def start(self) -> "Constraint":
+    def start(self) -> Constraint:
         return Constraint(self)
 
 
@@ -165,7 +167,7 @@ class Constraint:
     def accept(self, token: int) -> bool:
         """Advance by one accepted token; False if the grammar refuses it (the matcher is then in error)."""
         if self.waiting:
-            self.recent = (self.recent + [int(token)])[-len(self.waiting):]
+            self.recent = (self.recent + [int(token)])[-len(self.waiting) :]
             if self.recent == self.waiting:
                 self.waiting = []
             return True

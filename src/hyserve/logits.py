@@ -9,7 +9,7 @@ the prefix cache on or off. A constrained-decoding mask is one more processor: `
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

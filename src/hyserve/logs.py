@@ -27,7 +27,8 @@ class JSONFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}"
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+            + f".{int(record.msecs):03d}"
             + time.strftime("%z", self.converter(record.created)),
             "level": record.levelname,
             "logger": record.name,
@@ -112,5 +113,9 @@ def log_access(client: str, method: str, path: str, http_version: str, status: i
         return
     line = f'{client} - "{method} {path} HTTP/{http_version}" {"-" if status is None else status}'
     shown = text_fields({k: v for k, v in fields.items() if v is not None})
-    access_log.log(level, "%s", f"{line} {shown}" if shown else line,
-                   extra={"fields": {"client": client, "method": method, "path": path, "status": status, **fields}})
+    access_log.log(
+        level,
+        "%s",
+        f"{line} {shown}" if shown else line,
+        extra={"fields": {"client": client, "method": method, "path": path, "status": status, **fields}},
+    )

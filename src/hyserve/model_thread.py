@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
-_jobs: "queue.SimpleQueue[tuple[Callable, tuple, dict, Future]]" = queue.SimpleQueue()
+_jobs: queue.SimpleQueue[tuple[Callable, tuple, dict, Future]] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
 

@@ -8,13 +8,14 @@ calls. So the reply is rendered with a message after it, twice, with two differe
 renders agree up to that message's text, and the history ends just before the last special token they
 share, the one that opens the next message (the tokenizer splits text at special tokens, so the ids
 before one do not depend on what follows it: the next turn's ids agree up to there, whatever its
-message says). For ChatML that is the render of the messages without a generation prompt. The follower is a user message, and also a tool result when the reply called tools
-(templates render those under another header); the cut is the shorter of the two.
+message says). For ChatML that is the render of the messages without a generation prompt. The follower is a user
+message, and also a tool result when the reply called tools (templates render those under another header); the cut is
+the shorter of the two.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .cache.policy import first_difference
 

@@ -60,8 +60,10 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
     if is_gguf(path):
         return check_gguf(path)
     if not path.is_dir():
-        raise StartupError(f"{path} is not a folder: pass a Hugging Face model folder (config.json, weights, "
-                           "tokenizer) or a .gguf file")
+        raise StartupError(
+            f"{path} is not a folder: pass a Hugging Face model folder (config.json, weights, "
+            "tokenizer) or a .gguf file"
+        )
     if not os.access(path, os.R_OK | os.X_OK):
         raise StartupError(f"model folder {path} is not readable by this user")
     try:
@@ -74,8 +76,10 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
         raise StartupError(why)
     weights = [f for pattern in WEIGHT_GLOBS for f in path.glob(pattern)]
     if not weights:
-        raise StartupError(f"{path} has no weights (*.safetensors or pytorch_model*.bin); hyserve never downloads "
-                           "them: point it at a folder that holds them")
+        raise StartupError(
+            f"{path} has no weights (*.safetensors or pytorch_model*.bin); hyserve never downloads "
+            "them: point it at a folder that holds them"
+        )
     unreadable = [f.name for f in weights if not os.access(f, os.R_OK)]
     if unreadable:
         raise StartupError(f"weights in {path} not readable by this user: {', '.join(sorted(unreadable))}")
@@ -83,8 +87,10 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
         raise StartupError(f"{path} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     warnings = []
     if not has_chat_template(path):
-        warnings.append(f"{path} has no chat template: /v1/chat/completions will answer 400, only /v1/completions "
-                        "(a raw prompt) works")
+        warnings.append(
+            f"{path} has no chat template: /v1/chat/completions will answer 400, only /v1/completions "
+            "(a raw prompt) works"
+        )
     return warnings
 
 
@@ -99,8 +105,10 @@ def check_gguf(path: Path) -> list[str]:
     except GGUFError as exc:
         raise StartupError(str(exc)) from exc
     if not info.has_chat_template:
-        return [f"{info.path} has no chat template in its metadata: /v1/chat/completions will answer 400, only "
-                "/v1/completions (a raw prompt) works"]
+        return [
+            f"{info.path} has no chat template in its metadata: /v1/chat/completions will answer 400, only "
+            "/v1/completions (a raw prompt) works"
+        ]
     return []
 
 
@@ -116,10 +124,14 @@ def check_device(device: str) -> None:
         raise StartupError(f"--device {device}: not a device ({exc}); use auto, cpu, cuda or cuda:N") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = ("this torch is a CPU-only build" if torch.version.cuda is None
-                   else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)")
-            raise StartupError(f"--device {device}: CUDA is not available: {why} (torch {torch.__version__}); "
-                               "use --device cpu")
+            why = (
+                "this torch is a CPU-only build"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+            )
+            raise StartupError(
+                f"--device {device}: CUDA is not available: {why} (torch {torch.__version__}); use --device cpu"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise StartupError(f"--device {device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
@@ -147,11 +159,13 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise StartupError(f"port {port} on {host} is already in use (another server?): stop it or choose "
-                               "another --port") from exc
+            raise StartupError(
+                f"port {port} on {host} is already in use (another server?): stop it or choose another --port"
+            ) from exc
         if exc.errno == errno.EACCES:
-            raise StartupError(f"no permission to listen on port {port} (ports below 1024 need privileges): "
-                               "choose another --port") from exc
+            raise StartupError(
+                f"no permission to listen on port {port} (ports below 1024 need privileges): choose another --port"
+            ) from exc
         if exc.errno == errno.EADDRNOTAVAIL:
             raise StartupError(f"--host {host} is not an address of this machine") from exc
         raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 MARK = "\U000f0000"  # plane-15 private use; a MARK typed in content is escaped like a special token
 _FIRST = 0xF0001  # the marker's second character: _FIRST + index into `strings`
@@ -102,7 +102,7 @@ class ContentEscaper:
                 at[len(out)] = offsets[run[0]][0]
                 out.append(ids[run[0]])
             else:
-                out.extend(ids[run[0]: run[1]])
+                out.extend(ids[run[0] : run[1]])
         return out, at
 
     def _unmark(self, hit: re.Match) -> str:

@@ -37,7 +37,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from .cache.namespace import tenant_of
 from .prompt_escape import MARK, ContentEscaper
@@ -57,8 +57,9 @@ class PrefixEncoder:
     `max_bytes` of texts and ids are kept, least recently used out first: a long context times many texts
     must not grow a process without bound."""
 
-    def __init__(self, tokenizer, capacity: int = 64, escaper: ContentEscaper | None = None,
-                 max_bytes: int = MAX_BYTES):
+    def __init__(
+        self, tokenizer, capacity: int = 64, escaper: ContentEscaper | None = None, max_bytes: int = MAX_BYTES
+    ):
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
         self._escaper = escaper
@@ -125,8 +126,11 @@ class PrefixEncoder:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return hit[0].tolist()
-            prefix = max((p for s, p in self._entries if s == salt and len(p) < len(text) and text.startswith(p)),
-                         key=len, default=None)
+            prefix = max(
+                (p for s, p in self._entries if s == salt and len(p) < len(text) and text.startswith(p)),
+                key=len,
+                default=None,
+            )
             base = self._entries[(salt, prefix)] if prefix is not None else None
         ids, cuts, reused = None, None, 0
         if base is not None:
@@ -174,8 +178,14 @@ class PrefixEncoder:
     def _self_check(self, marks: list[str]) -> str | None:
         """Encode chat-like texts built around the cut tokens `marks` both ways; a difference turns the
         reuse off."""
-        pieces = ["system\nYou are a helpful assistant.", "user\n  Hello,  world!\n\n", "assistant\nSure: 12345 "
-                  "=> ok\t", "user\nnaïve café, 東京 😀 x", "assistant\n\n  ", "user\n" + "word " * 40]
+        pieces = [
+            "system\nYou are a helpful assistant.",
+            "user\n  Hello,  world!\n\n",
+            "assistant\nSure: 12345 => ok\t",
+            "user\nnaïve café, 東京 😀 x",
+            "assistant\n\n  ",
+            "user\n" + "word " * 40,
+        ]
         texts, text = [], ""
         for k, piece in enumerate(pieces):
             text += marks[k % len(marks)] + piece + marks[(k + 1) % len(marks)] + "\n"
@@ -200,8 +210,13 @@ def _size(text: str, n_ids: int, cuts: list) -> int:
 
 
 def _cut_point(token: dict) -> bool:
-    return (token.get("special", False) and not token.get("normalized", True) and not token.get("lstrip")
-            and not token.get("rstrip") and not token.get("single_word"))
+    return (
+        token.get("special", False)
+        and not token.get("normalized", True)
+        and not token.get("lstrip")
+        and not token.get("rstrip")
+        and not token.get("single_word")
+    )
 
 
 def _unsupported(tokenizer, config: dict | None) -> str | None:
@@ -217,13 +232,22 @@ def _unsupported(tokenizer, config: dict | None) -> str | None:
     if not any(_cut_point(t) for t in config.get("added_tokens", [])):
         return "no special token to cut at"
     normalizer = config.get("normalizer")
-    kinds = [n["type"] for n in (normalizer.get("normalizers", []) if normalizer and normalizer["type"] == "Sequence"
-                                 else [normalizer] if normalizer else [])]
+    kinds = [
+        n["type"]
+        for n in (
+            normalizer.get("normalizers", [])
+            if normalizer and normalizer["type"] == "Sequence"
+            else [normalizer]
+            if normalizer
+            else []
+        )
+    ]
     if any(k not in _NORMALIZERS for k in kinds):
         return f"normalizer {kinds} is not known to be per-piece"
     pre = config.get("pre_tokenizer")
-    kinds = [p["type"] for p in (pre.get("pretokenizers", []) if pre and pre["type"] == "Sequence"
-                                 else [pre] if pre else [])]
+    kinds = [
+        p["type"] for p in (pre.get("pretokenizers", []) if pre and pre["type"] == "Sequence" else [pre] if pre else [])
+    ]
     if not kinds or any(k not in _PRE_TOKENIZERS for k in kinds):
         return f"pre-tokenizer {kinds or None} is not known to be position-independent"
     return None

@@ -10,20 +10,20 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from . import experts, gguf, kernels, model_thread, next_turn, quant
 from .allocator import huge_page_bytes, keep_freed_memory
+from .families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 from .logs import human_bytes, human_count
 from .preflight import WEIGHT_GLOBS, read_model_type
 from .prompt_bound import check_length, max_chars_per_token
 from .prompt_escape import MARK, ContentEscaper
 from .prompt_tokens import PrefixEncoder
-from .families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 
 log = logging.getLogger("hyserve.runtime")
 
@@ -75,15 +75,16 @@ class ModelRuntime:
             self.chars_per_token = max_chars_per_token(self.tokenizer)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto",
-             quantization: str | None = None) -> "ModelRuntime":
+    def load(
+        cls, model_dir: str | Path, dtype: str = "float32", device: str = "auto", quantization: str | None = None
+    ) -> ModelRuntime:
         """Load on the model thread, where all later model work runs (see `model_thread`). `quantization`:
         a scheme of `quant.SCHEMES` applied to the weights at load, or None."""
         keep_freed_memory()  # before the model thread's first allocation
         return model_thread.run(cls._load, model_dir, dtype, device, quantization)
 
     @classmethod
-    def _load(cls, model_dir: str | Path, dtype: str, device: str, quantization: str | None = None) -> "ModelRuntime":
+    def _load(cls, model_dir: str | Path, dtype: str, device: str, quantization: str | None = None) -> ModelRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -101,8 +102,15 @@ class ModelRuntime:
         is_gguf, from_file = gguf.is_gguf(model_dir), None
         if is_gguf:
             info = gguf.inspect(model_dir)
-            log.info("loading %s (GGUF %s, %s): tensors %s, as %s on %s", info.path, info.architecture,
-                     human_bytes(info.path.stat().st_size), info.describe(), dtype, device)
+            log.info(
+                "loading %s (GGUF %s, %s): tensors %s, as %s on %s",
+                info.path,
+                info.architecture,
+                human_bytes(info.path.stat().st_size),
+                info.describe(),
+                dtype,
+                device,
+            )
             model, tokenizer, from_file = gguf.load(info.path, _DTYPES[dtype], device)
             log.info("GGUF tensors: %s", from_file.describe())
         else:
@@ -110,12 +118,23 @@ class ModelRuntime:
             if why := quant.checkpoint.refusal(model_dir):
                 raise ValueError(why)
             weights = [f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)]
-            log.info("loading %s (%s): %d weight file(s), %s, as %s on %s", model_dir, model_type, len(weights),
-                     human_bytes(sum(f.stat().st_size for f in weights)), dtype, device)
+            log.info(
+                "loading %s (%s): %d weight file(s), %s, as %s on %s",
+                model_dir,
+                model_type,
+                len(weights),
+                human_bytes(sum(f.stat().st_size for f in weights)),
+                dtype,
+                device,
+            )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
             model.to(device).eval()
-        log.info("weights loaded in %.1f s: %s, %s parameters", time.perf_counter() - start,
-                 type(model).__name__, human_count(sum(p.numel() for p in model.parameters())))
+        log.info(
+            "weights loaded in %.1f s: %s, %s parameters",
+            time.perf_counter() - start,
+            type(model).__name__,
+            human_count(sum(p.numel() for p in model.parameters())),
+        )
         adapter = adapter_for(model)
         quantized = None
         if quantization is not None:
@@ -132,12 +151,23 @@ class ModelRuntime:
         if quantized is not None or any(isinstance(m, quant.QuantLinear) for m in model.modules()):
             _install_quantized_products(model, adapter, _DTYPES[dtype])  # ours, or a GGUF file's kept blocks
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
-        log.info("kernel check in %.1f s: %d of %d of hyserve's kernels on%s", time.perf_counter() - t0, len(on),
-                 len(adapter.kernels.status), "" if len(on) == len(adapter.kernels.status) else
-                 " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)")
+        log.info(
+            "kernel check in %.1f s: %d of %d of hyserve's kernels on%s",
+            time.perf_counter() - t0,
+            len(on),
+            len(adapter.kernels.status),
+            ""
+            if len(on) == len(adapter.kernels.status)
+            else " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)",
+        )
         if device == "cpu" and (huge := huge_page_bytes()) is not None:
-            log.info("weights and buffers on transparent huge pages: %s%s", human_bytes(huge), "" if huge else
-                     " (none: torch was imported before hyserve, or the kernel's transparent_hugepage is 'never')")
+            log.info(
+                "weights and buffers on transparent huge pages: %s%s",
+                human_bytes(huge),
+                ""
+                if huge
+                else " (none: torch was imported before hyserve, or the kernel's transparent_hugepage is 'never')",
+            )
         if not is_gguf:
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         eos: set[int] = set()
@@ -150,15 +180,29 @@ class ModelRuntime:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         max_len = context_length(model.config, tokenizer)
-        log.info("tokenizer loaded: %d tokens, context %d tokens, chat template %s; ready in %.1f s", len(tokenizer),
-                 max_len, "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
-                 time.perf_counter() - start)
-        return cls(model, tokenizer, adapter, model_dir, frozenset(eos), int(max_len), threading.Lock(),
-                   quantization=quantized, gguf_tensors=from_file)
+        log.info(
+            "tokenizer loaded: %d tokens, context %d tokens, chat template %s; ready in %.1f s",
+            len(tokenizer),
+            max_len,
+            "present" if tokenizer.chat_template else "MISSING (only /v1/completions works)",
+            time.perf_counter() - start,
+        )
+        return cls(
+            model,
+            tokenizer,
+            adapter,
+            model_dir,
+            frozenset(eos),
+            int(max_len),
+            threading.Lock(),
+            quantization=quantized,
+            gguf_tensors=from_file,
+        )
 
     # -- prompts ---------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, salt: str = "",
-                    template_kwargs: dict | None = None) -> list[int]:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, salt: str = "", template_kwargs: dict | None = None
+    ) -> list[int]:
         """Token ids of the model's own chat template; this is also how checkpoint boundaries are found.
         `salt`: the tenant's namespace (the prefix cache's), for the tokenizer's reuse of earlier texts.
         `template_kwargs`: the request's extra template arguments (`tools`, `chat_template_kwargs`)."""
@@ -167,8 +211,9 @@ class ModelRuntime:
             raise ids
         return ids
 
-    def render_many(self, items: Sequence[tuple[list[dict], bool]], salt: str = "",
-                    template_kwargs: dict | None = None) -> list[list[int] | Exception]:
+    def render_many(
+        self, items: Sequence[tuple[list[dict], bool]], salt: str = "", template_kwargs: dict | None = None
+    ) -> list[list[int] | Exception]:
         """`render_chat` of several (messages, add_generation_prompt) at once, each text tokenized from the
         ids of the longest earlier text of the same tenant it extends (`prompt_tokens`). Every render escapes
         the messages and template arguments alike (`prompt_escape`), so boundaries stay token prefixes of the
@@ -187,8 +232,7 @@ class ModelRuntime:
                         if id(m) not in escaped:
                             escaped[id(m)] = self.escaper.escape([m])[0]
                     messages = [escaped[id(m)] for m in messages]
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
-                                                           **kwargs)
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kwargs)
                 self._check_length(self.escaper.restore(text) if escape else text)
                 texts.append(text)
             except Exception as exc:
@@ -199,8 +243,9 @@ class ModelRuntime:
 
     def render_next_turn(self, messages: list[dict], salt: str = "", template_kwargs: dict | None = None) -> list[int]:
         """Ids of `messages` (ending with a reply) as the next turn's prompt will start (`next_turn`)."""
-        return next_turn.history_ids(messages, lambda items: self.render_many(items, salt, template_kwargs),
-                                     self.special_ids)
+        return next_turn.history_ids(
+            messages, lambda items: self.render_many(items, salt, template_kwargs), self.special_ids
+        )
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -237,16 +282,20 @@ def _install_quantized_products(model, adapter, dtype) -> None:
     from .quant import native
 
     if not kernels.enabled():
-        found = {native.KERNELS[quant.layout.format_of(m.qs)] for m in model.modules()
-                 if isinstance(m, quant.QuantLinear)}
+        found = {
+            native.KERNELS[quant.layout.format_of(m.qs)] for m in model.modules() if isinstance(m, quant.QuantLinear)
+        }
         decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(found)}
     else:
         decided = quant.install_products(model, dtype)
     for name, why in decided.items():
         adapter.kernels.set(name, not why, why)
         if why and not why.startswith("disabled"):
-            log.warning("the C product %s is off, its weights are dequantized for every product (slower, same "
-                        "results): %s", name, why)
+            log.warning(
+                "the C product %s is off, its weights are dequantized for every product (slower, same results): %s",
+                name,
+                why,
+            )
 
 
 def _as_list(value) -> list[int]:

@@ -4,14 +4,22 @@ through `push`, which owns stop conditions, streaming text, usage counts and lat
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .detokenize import IncrementalDetokenizer, StopStringFilter
 
 
 class OutputSequence:
-    def __init__(self, tokenizer, eos_token_ids, stop, max_tokens: int, arrival: float, metrics,
-                 emit: Callable[[str, list[int], list | None], None]):
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids,
+        stop,
+        max_tokens: int,
+        arrival: float,
+        metrics,
+        emit: Callable[[str, list[int], list | None], None],
+    ):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStringFilter(stop)
         self.eos = eos_token_ids

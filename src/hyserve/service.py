@@ -89,8 +89,9 @@ class Service:
 def build_service(config: ServiceConfig) -> Service:
     """Raises ValueError for an unknown parser name (before the model is loaded)."""
     choose_parsers("", config.tool_call_parser, config.reasoning_parser)
-    runtime = ModelRuntime.load(config.model_dir, dtype=config.dtype, device=config.device,
-                                quantization=config.quantization)
+    runtime = ModelRuntime.load(
+        config.model_dir, dtype=config.dtype, device=config.device, quantization=config.quantization
+    )
     parsers = choose_parsers(template_text(runtime.tokenizer), config.tool_call_parser, config.reasoning_parser)
     if parsers.tool is not None and not renders_parallel_calls(runtime.tokenizer):
         parsers = replace(parsers, single_tool_call=True)
@@ -101,14 +102,26 @@ def build_service(config: ServiceConfig) -> Service:
     telemetry = CacheTelemetry(metrics, config.log_cache_events)
     disk = None
     if config.cache_enabled and config.cache_dir is not None:
-        disk = DiskTier(config.cache_dir, config.cache_disk_bytes,
-                        fingerprint(runtime, template_text(runtime.tokenizer)), metrics, telemetry)
+        disk = DiskTier(
+            config.cache_dir,
+            config.cache_disk_bytes,
+            fingerprint(runtime, template_text(runtime.tokenizer)),
+            metrics,
+            telemetry,
+        )
     budget = config.cache_bytes
     if budget is None:
         budget = default_cache_bytes(device=runtime.model.device)
-    cache = PrefixCache(budget, metrics, telemetry, enabled=config.cache_enabled, disk=disk,
-                        share_kv=config.kv_sharing)
-    engine = Engine(runtime, cache, config.policy, metrics, prefill_chunk=config.prefill_chunk,
-                    speculative=config.speculative, max_running=config.max_running,
-                    max_waiting=config.max_waiting, stall_timeout=config.stall_timeout)
+    cache = PrefixCache(budget, metrics, telemetry, enabled=config.cache_enabled, disk=disk, share_kv=config.kv_sharing)
+    engine = Engine(
+        runtime,
+        cache,
+        config.policy,
+        metrics,
+        prefill_chunk=config.prefill_chunk,
+        speculative=config.speculative,
+        max_running=config.max_running,
+        max_waiting=config.max_waiting,
+        stall_timeout=config.stall_timeout,
+    )
     return Service(config, runtime, metrics, cache, engine, parsers)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_tokens: int = 6  # k: proposals per verify pass
-    ngram: int = 3       # n: length of the suffix that must recur in the context
+    ngram: int = 3  # n: length of the suffix that must recur in the context
 
 
 class PromptLookup:

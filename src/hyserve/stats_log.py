@@ -32,7 +32,7 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hyserve-stats", daemon=True)
 
-    def __enter__(self) -> "StatsLogger":
+    def __enter__(self) -> StatsLogger:
         if self.interval > 0:
             self._thread.start()
         return self
@@ -78,9 +78,18 @@ class StatsLogger:
             if fields is None:
                 continue
             rate = fields["cache_hit_rate"]
-            log.info("Avg prompt throughput: %.1f tokens/s (prefilled %.1f), Avg generation throughput: %.1f "
-                     "tokens/s, Running: %d reqs, Waiting: %d reqs, Prefix cache hit rate: %s, Cache: %s of %s "
-                     "(%d entries)", fields["prompt_tok_s"], fields["prefill_tok_s"], fields["generation_tok_s"],
-                     fields["running"], fields["waiting"], "-" if rate is None else f"{rate:.1%}",
-                     human_bytes(fields["cache_bytes"]), human_bytes(fields["cache_budget_bytes"]), fields["cache_entries"],
-                     extra={"fields": fields})
+            log.info(
+                "Avg prompt throughput: %.1f tokens/s (prefilled %.1f), Avg generation throughput: %.1f "
+                "tokens/s, Running: %d reqs, Waiting: %d reqs, Prefix cache hit rate: %s, Cache: %s of %s "
+                "(%d entries)",
+                fields["prompt_tok_s"],
+                fields["prefill_tok_s"],
+                fields["generation_tok_s"],
+                fields["running"],
+                fields["waiting"],
+                "-" if rate is None else f"{rate:.1%}",
+                human_bytes(fields["cache_bytes"]),
+                human_bytes(fields["cache_budget_bytes"]),
+                fields["cache_entries"],
+                extra={"fields": fields},
+            )

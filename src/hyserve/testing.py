@@ -21,7 +21,7 @@ class ForcedReplies:
         self._seeds = itertools.count(first_seed)
         self._attached: dict[int, tuple] = {}  # id(engine) -> (engine, its own make_sampler)
 
-    def attach(self, engine) -> "ForcedReplies":
+    def attach(self, engine) -> ForcedReplies:
         if id(engine) in self._attached:
             return self
         make, scripts = engine.make_sampler, self.scripts

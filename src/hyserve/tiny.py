@@ -3,8 +3,8 @@
 Each directory is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template) that `hyserve serve` loads like a real checkpoint.
 With `chat_template=PATH` the directory carries that template instead (a real model's), and its tokenizer
-the template's control tokens: `<|...|>` (and Nemotron's `<SPECIAL_N>`) strings as special tokens, and the tags Qwen tokenizers keep as
-plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
+the template's control tokens: `<|...|>` (and Nemotron's `<SPECIAL_N>`) strings as special tokens, and the tags Qwen
+tokenizers keep as plain added tokens (`<think>`, `<tool_call>`, ...) as non-special ones, as in the real tokenizers.
 """
 
 from __future__ import annotations
@@ -55,10 +55,17 @@ Unicode: café naïve über 東京 😀 — “quotes” and ‘apostrophes’.
 
 # Family -> config overrides. Sizes follow the guide: hidden 64-128, 2-4 layers for tests.
 _GATED_DELTANET = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_num_key_heads=2, linear_num_value_heads=4,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
     layer_types=["linear_attention"] * 3 + ["full_attention"],
     max_position_embeddings=4096,
 )
@@ -68,63 +75,127 @@ _MAMBA2_NEMOTRON = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
 _TINY = {
     "qwen3_5": dict(model_type="qwen3_5_text", **_GATED_DELTANET),
     "qwen3_next": dict(
-        model_type="qwen3_next", **_GATED_DELTANET,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        model_type="qwen3_next",
+        **_GATED_DELTANET,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
     ),
     "mamba2": dict(
         model_type="mamba2",
-        hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
-        expand=2, n_groups=1, conv_kernel=4, chunk_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=8,
+        head_dim=16,
+        state_size=16,
+        expand=2,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=32,
     ),
     "qwen3": dict(
         model_type="qwen3",
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=4096,
     ),
     # The hybrid families of issue 21, each from its transformers config class.
     "qwen3_5_moe": dict(
-        model_type="qwen3_5_moe_text", **_GATED_DELTANET,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        model_type="qwen3_5_moe_text",
+        **_GATED_DELTANET,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     ),
     "nemotron_h": dict(
-        model_type="nemotron_h", **_ATTENTION, **_MAMBA2_NEMOTRON,
+        model_type="nemotron_h",
+        **_ATTENTION,
+        **_MAMBA2_NEMOTRON,
         layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "mlp"],
-        intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        intermediate_size=128,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32,
     ),
     "granitemoehybrid": dict(
-        model_type="granitemoehybrid", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=4,
+        model_type="granitemoehybrid",
+        **_ATTENTION,
+        **_MAMBA2_IBM,
+        num_hidden_layers=4,
         layer_types=["mamba", "mamba", "attention", "mamba"],
-        intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32,
+        shared_intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     ),
     "bamba": dict(
-        model_type="bamba", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=4, attn_layer_indices=[2],
+        model_type="bamba",
+        **_ATTENTION,
+        **_MAMBA2_IBM,
+        num_hidden_layers=4,
+        attn_layer_indices=[2],
         intermediate_size=128,
     ),
     "falcon_h1": dict(
-        model_type="falcon_h1", **_ATTENTION, **_MAMBA2_IBM, num_hidden_layers=2, intermediate_size=128,
+        model_type="falcon_h1",
+        **_ATTENTION,
+        **_MAMBA2_IBM,
+        num_hidden_layers=2,
+        intermediate_size=128,
         mamba_d_ssm=128,
     ),
     "lfm2": dict(
-        model_type="lfm2", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
-        layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
+        model_type="lfm2",
+        **_ATTENTION,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        block_auto_adjust_ff_dim=False,
     ),
     "lfm2_moe": dict(
-        model_type="lfm2_moe", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
-        layer_types=["conv", "conv", "full_attention", "conv"], num_dense_layers=1,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        model_type="lfm2_moe",
+        **_ATTENTION,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
     ),
     "jamba": dict(
-        model_type="jamba", **_ATTENTION, num_hidden_layers=4, intermediate_size=128,
-        attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1,
-        num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
+        model_type="jamba",
+        **_ATTENTION,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
     ),
     "zamba2": dict(
-        model_type="zamba2", hidden_size=64, num_attention_heads=4, max_position_embeddings=4096,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_hidden_layers=4, intermediate_size=128,
-        mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=32,
+        model_type="zamba2",
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        num_hidden_layers=4,
+        intermediate_size=128,
+        mamba_d_state=16,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        chunk_size=32,
     ),
 }
 
@@ -133,45 +204,106 @@ _BENCH_ATTENTION = dict(hidden_size=512, num_attention_heads=8, num_key_value_he
 _BENCH_MAMBA2_IBM = dict(mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=128)
 _BENCH = {
     "qwen3_5": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_num_key_heads=4, linear_num_value_heads=8,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
         max_position_embeddings=32768,
     ),
     "mamba2": dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, chunk_size=128),
     "qwen3": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
     ),
     "qwen3_5_moe": dict(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, max_position_embeddings=32768,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        max_position_embeddings=32768,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
     ),
     "nemotron_h": dict(
-        **_BENCH_ATTENTION, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "moe"] * 2,
-        mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, chunk_size=128, head_dim=64, intermediate_size=1536,
-        n_routed_experts=8, moe_intermediate_size=512, moe_shared_expert_intermediate_size=512,
+        **_BENCH_ATTENTION,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "moe"] * 2,
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        chunk_size=128,
+        head_dim=64,
+        intermediate_size=1536,
+        n_routed_experts=8,
+        moe_intermediate_size=512,
+        moe_shared_expert_intermediate_size=512,
     ),
     "granitemoehybrid": dict(
-        **_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, layer_types=(["mamba"] * 3 + ["attention"]) * 2,
-        num_local_experts=8, intermediate_size=512, shared_intermediate_size=1024,
+        **_BENCH_ATTENTION,
+        **_BENCH_MAMBA2_IBM,
+        num_hidden_layers=8,
+        layer_types=(["mamba"] * 3 + ["attention"]) * 2,
+        num_local_experts=8,
+        intermediate_size=512,
+        shared_intermediate_size=1024,
     ),
-    "bamba": dict(**_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, attn_layer_indices=[3, 7],
-                  intermediate_size=1536),
-    "falcon_h1": dict(**_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, head_dim=64, intermediate_size=1536,
-                      mamba_d_ssm=1024),
-    "lfm2": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536,
-                 layer_types=["conv", "conv", "full_attention", "conv"] * 2),
-    "lfm2_moe": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1536,
-                     layer_types=["conv", "conv", "full_attention", "conv"] * 2, num_dense_layers=2,
-                     num_experts=8, moe_intermediate_size=512),
+    "bamba": dict(
+        **_BENCH_ATTENTION, **_BENCH_MAMBA2_IBM, num_hidden_layers=8, attn_layer_indices=[3, 7], intermediate_size=1536
+    ),
+    "falcon_h1": dict(
+        **_BENCH_ATTENTION,
+        **_BENCH_MAMBA2_IBM,
+        num_hidden_layers=8,
+        head_dim=64,
+        intermediate_size=1536,
+        mamba_d_ssm=1024,
+    ),
+    "lfm2": dict(
+        **_BENCH_ATTENTION,
+        num_hidden_layers=8,
+        intermediate_size=1536,
+        layer_types=["conv", "conv", "full_attention", "conv"] * 2,
+    ),
+    "lfm2_moe": dict(
+        **_BENCH_ATTENTION,
+        num_hidden_layers=8,
+        intermediate_size=1536,
+        layer_types=["conv", "conv", "full_attention", "conv"] * 2,
+        num_dense_layers=2,
+        num_experts=8,
+        moe_intermediate_size=512,
+    ),
     "jamba": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1024, num_experts=4),
-    "zamba2": dict(hidden_size=512, num_attention_heads=8, max_position_embeddings=32768, num_hidden_layers=8,
-                   layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2, intermediate_size=1536, mamba_d_state=64,
-                   n_mamba_heads=16, chunk_size=128),
+    "zamba2": dict(
+        hidden_size=512,
+        num_attention_heads=8,
+        max_position_embeddings=32768,
+        num_hidden_layers=8,
+        layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2,
+        intermediate_size=1536,
+        mamba_d_state=64,
+        n_mamba_heads=16,
+        chunk_size=128,
+    ),
 }
 
 # Real dimensions, for measuring speed at the sizes people serve (benchmarks only). The tokenizer stays the small
@@ -191,29 +323,61 @@ _BENCH = {
 _REAL = {
     "real-0.8b": {
         "qwen3_5": dict(
-            hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_num_key_heads=16, linear_num_value_heads=16,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            vocab_size=248320,
+            tie_word_embeddings=True,
         ),
     },
     "real-4b": {
         "qwen3_5": dict(
-            hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
-            num_key_value_heads=4, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_num_key_heads=16, linear_num_value_heads=32,
+            hidden_size=2560,
+            intermediate_size=9216,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
-            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True, save_dtype="bfloat16",
+            max_position_embeddings=32768,
+            vocab_size=248320,
+            tie_word_embeddings=True,
+            save_dtype="bfloat16",
         ),
     },
     "real-moe": {
         "qwen3_5_moe": dict(
-            hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+            hidden_size=2048,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
-            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-            max_position_embeddings=32768, vocab_size=248320, tie_word_embeddings=True, save_dtype="bfloat16",
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            max_position_embeddings=32768,
+            vocab_size=248320,
+            tie_word_embeddings=True,
+            save_dtype="bfloat16",
         ),
     },
 }
@@ -222,7 +386,7 @@ SIZES = ("tiny", "bench", *_REAL)
 ARCHS = tuple(_TINY)
 
 
-def train_tokenizer(vocab_size: int = 512) -> "PreTrainedTokenizerFast":
+def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on a built-in text: every byte string is encodable, like real Qwen tokenizers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -268,8 +432,14 @@ class FolderNotEmpty(FileExistsError):
     """`make_tiny_model` was pointed at a folder that already holds files (perhaps a real model's)."""
 
 
-def make_tiny_model(out_dir: str | Path, arch: str | None = None, size: str = "tiny", seed: int = 0,
-                    force: bool = False, chat_template: str | Path | None = None) -> Path:
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str | None = None,
+    size: str = "tiny",
+    seed: int = 0,
+    force: bool = False,
+    chat_template: str | Path | None = None,
+) -> Path:
     """Write a random-init model of `arch` plus tokenizer into `out_dir` and return the path.
     `arch`: qwen3_5 by default, or the one family a real size is made for (real-moe: qwen3_5_moe).
     `chat_template`: the path of a real template to use instead of ChatML.
@@ -292,8 +462,10 @@ def make_tiny_model(out_dir: str | Path, arch: str | None = None, size: str = "t
     if out.exists() and not out.is_dir():
         raise FolderNotEmpty(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise FolderNotEmpty(f"{out} is not empty: refusing to write a random-init model over what is there "
-                             "(pass --force to write into it anyway; files it does not write are kept)")
+        raise FolderNotEmpty(
+            f"{out} is not empty: refusing to write a random-init model over what is there "
+            "(pass --force to write into it anyway; files it does not write are kept)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
         _write(Path(tmp), arch, size, seed, chat_template)
@@ -311,7 +483,7 @@ def default_arch(size: str) -> str:
     return archs[0] if len(archs) == 1 else "qwen3_5"
 
 
-def model_config(arch: str, size: str, tokenizer: "PreTrainedTokenizerFast"):
+def model_config(arch: str, size: str, tokenizer: PreTrainedTokenizerFast):
     """(transformers config, dtype the weights are saved in) of `arch` at `size`, for `tokenizer`."""
     import torch
     from transformers import AutoConfig
@@ -368,8 +540,11 @@ def _write(out: Path, arch: str, size: str, seed: int, chat_template: str | Path
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)
         silence_unknown_ids(model, len(tokenizer))
-        log.info("random-init %s: %s parameters; saving", config.model_type,
-                 human_count(sum(p.numel() for p in model.parameters())))
+        log.info(
+            "random-init %s: %s parameters; saving",
+            config.model_type,
+            human_count(sum(p.numel() for p in model.parameters())),
+        )
         model.generation_config.eos_token_id = config.eos_token_id
         model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(out)

@@ -18,15 +18,19 @@ def _result(hy: dict, llama: dict, hy_turn, ll_turn) -> dict:
     """A `bench_peers.py --quantization int4` result holding what the table reads, for one llama.cpp type."""
     cold = {"turn": 1, "hyserve": _turn(9.0, 9.0, 1), "llama": _turn(9.0, 9.0, 1)}
     warm = {"turn": 2, "hyserve": hy_turn, "llama": ll_turn}
-    return {"quantization": {"scheme": "int4", "types": {"Q4_0": {}}},
-            "throughput": {"hyserve": hy, "peers": {"Q4_0": llama}},
-            "peers_chat": {"Q4_0": {"turns": [cold, warm]}}}
+    return {
+        "quantization": {"scheme": "int4", "types": {"Q4_0": {}}},
+        "throughput": {"hyserve": hy, "peers": {"Q4_0": llama}},
+        "peers_chat": {"Q4_0": {"turns": [cold, warm]}},
+    }
 
 
 def test_warm_turn_is_ttft_plus_256_tokens_at_the_replys_pace_over_warm_turns_only():
-    turns = [{"hyserve": _turn(5.0, 6.0, 11)},  # turn 1 (cold) is left out
-             {"hyserve": _turn(1.0, 2.0, 11)},  # 0.1 s a token: 1 + 25.6
-             {"hyserve": _turn(1.0, 1.5, 1)}]  # one token: no pace to take, left out
+    turns = [
+        {"hyserve": _turn(5.0, 6.0, 11)},  # turn 1 (cold) is left out
+        {"hyserve": _turn(1.0, 2.0, 11)},  # 0.1 s a token: 1 + 25.6
+        {"hyserve": _turn(1.0, 1.5, 1)},
+    ]  # one token: no pace to take, left out
     assert Q.warm_turn_s(turns, "hyserve") == pytest.approx(26.6)
     assert Q.warm_turn_s(turns[:1], "hyserve") is None
 
@@ -45,8 +49,9 @@ def test_table_marks_each_target_met_or_missed_in_its_direction():
 
 
 def test_a_missing_measurement_shows_a_dash_not_a_ratio():
-    text = Q.quant_table({"quantization": {"scheme": "int8", "types": {"Q8_0": {}}}, "throughput": None,
-                          "peers_chat": {}})
+    text = Q.quant_table(
+        {"quantization": {"scheme": "int8", "types": {"Q8_0": {}}}, "throughput": None, "peers_chat": {}}
+    )
     rows = [[c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[2:]]
     assert len(rows) == len(Q.TARGETS) and all(row[:3] == ["-", "-", "-"] for row in rows)
 
@@ -61,5 +66,5 @@ def test_llama_quantize_is_found_beside_llama_server_or_where_it_is_named(tmp_pa
     quantize.write_text("")
     assert Q.find_llama_quantize(None, str(server)) == str(quantize)
     assert Q.find_llama_quantize(str(tmp_path / "nothing"), str(server)) is None  # a wrong explicit path is not
-    monkeypatch.setenv("LLAMA_QUANTIZE", str(quantize))                             # silently replaced
+    monkeypatch.setenv("LLAMA_QUANTIZE", str(quantize))  # silently replaced
     assert Q.find_llama_quantize(None, None) == str(quantize)

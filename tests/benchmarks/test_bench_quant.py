@@ -10,8 +10,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quant_quick_writes_every_side(tmp_path):
     out = tmp_path / "quant.json"
-    r = subprocess.run([sys.executable, "benchmarks/bench_quant.py", "--quick", "--json", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "benchmarks/bench_quant.py", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     result = json.loads(out.read_text())
     assert [row["requests"] for row in result["rows"]] == [1, 2]

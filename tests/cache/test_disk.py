@@ -5,11 +5,10 @@ with a memory budget of about one checkpoint, output still equals cache-off outp
 import pytest
 import torch
 
-from hyserve.engine import GenerationRequest
-
 from hyserve.cache.disk import DiskTier
 from hyserve.cache.manager import PrefixCache
 from hyserve.cache.telemetry import CacheTelemetry
+from hyserve.engine import GenerationRequest
 from hyserve.metrics import Metrics
 
 from ..conftest import wait_idle
@@ -62,7 +61,7 @@ def test_a_damaged_file_is_a_miss_with_an_event_and_is_deleted(runtimes, tmp_pat
     if damage == "flip_tensor_byte":
         data[-5] ^= 0x01
     elif damage == "truncate":
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     else:
         i = data.index(b'"num_tokens":"37"')
         data[i + 15] = ord("8")  # a different prefix length in the header: index or load must refuse it
@@ -107,8 +106,14 @@ def test_lru_within_the_budget_and_tenants_apart(runtimes, tmp_path):
 
 def turn(service, messages, max_tokens=6):
     """One chat turn, then wait as a reader does (idle-time checkpoints, disk writes done)."""
-    fin = service.engine.generate(GenerationRequest(prompt=service.runtime.render_chat(messages, True),
-                                                    max_tokens=max_tokens, sampling=GREEDY, messages=messages))
+    fin = service.engine.generate(
+        GenerationRequest(
+            prompt=service.runtime.render_chat(messages, True),
+            max_tokens=max_tokens,
+            sampling=GREEDY,
+            messages=messages,
+        )
+    )
     wait_idle(service)
     if service.cache.disk is not None:
         service.cache.disk.flush()
@@ -156,8 +161,10 @@ def test_a_new_service_on_the_same_directory_reuses_all_the_history(make_service
     assert turn(first, first_turn).token_ids == a1.token_ids
     first.engine.stop()
     second = make_service("qwen3_5", cache_dir=tmp_path)  # memory empty, the directory indexed afresh
-    assert second.cache.stats()["tiers"] == {"memory": {"entries": 0, "bytes": 0, "state_bytes": 0, "kv_bytes": 0},
-                                             "disk": {**second.cache.stats()["tiers"]["disk"], "hits": 0}}
+    assert second.cache.stats()["tiers"] == {
+        "memory": {"entries": 0, "bytes": 0, "state_bytes": 0, "kv_bytes": 0},
+        "disk": {**second.cache.stats()["tiers"]["disk"], "hits": 0},
+    }
     b2 = turn(second, second_turn)
     assert b2.token_ids == a2.token_ids
     assert b2.cached_tokens == a2.cached_tokens > a1.prompt_tokens  # all of it: the prompt and the reply

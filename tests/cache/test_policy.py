@@ -29,13 +29,15 @@ def test_history_and_system_boundaries_are_prefixes(runtimes):
 def test_not_a_prefix_is_skipped():
     prompt = [1, 2, 3, 4]
     bounds, skipped = prefill_boundaries(
-        CheckpointPolicy(), prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True)
+        CheckpointPolicy(), prompt, [{"role": "user", "content": "x"}], lambda m, g: [1, 9], recurrent=True
+    )
     assert bounds == [] and skipped == ["history:not_a_prefix@1"]  # where the render departs
 
 
 def test_render_failure_is_skipped():
     def boom(m, g):
         raise ValueError("template")
+
     bounds, skipped = prefill_boundaries(CheckpointPolicy(), [1, 2], [{"role": "user", "content": "x"}], boom, True)
     assert bounds == [] and skipped[0].startswith("history:render_failed")
 
@@ -62,7 +64,10 @@ def test_post_decode_rerender_check():
     # a mismatch on a recurrent model: drop the state, rebuild the next turn's history instead
     assert pol.post_decode_ok([1, 2, 7], msgs, reply, render) == (False, "rerender_mismatch@2", [1, 2, 3, 4, 5])
     assert pol.post_decode_ok([1, 2, 7], msgs, reply, render, recurrent=False) == (
-        True, "rerender_mismatch@2", [1, 2, 3, 4, 5])  # attention KV still truncates to the shared part
+        True,
+        "rerender_mismatch@2",
+        [1, 2, 3, 4, 5],
+    )  # attention KV still truncates to the shared part
     assert pol.post_decode_ok([1, 2, 3, 4, 5, 6], msgs, reply, render)[1] == "rerender_mismatch@5"  # longer
     assert CheckpointPolicy(reply_rerender=False).post_decode_ok([1, 2, 7], msgs, reply, render)[2] is None
     assert pol.post_decode_ok([1], None, reply, render) == (True, "completion", None)
@@ -71,6 +76,7 @@ def test_post_decode_rerender_check():
 
 def test_short_tail_boundaries_near_the_restored_state_are_deferred_when_asked():
     from hyserve.cache.policy import DEFER_TAIL, Boundary
+
     assert CheckpointPolicy().split_now(Boundary(4258, "history"), 4182, 4261)  # default: never deferred
     pol = CheckpointPolicy(defer_tail=DEFER_TAIL)  # --defer-checkpoints: defer_tail 16, defer_redo 512
     history = Boundary(4258, "history")
@@ -83,4 +89,5 @@ def test_short_tail_boundaries_near_the_restored_state_are_deferred_when_asked()
 
 def test_a_busy_engine_splits_instead_of_deferring():
     from hyserve.cache.policy import Boundary
+
     assert CheckpointPolicy(defer_tail=16).split_now(Boundary(4258, "history"), 4182, 4261, busy=True)

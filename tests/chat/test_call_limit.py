@@ -12,11 +12,14 @@ from hyserve.tiny import train_tokenizer, use_template
 from ..conftest import TEMPLATES_DIR, real_template
 from ..parsers.helpers import TOOLS, parsed
 
-DROPS_LATER_CALLS = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %}"
-                     "{{ m.tool_calls[0].function.name }}{% endif %}\n{% endfor %}")
+DROPS_LATER_CALLS = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %}"
+    "{{ m.tool_calls[0].function.name }}{% endif %}\n{% endfor %}"
+)
 NO_TOOLS = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-WANTS_RESULTS = ("{% if messages[-1].role == 'assistant' %}{{ raise_exception('results first') }}{% endif %}"
-                 + DROPS_LATER_CALLS)  # a template that wants a result after the calls
+WANTS_RESULTS = (
+    "{% if messages[-1].role == 'assistant' %}{{ raise_exception('results first') }}{% endif %}" + DROPS_LATER_CALLS
+)  # a template that wants a result after the calls
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,30 @@ from hyserve.chat import CallEvent, ChatTurn, TextEvent, read_reply
 from hyserve.parsers import Parsers
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                         "metric": {"type": "boolean"}, "ratio": {"type": "number"},
-                                         "tags": {"type": "array"}, "opts": {"type": "object"},
-                                         "note": {"type": ["string", "null"]}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "run_code", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "ratio": {"type": "number"},
+                    "tags": {"type": "array"},
+                    "opts": {"type": "object"},
+                    "note": {"type": ["string", "null"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "run_code", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}},
+    },
 ]
 
 

@@ -27,10 +27,13 @@ def test_think(text, opened, content, reasoning):
     assert parsed(turn(None, ThinkParser, opened=opened), text) == (content, reasoning, [])
 
 
-@pytest.mark.parametrize("tail,opened", [
-    ("<|im_start|>assistant\n<think>\n", True),
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3.5 with enable_thinking: false
-    ("<|im_start|>assistant\n", False),
-])
+@pytest.mark.parametrize(
+    "tail,opened",
+    [
+        ("<|im_start|>assistant\n<think>\n", True),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3.5 with enable_thinking: false
+        ("<|im_start|>assistant\n", False),
+    ],
+)
 def test_prompt_opens_reasoning(tail, opened):
     assert ThinkParser.opened_by(tail) is opened

@@ -22,17 +22,30 @@ def tokenizing(keys, monkeypatch):
     seen = []
     backend = keys.runtime.prompt_encoder._backend
     real = backend.encode_batch
-    monkeypatch.setattr(keys.runtime.prompt_encoder, "_backend", type("Spy", (), {
-        "encode_batch": lambda self, texts, **kw: seen.extend(texts) or real(texts, **kw),
-        "to_str": backend.to_str})())
+    monkeypatch.setattr(
+        keys.runtime.prompt_encoder,
+        "_backend",
+        type(
+            "Spy",
+            (),
+            {
+                "encode_batch": lambda self, texts, **kw: seen.extend(texts) or real(texts, **kw),
+                "to_str": backend.to_str,
+            },
+        )(),
+    )
     return seen
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"model": "m", "prompt": HUGE}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": HUGE}]}),
-    ("/v1/completions", {"model": "m", "prompt": [1] * 5000}),
-], ids=["completion", "chat", "token-ids"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "m", "prompt": HUGE}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": HUGE}]}),
+        ("/v1/completions", {"model": "m", "prompt": [1] * 5000}),
+    ],
+    ids=["completion", "chat", "token-ids"],
+)
 def test_a_prompt_over_the_context_is_not_tokenized(keys, tokenizing, path, body):
     assert keys.runtime.max_model_len == 4096  # the model's context, not an unbounded one
     assert keys.of(path, [], json.dumps(body).encode()) == ("", None)  # routed by load; the replica refuses it
@@ -66,8 +79,11 @@ def keyed(model_dirs):
     return PromptKeys(ServiceConfig(model_dir=model_dirs["qwen3_5"], device="cpu", api_keys=("key-a",)))
 
 
-@pytest.mark.parametrize("auth", [[], [(b"authorization", b"Bearer wrong")], [(b"x-api-key", b"key-b")]],
-                         ids=["none", "wrong", "unknown-x-api-key"])
+@pytest.mark.parametrize(
+    "auth",
+    [[], [(b"authorization", b"Bearer wrong")], [(b"x-api-key", b"key-b")]],
+    ids=["none", "wrong", "unknown-x-api-key"],
+)
 def test_a_request_without_a_valid_key_is_not_rendered(keyed, auth):
     """The key is checked first: an unauthenticated body is neither parsed nor tokenized (the replica refuses
     it), whatever it holds."""

@@ -28,8 +28,15 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def config(model_dir) -> ServiceConfig:
-    return ServiceConfig(model_dir=model_dir, served_model_name=MODEL, device="cpu", cache_bytes=64 << 20,
-                         policy=CheckpointPolicy(), api_keys=(KEY, "key-b"), admin_api_key=ADMIN)
+    return ServiceConfig(
+        model_dir=model_dir,
+        served_model_name=MODEL,
+        device="cpu",
+        cache_bytes=64 << 20,
+        policy=CheckpointPolicy(),
+        api_keys=(KEY, "key-b"),
+        admin_api_key=ADMIN,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +60,19 @@ def single(model_dirs):
 
 
 def chat(client, messages, **extra):
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 12,
-                                                  "temperature": 0, **extra})
+    r = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+    )
     assert r.status_code == 200, r.text
     return r
 
 
 def conversation(i: int) -> list[dict]:
     # a system prompt of its own: only the replica that ran turn 1 holds any checkpoint of turn 2
-    return [{"role": "system", "content": f"You are assistant number {i}. " * 3},
-            {"role": "user", "content": f"Tell me about topic {i}, please, in some detail."}]
+    return [
+        {"role": "system", "content": f"You are assistant number {i}. " * 3},
+        {"role": "user", "content": f"Tell me about topic {i}, please, in some detail."},
+    ]
 
 
 def test_next_turns_go_where_their_checkpoints_are(cluster):
@@ -70,8 +80,10 @@ def test_next_turns_go_where_their_checkpoints_are(cluster):
     firsts = [chat(cluster, m) for m in convs]
     assert len({r.headers["x-hyserve-replica"] for r in firsts}) == 2  # by load, both replicas took turns
     for messages, first in zip(convs, firsts):
-        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "And then?"}]
+        messages += [
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And then?"},
+        ]
     seconds = [chat(cluster, m) for m in convs]
     for first, second in zip(firsts, seconds):
         assert second.headers["x-hyserve-replica"] == first.headers["x-hyserve-replica"]
@@ -116,8 +128,11 @@ def test_auth_is_a_single_process_auth(cluster, single):
     for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
         a = cluster.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
         b = single.post("/v1/chat/completions", json={"model": MODEL, "messages": conversation(0)}, headers=headers)
-        assert (a.status_code, a.json(), a.headers.get("www-authenticate")) == \
-            (b.status_code, b.json(), b.headers.get("www-authenticate")) == (401, b.json(), "Bearer")
+        assert (
+            (a.status_code, a.json(), a.headers.get("www-authenticate"))
+            == (b.status_code, b.json(), b.headers.get("www-authenticate"))
+            == (401, b.json(), "Bearer")
+        )
     events = cluster.get("/v1/routing/events", params={"limit": 20}, headers={"Authorization": f"Bearer {ADMIN}"})
     mine = [e for e in events.json()["events"] if e["event"] == "routed" and e["ts"] >= t0]
     assert len(mine) == 2 and all(e["prompt_tokens"] == 0 for e in mine)  # the key first: nothing rendered
@@ -128,8 +143,10 @@ def test_auth_is_a_single_process_auth(cluster, single):
 def test_a_prompt_over_the_context_is_refused_without_tokenizing_it_at_the_ingress(cluster, single):
     admin = {"Authorization": f"Bearer {ADMIN}"}
     huge = "word " * ((7 << 20) // 5)  # 7 MB: millions of tokens with this tokenizer (it took 15 s on the ingress)
-    for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 1}),
-                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": huge}]})):
+    for path, body in (
+        ("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": huge}]}),
+    ):
         t0 = time.time()
         a, b = cluster.post(path, json=body), single.post(path, json=body)
         assert (a.status_code, a.json()) == (b.status_code, b.json()) and a.status_code == 400
@@ -147,8 +164,10 @@ def raw_chunked_post(base_url: str, path: str, size: int) -> tuple[int, dict]:
 
     def send():
         try:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-                         "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            )
             chunk = b"x" * (1 << 20)
             for _ in range(-(-size // len(chunk))):
                 sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -160,7 +179,8 @@ def raw_chunked_post(base_url: str, path: str, size: int) -> tuple[int, dict]:
     reply = b""
     try:
         while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
-                reply.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+            reply.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]
+        ):
             chunk = sock.recv(65536)
             assert chunk, reply
             reply += chunk
@@ -200,8 +220,9 @@ def test_metrics_hold_routing_and_every_replica(cluster):
     chat(cluster, conversation(20))
     text = cluster.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}  # parses: one family per name
-    routed = {s.labels["reason"]: s.value for s in families["hyserve_route_requests"].samples
-              if s.name.endswith("_total")}
+    routed = {
+        s.labels["reason"]: s.value for s in families["hyserve_route_requests"].samples if s.name.endswith("_total")
+    }
     assert routed.get("checkpoint", 0) >= 6
     replicas = {s.labels["replica"] for s in families["hyserve_requests"].samples}
     assert len(replicas) == 2
@@ -211,8 +232,10 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
     messages = conversation(300)
     first = chat(cluster, messages)
     holder = first.headers["x-hyserve-replica"]
-    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "Go on."}]
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Go on."},
+    ]
     long = {"model": MODEL, "max_tokens": 800, "min_tokens": 800, "temperature": 0}
     admin = {"Authorization": f"Bearer {ADMIN}"}
 
@@ -224,9 +247,14 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
     with ThreadPoolExecutor(6) as pool:
         # six long requests extending the conversation: they go to the holder, which then has at least the
         # router's imbalance (4) more in flight than the other even if that one still counts a request or two
-        busy = [pool.submit(cluster.post, "/v1/chat/completions",
-                            json={**long, "messages": messages + [{"role": "user", "content": f"v{i}"}]})
-                for i in range(6)]
+        busy = [
+            pool.submit(
+                cluster.post,
+                "/v1/chat/completions",
+                json={**long, "messages": messages + [{"role": "user", "content": f"v{i}"}]},
+            )
+            for i in range(6)
+        ]
         deadline = time.time() + 60
         while routed_to_holder_since(t0) < 6:  # the router has sent all six (a fixed sleep raced on a busy CI)
             assert time.time() < deadline and not any(f.done() for f in busy)
@@ -240,8 +268,11 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
 
 
 def engine_replicas() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]
+    ]
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluster):
@@ -253,8 +284,9 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluste
         return cluster.post("/v1/chat/completions", json={**body, "messages": conversation(100 + i)})
 
     def streamed(i):
-        with cluster.stream("POST", "/v1/chat/completions",
-                            json={**body, "messages": conversation(200 + i), "stream": True}) as r:
+        with cluster.stream(
+            "POST", "/v1/chat/completions", json={**body, "messages": conversation(200 + i), "stream": True}
+        ) as r:
             return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
 
     with ThreadPoolExecutor(12) as pool:
@@ -272,8 +304,9 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(cluste
             assert status == 200 and lines
             last = lines[-1]
             assert last == "data: [DONE]" or json.loads(last[6:])["error"]["code"] == "replica_unavailable"
-    events = cluster.get("/v1/routing/events", params={"limit": 200},
-                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["events"]
+    events = cluster.get(
+        "/v1/routing/events", params={"limit": 200}, headers={"Authorization": f"Bearer {ADMIN}"}
+    ).json()["events"]
     assert any(e["event"] == "replica_failed" and e["reason"] == "retried" for e in events)
     # Ray Serve replaces the replica; its conversations continue elsewhere, cold
     deadline = time.time() + 120

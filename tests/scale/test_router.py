@@ -123,8 +123,10 @@ def test_each_decision_is_a_metric_and_an_event():
     telemetry.decided(policy.choose("", PROMPT, {"a": 0, "b": 0}), "a", "r1", len(PROMPT))
     telemetry.decided(policy.choose("", PROMPT, {"a": 0, "b": 0}), "b", "r2", len(PROMPT))  # Ray sent it elsewhere
     events = telemetry.events()
-    assert [(e["reason"], e["replica"], e["checkpoint_tokens"]) for e in events] == [("checkpoint", "a", 60),
-                                                                                      ("load", "b", 0)]
+    assert [(e["reason"], e["replica"], e["checkpoint_tokens"]) for e in events] == [
+        ("checkpoint", "a", 60),
+        ("load", "b", 0),
+    ]
     assert events[1]["deepest_elsewhere"] == 60
     value = telemetry.registry.get_sample_value
     assert value("hyserve_route_requests_total", {"reason": "checkpoint"}) == 1

@@ -17,16 +17,22 @@ SALT = "tenant:"
 
 def turn(service, messages, salt=SALT):
     prompt = service.runtime.render_chat(messages, True, salt)
-    fin = service.engine.generate(GenerationRequest(prompt=prompt, max_tokens=10, messages=messages,
-                                                    sampling=SamplingParams(temperature=0.0), cache_salt=salt))
+    fin = service.engine.generate(
+        GenerationRequest(
+            prompt=prompt, max_tokens=10, messages=messages, sampling=SamplingParams(temperature=0.0), cache_salt=salt
+        )
+    )
     wait_idle(service)
     return prompt, fin
 
 
 @pytest.fixture(scope="module")
 def moved(make_service):
-    holder, receiver, reference = (make_service("qwen3_5"), make_service("qwen3_5"),
-                                   make_service("qwen3_5", cache_enabled=False))
+    holder, receiver, reference = (
+        make_service("qwen3_5"),
+        make_service("qwen3_5"),
+        make_service("qwen3_5", cache_enabled=False),
+    )
     messages = [{"role": "system", "content": "You are terse. " * 10}, {"role": "user", "content": "Name a tree."}]
     _, fin = turn(holder, messages)
     messages += [{"role": "assistant", "content": fin.text}, {"role": "user", "content": "And a river?"}]
@@ -54,10 +60,12 @@ def test_a_package_that_fails_a_check_is_refused(moved):
     package = Transfers(holder).export(SALT, prompt)
     key = next(iter(package.tensors))
     tampered = dataclasses.replace(package, tensors={**package.tensors, key: package.tensors[key] + 1})
-    cases = [(tampered, SALT, prompt[:depth], "checksum_mismatch"),
-             (dataclasses.replace(package, fingerprint="another model"), SALT, prompt[:depth], "fingerprint_mismatch"),
-             (package, "other:", prompt[:depth], "salt_mismatch"),
-             (package, SALT, prompt[1 : depth + 1], "hash_mismatch")]
+    cases = [
+        (tampered, SALT, prompt[:depth], "checksum_mismatch"),
+        (dataclasses.replace(package, fingerprint="another model"), SALT, prompt[:depth], "fingerprint_mismatch"),
+        (package, "other:", prompt[:depth], "salt_mismatch"),
+        (package, SALT, prompt[1 : depth + 1], "hash_mismatch"),
+    ]
     before = receiver.cache.tree.entries
     for pkg, salt, tokens, why in cases:
         assert transfers.take(pkg, salt, tokens) == why

@@ -14,8 +14,10 @@ from hyserve.chat import template_message
 from ..conftest import LLAMA3_TEMPLATE, QWEN3_TEMPLATE, QWEN35_TEMPLATE
 from .test_tools_reasoning import ASK, TOOLS, create
 
-XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n3\n"
-       "</parameter>\n</function>\n</tool_call>")
+XML = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 JSON = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}", "days": 3}}}}\n</tool_call>'
 PYTHON_TAG = '<|python_tag|>{{"name": "get_weather", "parameters": {{"city": "{city}", "days": 3}}}}'
 RESULT = "{city}: sunny, 21 C, light breeze from the west; tomorrow rain and 14 C. " * 4
@@ -55,12 +57,16 @@ def agent_loop(srv, force, template: str, sends_reasoning: bool, first=ASK) -> l
         history = 0
         if len(messages) > len(first):  # the messages before this request's new trailing ones, as it renders them
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            history = len(rt.render_next_turn([template_message(m) for m in messages[: last + 1]],
-                                              template_kwargs={"tools": TOOLS}))
+            history = len(
+                rt.render_next_turn(
+                    [template_message(m) for m in messages[: last + 1]], template_kwargs={"tools": TOOLS}
+                )
+            )
         resp = create(srv, messages, tools=TOOLS, extra_body={"return_token_ids": True}, **extra)
         choice = resp.choices[0]
-        out.append((None if step else choice.model_extra["token_ids"], resp.usage.prompt_tokens_details.cached_tokens,
-                    history))
+        out.append(
+            (None if step else choice.model_extra["token_ids"], resp.usage.prompt_tokens_details.cached_tokens, history)
+        )
         reply = choice.message.model_dump(exclude_none=True)
         if not sends_reasoning:  # openai-agents' and LangChain's habit: the reasoning is not sent back
             reply.pop("reasoning_content", None)
@@ -68,20 +74,27 @@ def agent_loop(srv, force, template: str, sends_reasoning: bool, first=ASK) -> l
         messages.append(reply)
         if then == "tool":
             assert choice.finish_reason == "tool_calls", choice
-            messages += [{"role": "tool", "tool_call_id": c["id"], "content": RESULT.format(city=city)}
-                         for c in reply["tool_calls"]]
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": RESULT.format(city=city)}
+                for c in reply["tool_calls"]
+            ]
         elif then == "user":
             messages.append({"role": "user", "content": "Thanks. What should I wear there?"})
     return out
 
 
-PAIRS = [("qwen3_5", QWEN35_TEMPLATE), ("qwen3_5", QWEN3_TEMPLATE), ("qwen3_5", LLAMA3_TEMPLATE),
-         ("qwen3", QWEN3_TEMPLATE)]
+PAIRS = [
+    ("qwen3_5", QWEN35_TEMPLATE),
+    ("qwen3_5", QWEN3_TEMPLATE),
+    ("qwen3_5", LLAMA3_TEMPLATE),
+    ("qwen3", QWEN3_TEMPLATE),
+]
 
 
 @pytest.mark.parametrize("sends_reasoning", [True, False], ids=["reasoning-sent", "reasoning-dropped"])
-@pytest.mark.parametrize("pair", PAIRS, ids=["qwen3.5", "qwen3.5-model-qwen3-template",
-                                             "qwen3.5-model-llama3.1-template", "qwen3"])
+@pytest.mark.parametrize(
+    "pair", PAIRS, ids=["qwen3.5", "qwen3.5-model-qwen3-template", "qwen3.5-model-llama3.1-template", "qwen3"]
+)
 def test_back_to_back_agent_reuses_its_whole_history(template_servers, force, pair, sends_reasoning):
     on = agent_loop(template_servers(*pair), force, pair[1], sends_reasoning)
     off = agent_loop(template_servers(*pair, cache_enabled=False), force, pair[1], sends_reasoning)
@@ -91,10 +104,19 @@ def test_back_to_back_agent_reuses_its_whole_history(template_servers, force, pa
     assert min(ratios) >= 0.98, (ratios, on)
 
 
-LFM2_TEMPLATE, NEMOTRON_TEMPLATE, GRANITE_TEMPLATE = ("LFM2.5-Instruct.jinja", "NVIDIA-Nemotron-Nano-v2.jinja",
-                                                      "ibm-granite-granite-4.0.jinja")
-CHAT = ["Sure, here is a short answer about the weather: sunny and mild.", None,
-        "Paris is the capital of France and its largest city.", None, "That is all.", None]
+LFM2_TEMPLATE, NEMOTRON_TEMPLATE, GRANITE_TEMPLATE = (
+    "LFM2.5-Instruct.jinja",
+    "NVIDIA-Nemotron-Nano-v2.jinja",
+    "ibm-granite-granite-4.0.jinja",
+)
+CHAT = [
+    "Sure, here is a short answer about the weather: sunny and mild.",
+    None,
+    "Paris is the capital of France and its largest city.",
+    None,
+    "That is all.",
+    None,
+]
 
 
 def chat_loop(srv, force) -> list[tuple]:
@@ -108,14 +130,18 @@ def chat_loop(srv, force) -> list[tuple]:
         extra = {"seed": force(rt, text)} if text else {"max_tokens": 8}
         resp = create(srv, messages, extra_body={"return_token_ids": True}, **extra)
         choice = resp.choices[0]
-        out.append((None if text else choice.model_extra["token_ids"], resp.usage.prompt_tokens_details.cached_tokens,
-                    history))
+        out.append(
+            (None if text else choice.model_extra["token_ids"], resp.usage.prompt_tokens_details.cached_tokens, history)
+        )
         messages += [choice.message.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
     return out
 
 
-@pytest.mark.parametrize("pair", [("lfm2", LFM2_TEMPLATE), ("nemotron_h", NEMOTRON_TEMPLATE),
-                                  ("granitemoehybrid", GRANITE_TEMPLATE)], ids=["lfm2", "nemotron-h", "granite-4.0"])
+@pytest.mark.parametrize(
+    "pair",
+    [("lfm2", LFM2_TEMPLATE), ("nemotron_h", NEMOTRON_TEMPLATE), ("granitemoehybrid", GRANITE_TEMPLATE)],
+    ids=["lfm2", "nemotron-h", "granite-4.0"],
+)
 def test_back_to_back_chat_reuses_its_whole_history_on_every_template(template_servers, force, pair):
     """The other real templates, on their own hybrid families (which cannot capture a state inside a pass: the
     prefill is split at each boundary)."""

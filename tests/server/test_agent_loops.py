@@ -4,7 +4,7 @@ calls at once (`{..}; {..}`) keeps going, since its template renders only one ca
 forced (`force`)."""
 
 import asyncio
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel
@@ -14,12 +14,14 @@ from .test_tools_reasoning import ASK, LLAMA3, QWEN35, TOOLS, create, streamed
 
 class Units(BaseModel):
     unit: Literal["C", "F"]
-    precision: Optional[int] = None
+    precision: int | None = None
 
 
-XML_FORECAST = ("Forecast it.\n</think>\n\n<tool_call>\n<function=forecast>\n<parameter=city>\nParis\n</parameter>\n"
-                "<parameter=days>\n3\n</parameter>\n<parameter=units>\n{\"unit\": \"C\", \"precision\": 1}\n"
-                "</parameter>\n</function>\n</tool_call>")
+XML_FORECAST = (
+    "Forecast it.\n</think>\n\n<tool_call>\n<function=forecast>\n<parameter=city>\nParis\n</parameter>\n"
+    '<parameter=days>\n3\n</parameter>\n<parameter=units>\n{"unit": "C", "precision": 1}\n'
+    "</parameter>\n</function>\n</tool_call>"
+)
 ANSWER = "Done.\n</think>\n\nParis: sunny for 3 days."
 
 
@@ -33,7 +35,7 @@ def test_openai_agents_function_tool_runs_with_typed_arguments(template_servers,
     ran = []
 
     @agents.function_tool
-    def forecast(city: str, days: Optional[int], units: Optional[Units]) -> str:
+    def forecast(city: str, days: int | None, units: Units | None) -> str:
         """The weather forecast for a city."""
         ran.append((city, days, units))
         return f"{city}: sunny for {days} days"
@@ -43,9 +45,13 @@ def test_openai_agents_function_tool_runs_with_typed_arguments(template_servers,
             agent.model_settings = agents.ModelSettings(extra_body={"seed": force(rt, ANSWER)})
 
     client = AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
-    agent = agents.Agent(name="weather", tools=[forecast], hooks=Answer(),
-                         model=agents.OpenAIChatCompletionsModel(model="tpl", openai_client=client),
-                         model_settings=agents.ModelSettings(extra_body={"seed": force(rt, XML_FORECAST)}))
+    agent = agents.Agent(
+        name="weather",
+        tools=[forecast],
+        hooks=Answer(),
+        model=agents.OpenAIChatCompletionsModel(model="tpl", openai_client=client),
+        model_settings=agents.ModelSettings(extra_body={"seed": force(rt, XML_FORECAST)}),
+    )
     config = agents.RunConfig(tracing_disabled=True)
 
     async def run():
@@ -85,9 +91,19 @@ def test_llama3_agent_loop_with_parallel_replies(template_servers, force):
         assert finish == "tool_calls" and len(message.tool_calls) == 1, turn
         call = message.tool_calls[0]
         assert call.function.name == "get_weather" and "Paris" in call.function.arguments
-        messages += [{"role": "assistant", "content": message.content, "tool_calls": [{
-            "id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                            "arguments": call.function.arguments}}]},
-                     {"role": "tool", "tool_call_id": call.id, "content": f"sunny, turn {turn}"}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": message.content,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": f"sunny, turn {turn}"},
+        ]
     last = create(srv, messages, tools=TOOLS, max_tokens=4)  # the sixth request renders all five calls
     assert last.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -14,10 +14,14 @@ from ..conftest import QWEN35_TEMPLATE, wait_idle
 
 MODEL = "tpl"
 KA, KB = "key-a", "key-b"
-REPLY = ("Sundials came first, then water clocks and candles; mechanical clocks with escapements followed in "
-         "medieval Europe, pendulums in the seventeenth century, quartz in the twentieth, and atomic clocks last.")
-HISTORY = [{"role": "system", "content": "You are a patient assistant who answers in detail."},
-           {"role": "user", "content": "Tell me about the history of clocks, from sundials to atomic ones."}]
+REPLY = (
+    "Sundials came first, then water clocks and candles; mechanical clocks with escapements followed in "
+    "medieval Europe, pendulums in the seventeenth century, quartz in the twentieth, and atomic clocks last."
+)
+HISTORY = [
+    {"role": "system", "content": "You are a patient assistant who answers in detail."},
+    {"role": "user", "content": "Tell me about the history of clocks, from sundials to atomic ones."},
+]
 
 
 def auth(key):
@@ -25,8 +29,12 @@ def auth(key):
 
 
 def chat(base, key, messages, seed=None):
-    r = httpx.post(f"{base}/v1/chat/completions", headers=auth(key), timeout=120,
-                   json={"model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0, "seed": seed})
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        headers=auth(key),
+        timeout=120,
+        json={"model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0, "seed": seed},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -62,8 +70,14 @@ async def stream(client, base, seed: int, started: asyncio.Event, count: list, n
 
 
 def test_a_clear_under_load_leaves_nothing_of_the_tenant(make_service, template_model_dirs, force, tmp_path):
-    svc = make_service("qwen3_5", model_dir=template_model_dirs("qwen3_5", QWEN35_TEMPLATE), served_model_name=MODEL,
-                       api_keys=(KA, KB), cache_dir=tmp_path / "disk", max_running=4)
+    svc = make_service(
+        "qwen3_5",
+        model_dir=template_model_dirs("qwen3_5", QWEN35_TEMPLATE),
+        served_model_name=MODEL,
+        api_keys=(KA, KB),
+        cache_dir=tmp_path / "disk",
+        max_running=4,
+    )
     eng, seed = svc.engine, force(svc.runtime, REPLY)
     with BackgroundServer(svc) as srv:
         base = srv.base_url
@@ -82,11 +96,11 @@ def test_a_clear_under_load_leaves_nothing_of_the_tenant(make_service, template_
 
         eng.step = slow_step
         try:
+
             async def load():
                 started, count, n = asyncio.Event(), [0], 3
                 async with httpx.AsyncClient(timeout=120) as client:
-                    streams = [asyncio.create_task(stream(client, base, seed, started, count, n))
-                               for _ in range(n)]
+                    streams = [asyncio.create_task(stream(client, base, seed, started, count, n)) for _ in range(n)]
                     await asyncio.wait_for(started.wait(), 60)
                     r = await client.delete(f"{base}/v1/cache", headers=auth(KA))
                     assert r.status_code == 200, r.text
@@ -109,8 +123,10 @@ def test_a_clear_under_load_leaves_nothing_of_the_tenant(make_service, template_
         assert all(replies)
         assert cached(chat(base, KA, next_turn)) == 0
         b_after = cache(base, KB)
-        assert (b_after["entries"], b_after["tiers"]["disk"]["entries"]) == \
-            (b_before["entries"], b_before["tiers"]["disk"]["entries"])
+        assert (b_after["entries"], b_after["tiers"]["disk"]["entries"]) == (
+            b_before["entries"],
+            b_before["tiers"]["disk"]["entries"],
+        )
         assert cached(chat(base, KB, HISTORY)) > 0
         assert cached(chat(base, KB, next_turn)) > 0
 
@@ -156,8 +172,11 @@ def test_jobs_of_the_tenant_are_cancelled_or_record_nothing(make_service):
         assert eng.background.active is None
     wait_idle(svc)
     assert svc.cache.stats("t")["entries"] == 0 and svc.cache.stats("other")["entries"] == 1
-    declined = {e["request_id"] for e in svc.cache.telemetry.events(None, 100)
-                if e["event"] == "declined" and e["reason"] == "cleared"}
+    declined = {
+        e["request_id"]
+        for e in svc.cache.telemetry.events(None, 100)
+        if e["event"] == "declined" and e["reason"] == "cleared"
+    }
     assert declined == {"running", "queued"}
 
 
@@ -171,8 +190,11 @@ def test_the_tokenizer_forgets_the_tenants_texts():
     encoder = PrefixEncoder(tok)
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a private document " * 50}]
     first = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    second = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}],
-                                     tokenize=False, add_generation_prompt=True)
+    second = tok.apply_chat_template(
+        msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     for salt in (make_salt("ta", None), make_salt("ta", "project"), make_salt("tb", None)):
         encoder.encode(first, salt=salt)
     encoder.forget("ta")

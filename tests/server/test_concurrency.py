@@ -9,12 +9,19 @@ from openai import AsyncOpenAI, OpenAI
 
 from hyserve.server.run import BackgroundServer
 
-PROMPTS = ["Tell me a story about a robot.", "What is the capital of France?", "def add(a, b):",
-           "The weather today is sunny", "Numbers: 0 1 2 3", "Thank you for the explanation!"]
+PROMPTS = [
+    "Tell me a story about a robot.",
+    "What is the capital of France?",
+    "def add(a, b):",
+    "The weather today is sunny",
+    "Numbers: 0 1 2 3",
+    "Thank you for the explanation!",
+]
 
 
 def _metric(base, name):
     from prometheus_client.parser import text_string_to_metric_families
+
     for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
         for s in fam.samples:
             if s.name == name:
@@ -53,6 +60,7 @@ def test_concurrent_streams_equal_solo_runs(make_service, arch):
         assert _metric(srv.base_url, "hyserve_decode_batch_size_bucket") is not None
         buckets = {}
         from prometheus_client.parser import text_string_to_metric_families
+
         for fam in text_string_to_metric_families(httpx.get(f"{srv.base_url}/metrics").text):
             for s in fam.samples:
                 if s.name == "hyserve_decode_batch_size_bucket":
@@ -63,12 +71,19 @@ def test_concurrent_streams_equal_solo_runs(make_service, arch):
 
 def test_overload_gets_429(make_service):
     with BackgroundServer(make_service("qwen3_5", max_running=1, max_waiting=1)) as srv:
+
         async def main():
             async with httpx.AsyncClient(timeout=60) as c:
-                body = {"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 200, "temperature": 0}
-                return await asyncio.gather(*[c.post(f"{srv.base_url}/v1/chat/completions", json=body)
-                                              for _ in range(5)])
+                body = {
+                    "model": "tiny-qwen3_5",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 200,
+                    "temperature": 0,
+                }
+                return await asyncio.gather(
+                    *[c.post(f"{srv.base_url}/v1/chat/completions", json=body) for _ in range(5)]
+                )
+
         codes = [r.status_code for r in asyncio.run(main())]
         # 1 running + 1 waiting at most; 1 when all five arrive before the worker admits the first
         assert 1 <= codes.count(200) <= 2 and codes.count(429) == 5 - codes.count(200)
@@ -86,21 +101,25 @@ def test_api_key_and_tenant_isolation(make_service):
 
         def ask(key, salt=None):
             c = OpenAI(base_url=f"{srv.base_url}/v1", api_key=key, max_retries=0)
-            msgs = [{"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": "Tell me a story about a robot who learns to paint."}]
+            msgs = [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Tell me a story about a robot who learns to paint."},
+            ]
             extra = {"cache_salt": salt} if salt else None
             first = c.chat.completions.create(model="tiny-qwen3_5", messages=msgs, max_tokens=4, extra_body=extra)
-            msgs += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "More."}]
+            msgs += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "More."},
+            ]
             second = c.chat.completions.create(model="tiny-qwen3_5", messages=msgs, max_tokens=4, extra_body=extra)
             return first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens
 
         a1, a2 = ask("key-a")
-        assert a1 == 0 and a2 > 0          # reuse within a tenant
+        assert a1 == 0 and a2 > 0  # reuse within a tenant
         b1, b2 = ask("key-b")
-        assert b1 == 0 and b2 > 0          # tenant b never sees tenant a's prefix
+        assert b1 == 0 and b2 > 0  # tenant b never sees tenant a's prefix
         s1, _ = ask("key-a", salt="project-x")
-        assert s1 == 0                      # a request salt is its own namespace too
+        assert s1 == 0  # a request salt is its own namespace too
 
 
 def test_timeout_body_limit_caps_and_draining(make_service):
@@ -109,8 +128,9 @@ def test_timeout_body_limit_caps_and_draining(make_service):
     with BackgroundServer(svc) as srv:
         url = f"{srv.base_url}/v1/chat/completions"
         msgs = [{"role": "user", "content": "hi"}]
-        r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 2900, "min_tokens": 2900},
-                       timeout=30)
+        r = httpx.post(
+            url, json={"model": "tiny-qwen3_5", "messages": msgs, "max_tokens": 2900, "min_tokens": 2900}, timeout=30
+        )
         assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
         r = httpx.post(url, json={"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "x" * 5000}]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -123,4 +143,3 @@ def test_timeout_body_limit_caps_and_draining(make_service):
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         assert httpx.get(f"{srv.base_url}/health").status_code == 503
         svc.draining = False
-

@@ -29,27 +29,39 @@ from referencing.jsonschema import DRAFT202012  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "specs" / "openai-openapi.json"
 QWEN35 = ("qwen3_5", QWEN35_TEMPLATE)
-XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-            "</parameter>\n</function>\n</tool_call>")
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 THOUGHT = "The user wants weather.\n</think>"  # the prompt opened the block: the reply closes it
 REPLY = THOUGHT + "\n\nChecking.\n\n" + XML_CALL
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"].get("description", ""),
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 STREAM_SCHEMAS = {  # the document's schema of each Responses stream event
-    "response.created": "ResponseCreatedEvent", "response.in_progress": "ResponseInProgressEvent",
-    "response.completed": "ResponseCompletedEvent", "response.incomplete": "ResponseIncompleteEvent",
+    "response.created": "ResponseCreatedEvent",
+    "response.in_progress": "ResponseInProgressEvent",
+    "response.completed": "ResponseCompletedEvent",
+    "response.incomplete": "ResponseIncompleteEvent",
     "response.output_item.added": "ResponseOutputItemAddedEvent",
     "response.output_item.done": "ResponseOutputItemDoneEvent",
     "response.content_part.added": "ResponseContentPartAddedEvent",
     "response.content_part.done": "ResponseContentPartDoneEvent",
-    "response.output_text.delta": "ResponseTextDeltaEvent", "response.output_text.done": "ResponseTextDoneEvent",
+    "response.output_text.delta": "ResponseTextDeltaEvent",
+    "response.output_text.done": "ResponseTextDoneEvent",
     "response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
     "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
-    "response.failed": "ResponseFailedEvent", "error": "ResponseErrorEvent",
+    "response.failed": "ResponseFailedEvent",
+    "error": "ResponseErrorEvent",
 }
 
 
@@ -90,7 +102,8 @@ def spec():
     def validate(name: str, instance) -> None:
         if name not in validators:
             validators[name] = jsonschema.Draft202012Validator(
-                {"$ref": f"urn:openai#/components/schemas/{name}"}, registry=registry)
+                {"$ref": f"urn:openai#/components/schemas/{name}"}, registry=registry
+            )
         errors = list(validators[name].iter_errors(instance))
         assert not errors, f"{name}: " + "; ".join(f"{list(e.path)}: {e.message[:300]}" for e in errors[:5])
 
@@ -121,8 +134,9 @@ def recording(http):
                 def close(self):
                     response.close()
 
-            return http.Response(response.status_code, headers=response.headers, stream=Tee(),
-                                 extensions=response.extensions)
+            return http.Response(
+                response.status_code, headers=response.headers, stream=Tee(), extensions=response.extensions
+            )
 
         def close(self):
             self.inner.close()
@@ -162,8 +176,13 @@ def srv(template_servers):
 @pytest.fixture
 def openai_client(srv):
     http = recording(httpx)
-    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, http_client=http,
-                    _strict_response_validation=True)
+    client = OpenAI(
+        base_url=f"{srv.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=http,
+        _strict_response_validation=True,
+    )
     client.recorded = http
     yield client
     client.close()
@@ -172,8 +191,9 @@ def openai_client(srv):
 @pytest.fixture
 def anthropic_client(srv):
     http = recording(http_package(anthropic))
-    client = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0, http_client=http,
-                                 _strict_response_validation=True)
+    client = anthropic.Anthropic(
+        base_url=srv.base_url, api_key="unused", max_retries=0, http_client=http, _strict_response_validation=True
+    )
     client.recorded = http
     yield client
     client.close()
@@ -204,15 +224,22 @@ def chat(client, **kw):
 
 
 def test_chat_completions(openai_client, spec):
-    for kw in ({"max_tokens": 4}, {"max_tokens": 4, "logprobs": True, "top_logprobs": 2},
-               {"max_tokens": 4, "n": 2, "temperature": 1, "seed": 3}):
+    for kw in (
+        {"max_tokens": 4},
+        {"max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+        {"max_tokens": 4, "n": 2, "temperature": 1, "seed": 3},
+    ):
         resp = chat(openai_client, **kw)
         body = body_of(openai_client)
         spec("CreateChatCompletionResponse", body)
         assert len(body["choices"]) == kw.get("n", 1) == len(resp.choices)
         assert all("refusal" in c["message"] and c["message"]["refusal"] is None for c in body["choices"])
-    assert [c for c in chat(openai_client, max_tokens=4, n=2, temperature=1, seed=3, stream=True,
-                            stream_options={"include_usage": True})]
+    assert [
+        c
+        for c in chat(
+            openai_client, max_tokens=4, n=2, temperature=1, seed=3, stream=True, stream_options={"include_usage": True}
+        )
+    ]
     chunks = chunks_of(openai_client)
     for chunk in chunks:
         spec("CreateChatCompletionStreamResponse", chunk)
@@ -226,8 +253,16 @@ def test_chat_completion_tool_call_whole_and_streamed(openai_client, spec, srv, 
     spec("CreateChatCompletionResponse", body)
     assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.tool_calls
     assert body["choices"][0]["message"]["refusal"] is None
-    stream = chat(openai_client, tools=TOOLS, max_tokens=128, seed=force(rt, REPLY), stream=True,
-                  stream_options={"include_usage": True}, logprobs=True, top_logprobs=1)
+    stream = chat(
+        openai_client,
+        tools=TOOLS,
+        max_tokens=128,
+        seed=force(rt, REPLY),
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=1,
+    )
     assert [c for c in stream]
     chunks = chunks_of(openai_client)
     for chunk in chunks:
@@ -244,8 +279,14 @@ def test_completions_whole_and_streamed(openai_client, spec):
     # Quirk: the SDK's Completion type copies the document's non-null finish_reason, so the client read in
     # strict mode refuses the null of every chunk but the last (as it would OpenAI's own): the raw stream only
     with openai_client.completions.with_streaming_response.create(
-            model="tpl", prompt="Once upon", max_tokens=4, temperature=0, logprobs=1, stream=True,
-            stream_options={"include_usage": True}) as raw:
+        model="tpl",
+        prompt="Once upon",
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as raw:
         raw.read()
     chunks = chunks_of(openai_client)
     for chunk in chunks[:-1]:
@@ -276,8 +317,9 @@ def test_responses_whole_and_streamed_with_a_tool_call(openai_client, spec, srv,
     rt = srv.service.runtime
     openai_client.responses.create(model="tpl", input="Hello", max_output_tokens=4, temperature=0)
     spec("Response", body_of(openai_client))
-    resp = openai_client.responses.create(model="tpl", input="Weather in Paris?", tools=FLAT_TOOLS,
-                                          extra_body={"seed": force(rt, REPLY)})
+    resp = openai_client.responses.create(
+        model="tpl", input="Weather in Paris?", tools=FLAT_TOOLS, extra_body={"seed": force(rt, REPLY)}
+    )
     body = body_of(openai_client)
     spec("Response", body)
     assert [o["type"] for o in body["output"]] == ["reasoning", "message", "function_call"]
@@ -290,8 +332,9 @@ def test_responses_whole_and_streamed_with_a_tool_call(openai_client, spec, srv,
     assert client_view.usage.output_tokens_details.reasoning_tokens == thought
 
     strict_tools = [{**t, "strict": False} for t in FLAT_TOOLS]
-    with openai_client.responses.stream(model="tpl", input="Weather in Paris?", tools=strict_tools,
-                                        extra_body={"seed": force(rt, REPLY)}) as stream:
+    with openai_client.responses.stream(
+        model="tpl", input="Weather in Paris?", tools=strict_tools, extra_body={"seed": force(rt, REPLY)}
+    ) as stream:
         final = stream.get_final_response()
     events = responses_events(openai_client, spec)
     assert events[-1]["type"] == "response.completed" and final.tools[0].strict is False
@@ -299,8 +342,12 @@ def test_responses_whole_and_streamed_with_a_tool_call(openai_client, spec, srv,
 
 
 def test_responses_cut_off_while_reasoning_count_every_token(openai_client, spec):
-    assert [e for e in openai_client.responses.create(model="tpl", input="Hello", max_output_tokens=5,
-                                                      temperature=0, stream=True)]
+    assert [
+        e
+        for e in openai_client.responses.create(
+            model="tpl", input="Hello", max_output_tokens=5, temperature=0, stream=True
+        )
+    ]
     done = responses_events(openai_client, spec)[-1]
     assert done["type"] == "response.incomplete"
     usage = done["response"]["usage"]  # the template opens a <think> block the random model never closes
@@ -310,8 +357,17 @@ def test_responses_cut_off_while_reasoning_count_every_token(openai_client, spec
 def test_a_responses_stream_asked_for_usage_ends_as_any_other(openai_client, spec):
     """`stream_options.include_usage` (accepted on every generating route) adds nothing to a Responses stream:
     its last event carries the usage."""
-    assert [e for e in openai_client.responses.create(model="tpl", input="Hello", max_output_tokens=3, temperature=0,
-                                                      stream=True, extra_body={"stream_options": {"include_usage": True}})]
+    assert [
+        e
+        for e in openai_client.responses.create(
+            model="tpl",
+            input="Hello",
+            max_output_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_body={"stream_options": {"include_usage": True}},
+        )
+    ]
     done = responses_events(openai_client, spec)[-1]
     assert done["type"] == "response.incomplete" and done["response"]["usage"]["output_tokens"] == 3
 
@@ -321,18 +377,34 @@ def test_a_failed_responses_stream_ends_with_response_failed(template_servers, s
     why, holds what was streamed, and is not stored."""
     slow = template_servers(*QWEN35, request_timeout=0.05)
     http = recording(httpx)
-    client = OpenAI(base_url=f"{slow.base_url}/v1", api_key="unused", max_retries=0, http_client=http,
-                    _strict_response_validation=True)
+    client = OpenAI(
+        base_url=f"{slow.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=http,
+        _strict_response_validation=True,
+    )
     client.recorded = http
     # min_tokens: the random model cannot end its turn before the timeout does
-    got = [e for e in client.responses.create(model="tpl", input="Hello", max_output_tokens=3000, temperature=0,
-                                              stream=True, extra_body={"min_tokens": 3000})]
+    got = [
+        e
+        for e in client.responses.create(
+            model="tpl",
+            input="Hello",
+            max_output_tokens=3000,
+            temperature=0,
+            stream=True,
+            extra_body={"min_tokens": 3000},
+        )
+    ]
     events = responses_events(client, spec)
     assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
     failed = events[-1]
     assert failed["type"] == "response.failed" and got[-1].type == "response.failed"
     assert failed["response"]["status"] == "failed" and failed["response"]["error"] == {
-        "code": "server_error", "message": "request timed out"}
+        "code": "server_error",
+        "message": "request timed out",
+    }
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert not [e for e in events if e["type"] in ("error", "response.completed", "response.incomplete")]
     streamed = [e for e in events if e["type"] == "response.output_item.added"]
@@ -360,13 +432,17 @@ def test_models_list_and_get(openai_client, spec):
     assert json.loads(raw)["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("call", [
-    lambda c: c.chat.completions.create(model="tpl", messages=ASK, max_tokens=0),
-    lambda c: c.chat.completions.create(model="other", messages=ASK, max_tokens=2),
-    lambda c: c.completions.create(model="tpl", prompt="x", max_tokens=2, temperature=-1),
-    lambda c: c.responses.create(model="tpl", input="x", previous_response_id="resp_unknown"),
-    lambda c: c.responses.create(model="tpl", input="x", tools=[{"type": "web_search"}]),
-], ids=["chat-400", "chat-404", "completions-400", "responses-404", "responses-400"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.chat.completions.create(model="tpl", messages=ASK, max_tokens=0),
+        lambda c: c.chat.completions.create(model="other", messages=ASK, max_tokens=2),
+        lambda c: c.completions.create(model="tpl", prompt="x", max_tokens=2, temperature=-1),
+        lambda c: c.responses.create(model="tpl", input="x", previous_response_id="resp_unknown"),
+        lambda c: c.responses.create(model="tpl", input="x", tools=[{"type": "web_search"}]),
+    ],
+    ids=["chat-400", "chat-404", "completions-400", "responses-404", "responses-400"],
+)
 def test_error_bodies(openai_client, spec, call):
     with pytest.raises(openai.APIStatusError):
         call(openai_client)
@@ -408,8 +484,10 @@ def test_messages_bodies_and_events(anthropic_client, srv, force):
     assert cached is not None and cached > 0
     assert cached == delta.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
     assert usage.input_tokens == delta.usage.input_tokens == final.usage.input_tokens
-    assert usage.input_tokens + usage.cache_read_input_tokens == \
-        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert (
+        usage.input_tokens + usage.cache_read_input_tokens
+        == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
 
 
 def test_messages_error_body(anthropic_client):

@@ -56,8 +56,9 @@ LONG = dict(max_tokens=400, temperature=0)
 def test_a_chat_stream_cut_at_shutdown_raises_in_the_openai_client(make_service, engine_cuts):
     with stopping_server(make_service, engine_cuts=engine_cuts) as (base, stop):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-        stream = client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
-                                                extra_body={"min_tokens": 400}, **LONG)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ASK, stream=True, extra_body={"min_tokens": 400}, **LONG
+        )
         chunks = []
         with pytest.raises(openai.APIError) as err:
             for chunk in stream:
@@ -72,11 +73,18 @@ def test_a_responses_stream_cut_at_shutdown_ends_with_response_failed(make_servi
     with stopping_server(make_service) as (base, stop):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         events = []
-        for event in client.responses.create(model=MODEL, input="Tell me a long story about a robot.", stream=True,
-                                             max_output_tokens=400, temperature=0, extra_body={"min_tokens": 400}):
+        for event in client.responses.create(
+            model=MODEL,
+            input="Tell me a long story about a robot.",
+            stream=True,
+            max_output_tokens=400,
+            temperature=0,
+            extra_body={"min_tokens": 400},
+        ):
             events.append(event)
             if event.type == "response.output_text.delta" and len(events) == 1 + [e.type for e in events].index(
-                    "response.output_text.delta"):
+                "response.output_text.delta"
+            ):
                 stop()
         assert events[-1].type == "response.failed" and events[-1].response.status == "failed", events[-3:]
         assert events[-1].response.error.message == CUT_OFF and events[-1].response.error.code == "server_error"
@@ -89,8 +97,9 @@ def test_a_messages_stream_cut_at_shutdown_raises_in_the_anthropic_client(make_s
         client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
         seen = []
         with pytest.raises(anthropic.APIStatusError) as err:
-            with client.messages.stream(model=MODEL, messages=ASK, max_tokens=400,
-                                        extra_body={"min_tokens": 400, "temperature": 0}) as stream:
+            with client.messages.stream(
+                model=MODEL, messages=ASK, max_tokens=400, extra_body={"min_tokens": 400, "temperature": 0}
+            ) as stream:
                 for event in stream:
                     seen.append(event.type)
                     if event.type == "content_block_delta" and seen.count("content_block_delta") == 2:

@@ -21,8 +21,9 @@ SENT = {"bodies": 0, "2xx": 0, "4xx": 0}
 any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
 good_text = st.text(max_size=24)  # hypothesis' default: any character but a surrogate
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | any_text
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner, max_size=3),
-                    max_leaves=6)
+junk = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner, max_size=3), max_leaves=6
+)
 big_ints = st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30])
 edge_floats = st.sampled_from([0.0, -0.0, 5e-324, 1e-39, 1e-6, 1e-5, 0.5, 1.0, 2.0])
 bad_floats = st.floats() | st.sampled_from([-1e-39, 2.0000001, 1e308, float("nan"), float("inf")])
@@ -54,17 +55,36 @@ BAD = {
     "cache_salt": st.text(min_size=257, max_size=300),
     "user": any_text,
 }
-TOOL_CALL = st.fixed_dictionaries({"id": good_text, "type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": good_text, "arguments": good_text | st.just('{"a": 1}') | st.just("[" * 5000 + "]" * 5000)})})
+TOOL_CALL = st.fixed_dictionaries(
+    {
+        "id": good_text,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": good_text, "arguments": good_text | st.just('{"a": 1}') | st.just("[" * 5000 + "]" * 5000)}
+        ),
+    }
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
-    optional={"content": good_text | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                                 "text": good_text}), max_size=2),
-              "name": good_text, "tool_calls": st.lists(TOOL_CALL, max_size=2), "tool_call_id": good_text,
-              "reasoning_content": good_text})
-TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True)},
-    optional={"description": good_text, "parameters": st.dictionaries(good_text, scalars, max_size=3)})})
+    optional={
+        "content": good_text
+        | st.none()
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": good_text}), max_size=2),
+        "name": good_text,
+        "tool_calls": st.lists(TOOL_CALL, max_size=2),
+        "tool_call_id": good_text,
+        "reasoning_content": good_text,
+    },
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True)},
+            optional={"description": good_text, "parameters": st.dictionaries(good_text, scalars, max_size=3)},
+        ),
+    }
+)
 TOOL_FIELDS = {  # chat only
     "tools": st.lists(TOOL, max_size=2),
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
@@ -73,22 +93,32 @@ TOOL_FIELDS = {  # chat only
 }
 BAD_TOOL_FIELDS = {
     "tools": junk | st.lists(TOOL.map(lambda t: {**t, "type": "code"}), min_size=1, max_size=1),
-    "tool_choice": junk | any_text | st.fixed_dictionaries({"type": st.just("function"), "function":
-                                                            st.fixed_dictionaries({"name": good_text})}),
+    "tool_choice": junk
+    | any_text
+    | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": good_text})}),
     "chat_template_kwargs": junk | st.just({"chat_template": "{{ 1/0 }}"}) | st.just({"tools": []}),
 }
 ENDPOINTS = {
     "/v1/chat/completions": (
         {"model": st.just(MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
-        {"messages": st.just([]) | st.lists(MESSAGE.map(lambda m: {**m, "role": "wizard"}), min_size=1, max_size=2)
-         | st.lists(MESSAGE.map(lambda m: {**m, "content": [{"type": "image_url", "text": "x"}]}), min_size=1,
-                    max_size=1), **BAD_TOOL_FIELDS},
-        {"max_completion_tokens": st.integers(1, 8), **TOOL_FIELDS}),
+        {
+            "messages": st.just([])
+            | st.lists(MESSAGE.map(lambda m: {**m, "role": "wizard"}), min_size=1, max_size=2)
+            | st.lists(
+                MESSAGE.map(lambda m: {**m, "content": [{"type": "image_url", "text": "x"}]}), min_size=1, max_size=1
+            ),
+            **BAD_TOOL_FIELDS,
+        },
+        {"max_completion_tokens": st.integers(1, 8), **TOOL_FIELDS},
+    ),
     "/v1/completions": (
-        {"model": st.just(MODEL), "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 255), min_size=1,
-                                                                                         max_size=12)},
+        {
+            "model": st.just(MODEL),
+            "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 255), min_size=1, max_size=12),
+        },
         {"prompt": st.just("") | st.just([]) | st.lists(st.integers(-5, 10**9) | big_ints, min_size=1, max_size=4)},
-        {}),
+        {},
+    ),
 }
 
 
@@ -98,8 +128,11 @@ def bodies(draw, path):
     a lone surrogate, one missing a required field, any JSON at all, or bytes that are not JSON or UTF-8."""
     required, bad_required, extra_good = ENDPOINTS[path]
     body = draw(st.fixed_dictionaries(required, optional={**GOOD, **extra_good}))
-    mode = draw(st.sampled_from(["valid", "valid", "bad_field", "bad_field", "junk_field", "missing", "model",
-                                 "any_json", "bytes"]))
+    mode = draw(
+        st.sampled_from(
+            ["valid", "valid", "bad_field", "bad_field", "junk_field", "missing", "model", "any_json", "bytes"]
+        )
+    )
     if mode == "bad_field":
         key = draw(st.sampled_from(sorted({*BAD, *bad_required})))
         body[key] = draw({**BAD, **bad_required}[key])
@@ -143,14 +176,23 @@ def check(client, path, data: bytes) -> None:
         assert r.json()["choices"], r.text
 
 
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"], ids=["chat", "completions"])
 def test_no_body_gets_a_5xx(fuzz_server, path):
-    ref_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
-                "return_token_ids": True}
+    ref_body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     with httpx.Client(base_url=fuzz_server.base_url, timeout=60) as client:
         reference = client.post("/v1/completions", json=ref_body).json()["choices"][0]["token_ids"]
 

@@ -32,12 +32,14 @@ def two_turns(srv, key, topic):
     """A two-turn chat; returns the second turn's cached tokens and both request ids."""
     url = f"{srv.base_url}/v1/chat/completions"
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Tell me about {topic}."}]
-    first = httpx.post(url, json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0},
-                       headers=auth(key), timeout=60).json()
+    first = httpx.post(
+        url, json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0}, headers=auth(key), timeout=60
+    ).json()
     wait_idle(srv.service)
     msgs += [first["choices"][0]["message"], {"role": "user", "content": "More."}]
-    second = httpx.post(url, json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0},
-                        headers=auth(key), timeout=60).json()
+    second = httpx.post(
+        url, json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0}, headers=auth(key), timeout=60
+    ).json()
     wait_idle(srv.service)
     return second["usage"]["prompt_tokens_details"]["cached_tokens"], {first["id"], second["id"]}, msgs
 
@@ -72,10 +74,17 @@ def test_a_tenant_clears_and_reads_only_its_own_cache(keyed):
     assert cleared["cleared"] > 0 and cleared["entries"] == 0
     assert cache(srv, KB)["entries"] == b_before["entries"]
     assert cache(srv, ADMIN)["entries"] == b_before["entries"]
-    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=auth(KB), timeout=60,
-                   json={"model": MODEL, "messages": msgs_b + [{"role": "assistant", "content": "ok"},
-                                                               {"role": "user", "content": "Again."}],
-                         "max_tokens": 2, "temperature": 0})
+    r = httpx.post(
+        f"{srv.base_url}/v1/chat/completions",
+        headers=auth(KB),
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": msgs_b + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Again."}],
+            "max_tokens": 2,
+            "temperature": 0,
+        },
+    )
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     wait_idle(srv.service)
     # B does not see A's clear; the admin's clear empties every tenant
@@ -86,8 +95,9 @@ def test_a_tenant_clears_and_reads_only_its_own_cache(keyed):
 
 def test_without_keys_the_cache_routes_act_on_everything(qwen35_server):
     srv = qwen35_server
-    httpx.post(f"{srv.base_url}/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2},
-               timeout=60)
+    httpx.post(
+        f"{srv.base_url}/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2}, timeout=60
+    )
     wait_idle(srv.service)
     events = httpx.get(f"{srv.base_url}/v1/cache/events").json()["events"]
     assert any(e["event"] == "recorded" for e in events)
@@ -95,12 +105,20 @@ def test_without_keys_the_cache_routes_act_on_everything(qwen35_server):
     assert httpx.delete(f"{srv.base_url}/v1/cache").json()["entries"] == 0
 
 
-@pytest.mark.parametrize("header", [
-    "Bearer k\xe9y-a".encode("latin-1"),   # not ASCII
-    "Bearer ключ".encode("utf-8"),          # not ASCII either, as UTF-8 bytes
-    b"Bearer \xff\xfe",
-    b"Bearer", b"Bearer ", b"Basic a2V5LWE6", b"bearer", b"key-a", b"",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Bearer k\xe9y-a".encode("latin-1"),  # not ASCII
+        "Bearer ключ".encode(),  # not ASCII either, as UTF-8 bytes
+        b"Bearer \xff\xfe",
+        b"Bearer",
+        b"Bearer ",
+        b"Basic a2V5LWE6",
+        b"bearer",
+        b"key-a",
+        b"",
+    ],
+)
 def test_a_malformed_authorization_is_a_401(keyed, header):
     # a raw socket: HTTP clients refuse to send some of these
     with socket.create_connection((keyed.host, keyed.port), timeout=30) as s:
@@ -139,8 +157,12 @@ def test_a_chunked_body_over_the_limit_is_a_413(keyed):
     def chunks():
         for _ in range(10):
             yield b" " * 1000  # 10 kB against a 4000-byte limit, with no Content-Length
-    r = httpx.post(f"{keyed.base_url}/v1/chat/completions", content=chunks(),
-                   headers={**auth(KA), "content-type": "application/json"})
+
+    r = httpx.post(
+        f"{keyed.base_url}/v1/chat/completions",
+        content=chunks(),
+        headers={**auth(KA), "content-type": "application/json"},
+    )
     assert r.request.headers.get("transfer-encoding") == "chunked"
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"

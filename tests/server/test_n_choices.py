@@ -46,8 +46,14 @@ def test_n_choices_share_one_prefill_and_each_has_its_seed(off, qwen35_server):
 
 def test_chat_n_streams_each_choice_and_usage_once(qwen35_server):
     c = client(qwen35_server)
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6,
-              temperature=0.8, seed=3, n=2)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=6,
+        temperature=0.8,
+        seed=3,
+        n=2,
+    )
     whole = c.chat.completions.create(**kw)
     texts, usages, finishes = ["", ""], [], [None, None]
     for chunk in c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):

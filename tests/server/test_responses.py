@@ -17,8 +17,10 @@ from ..conftest import QWEN35_TEMPLATE
 from ..parsers.helpers import TOOLS
 
 QWEN35 = ("qwen3_5", QWEN35_TEMPLATE)
-XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-            "</parameter>\n</function>\n</tool_call>")
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 REPLY = "The user wants weather.\n</think>\n\nChecking.\n\n" + XML_CALL
 HI = "Greeting.\n</think>\n\nHi."  # reasoning, then the answer
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -36,8 +38,12 @@ def create(srv, key: str = "unused", **kw):
 def two_turns(srv, **first):
     first.setdefault("max_output_tokens", 6)
     r1 = create(srv, instructions="Be terse.", input="Hello there", **first)
-    r2 = create(srv, input=[{"role": "user", "content": [{"type": "input_text", "text": "And then?"}]}],
-                previous_response_id=r1.id, max_output_tokens=6)
+    r2 = create(
+        srv,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "And then?"}]}],
+        previous_response_id=r1.id,
+        max_output_tokens=6,
+    )
     return r1, r2
 
 
@@ -70,8 +76,9 @@ def test_streamed_events_join_to_the_response(template_servers):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
     assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 8
-    deltas = "".join(e.delta for e in events if e.type in ("response.output_text.delta",
-                                                            "response.reasoning_text.delta"))
+    deltas = "".join(
+        e.delta for e in events if e.type in ("response.output_text.delta", "response.reasoning_text.delta")
+    )
     texts = [c.text for item in whole.output for c in item.content or []]
     assert final.output_text == whole.output_text and deltas == "".join(texts)
     with pytest.raises(openai.NotFoundError):  # store=False: nothing to continue
@@ -88,14 +95,20 @@ def test_forced_reasoning_and_tool_call_then_its_output(template_servers, force)
     call = r1.output[2]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 3}
 
-    with client(srv).responses.stream(model="tpl", input="Weather in Paris?", tools=FLAT_TOOLS, temperature=0,
-                                      extra_body={"seed": force(rt, REPLY)}) as stream:
+    with client(srv).responses.stream(
+        model="tpl", input="Weather in Paris?", tools=FLAT_TOOLS, temperature=0, extra_body={"seed": force(rt, REPLY)}
+    ) as stream:
         final = stream.get_final_response()
     assert [i.type for i in final.output] == kinds and final.output_text == "Checking."
     assert json.loads(final.output[2].arguments) == json.loads(call.arguments)
 
-    r2 = create(srv, previous_response_id=r1.id, tools=FLAT_TOOLS, max_output_tokens=4,
-                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    r2 = create(
+        srv,
+        previous_response_id=r1.id,
+        tools=FLAT_TOOLS,
+        max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+    )
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
 
 
@@ -113,15 +126,20 @@ def test_stored_responses_are_namespaced_by_api_key(template_servers):
         client(srv, "key-a").responses.retrieve(r1.id)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0]"),
-    ({"input": [{"type": "computer_call"}]}, "input[0].type"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-    ({"input": []}, "input"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"input": []}, "input"),
+    ],
+)
 def test_bad_input_is_a_400_or_404_in_openai_shape(template_servers, body, param):
     srv = template_servers(*QWEN35)
     r = httpx.post(f"{srv.base_url}/v1/responses", json={"model": "tpl", **body}, timeout=30)

@@ -13,8 +13,11 @@ USER1 = "Tell me about the sea. " + " ".join(["The waves roll in and out again u
 
 
 def chat(server, messages, **extra):
-    r = httpx.post(f"{server.base}/v1/chat/completions", timeout=120,
-                   json={"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0, **extra})
+    r = httpx.post(
+        f"{server.base}/v1/chat/completions",
+        timeout=120,
+        json={"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0, **extra},
+    )
     r.raise_for_status()
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"]
@@ -32,7 +35,11 @@ def wait_for_disk_entries(server, at_least):
     return stats
 
 
-def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(model_dirs, served, tmp_path):
+def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
+    model_dirs,
+    served,  # noqa: F811 (the imported fixture)
+    tmp_path,
+):
     model, cache_dir, damaged = model_dirs["qwen3_5"], tmp_path / "cache", tmp_path / "damaged"
     first = served(model, "--cache-dir", str(cache_dir), "--cache-disk-bytes", "1G")
     first.wait_healthy()
@@ -58,7 +65,9 @@ def test_sigkill_then_restart_reuses_the_history_and_a_corrupted_file_is_a_miss(
     assert cached > usage1["prompt_tokens"]  # turn 1's prompt and its reply, from before the kill
     assert cache_stats(second)["tiers"]["disk"]["hits"] == 1
     exposition = httpx.get(f"{second.base}/metrics", timeout=30).text
-    assert "hyserve_cache_disk_hits_total 1.0" in exposition and "hyserve_cache_disk_load_seconds_count 1.0" in exposition
+    assert (
+        "hyserve_cache_disk_hits_total 1.0" in exposition and "hyserve_cache_disk_load_seconds_count 1.0" in exposition
+    )
     uncached_text, uncached = chat(second, turn2, cache_salt="elsewhere")  # no checkpoint in that namespace
     assert uncached["prompt_tokens_details"]["cached_tokens"] == 0 and uncached_text == text
     second.kill()

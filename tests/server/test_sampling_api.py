@@ -36,23 +36,25 @@ class OpenAIPenalties(LogitsProcessor):
         self.start, self.presence, self.frequency = start, presence, frequency
 
     def __call__(self, input_ids, scores):
-        for token, count in zip(*torch.unique(input_ids[0, self.start:], return_counts=True)):
+        for token, count in zip(*torch.unique(input_ids[0, self.start :], return_counts=True)):
             scores[0, token] -= self.presence + self.frequency * count
         return scores
 
 
 def completion_ids(srv, **kw):
     kw.setdefault("temperature", 0)
-    resp = client(srv).completions.create(model=MODEL, prompt=PROMPT,
-                                          extra_body={"return_token_ids": True, **kw.pop("extra", {})}, **kw)
+    resp = client(srv).completions.create(
+        model=MODEL, prompt=PROMPT, extra_body={"return_token_ids": True, **kw.pop("extra", {})}, **kw
+    )
     return resp.choices[0].model_extra["token_ids"], resp
 
 
 def hf(rt, n, **kw):
     prompt = rt.encode(PROMPT)
-    out = rt.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                            pad_token_id=rt.tokenizer.pad_token_id, **kw)
-    ids = out[0, len(prompt):].tolist()
+    out = rt.model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=rt.tokenizer.pad_token_id, **kw
+    )
+    ids = out[0, len(prompt) :].tolist()
     eos = [i for i, t in enumerate(ids) if t in rt.eos_token_ids]
     return ids[: eos[0] + 1] if eos else ids
 
@@ -115,7 +117,7 @@ def test_chat_logprobs_match_the_model_and_stream_the_same(pair):
     assert len(content) == len(ids) == resp.usage.completion_tokens
     prompt = rt.render_chat(messages, True)
     with torch.no_grad():
-        ref = torch.log_softmax(rt.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:].float(), -1)
+        ref = torch.log_softmax(rt.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 :].float(), -1)
     for i, (tid, entry) in enumerate(zip(ids, content)):
         assert entry.token == rt.tokenizer.decode([tid]) and entry.bytes == list(entry.token.encode())
         assert abs(entry.logprob - ref[i, tid].item()) < 1e-3
@@ -146,25 +148,32 @@ def test_completion_logprobs_and_echo(pair):
     plain = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text
     echoed = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain
-    parts = [ch.choices[0].text for ch in c.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, stream=True) if ch.choices]
+    parts = [
+        ch.choices[0].text
+        for ch in c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, stream=True)
+        if ch.choices
+    ]
     assert "".join(parts) == PROMPT + plain
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(logit_bias={"99999999": 1}), "logit_bias"),
-    (dict(logit_bias={"abc": 1}), "logit_bias"),
-    (dict(logit_bias={"5": 101}), "logit_bias"),
-    (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
-    (dict(extra_body={"min_tokens": 50}), "min_tokens"),
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (dict(top_logprobs=2), "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),
+        (dict(logit_bias={"abc": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
+        (dict(extra_body={"min_tokens": 50}), "min_tokens"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),
+    ],
+)
 def test_bad_fields_are_400s_naming_the_field(pair, kw, param):
     with pytest.raises(BadRequestError) as err:
-        client(pair[0]).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=4, **kw)
+        client(pair[0]).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kw
+        )
     assert err.value.body["param"] == param
 
 

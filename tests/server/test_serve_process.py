@@ -29,9 +29,25 @@ class Served:
     def __init__(self, model_dir, *flags, port=None):
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", str(model_dir), "--port",
-                                      str(self.port), "--served-model-name", "m", "--device", "cpu", *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hyserve.cli",
+                "serve",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "m",
+                "--device",
+                "cpu",
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self._new: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -95,23 +111,37 @@ def hold_request_in_flight(port: int) -> socket.socket:
     """A request the server has admitted (past its guards, "100 Continue" sent) and waits on for its body."""
     body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3, "temperature": 0}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                 b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     assert sock.recv(4096).startswith(b"HTTP/1.1 100")
     return sock
 
 
 def test_json_log_has_loading_access_engine_and_prefill_lines(model_dirs, served):
-    s = served(model_dirs["qwen3_5"], "--log-format", "json", "--log-level", "debug", "--prefill-chunk", "16",
-               "--log-stats-interval", "0.2")
+    s = served(
+        model_dirs["qwen3_5"],
+        "--log-format",
+        "json",
+        "--log-level",
+        "debug",
+        "--prefill-chunk",
+        "16",
+        "--log-stats-interval",
+        "0.2",
+    )
     s.wait_healthy()
     client = OpenAI(base_url=f"{s.base}/v1", api_key="unused")
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word."},
+    ]
     reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
-    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     usage = [c.usage for c in stream if c.usage][0]
     assert httpx.post(f"{s.base}/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
 
@@ -124,11 +154,21 @@ def test_json_log_has_loading_access_engine_and_prefill_lines(model_dirs, served
     done = record(s.wait_for(access(reply.id), "the access line of the chat request"))
     assert done["method"] == "POST" and done["path"] == "/v1/chat/completions" and done["status"] == 200
     assert done["prompt_tokens"] == reply.usage.prompt_tokens and done["cached_tokens"] == 0
-    assert done["generated_tokens"] == reply.usage.completion_tokens and done["finish"] == reply.choices[0].finish_reason
+    assert (
+        done["generated_tokens"] == reply.usage.completion_tokens and done["finish"] == reply.choices[0].finish_reason
+    )
     assert 0 <= done["ttft_s"] <= done["duration_s"] and done["level"] == "INFO"
     assert ACCESS.match(done["message"]) and f"id={reply.id}" in done["message"]
-    streamed = record(s.wait_for(lambda l: record(l)["logger"] == "hyserve.access" and record(l).get("id") not in
-                                 (None, reply.id) and record(l)["path"] == "/v1/chat/completions", "the stream's line"))
+    streamed = record(
+        s.wait_for(
+            lambda l: (
+                record(l)["logger"] == "hyserve.access"
+                and record(l).get("id") not in (None, reply.id)
+                and record(l)["path"] == "/v1/chat/completions"
+            ),
+            "the stream's line",
+        )
+    )
     assert streamed["cached_tokens"] == usage.prompt_tokens_details.cached_tokens
     assert streamed["generated_tokens"] == usage.completion_tokens
     refused = record(s.wait_for(lambda l: record(l).get("path") == "/v1/completions", "the 404's line"))
@@ -159,8 +199,9 @@ def test_json_log_has_loading_access_engine_and_prefill_lines(model_dirs, served
 def test_text_access_line_and_a_second_ctrl_c_exits_at_once(model_dirs, served):
     s = served(model_dirs["qwen3_5"], "--graceful-shutdown", "600")
     s.wait_healthy()
-    r = httpx.post(f"{s.base}/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4,
-                                                     "temperature": 0})
+    r = httpx.post(
+        f"{s.base}/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    )
     assert r.status_code == 200
     line = s.wait_for(lambda l: "hyserve.access" in l and "/v1/completions" in l, "the access line")
     m = ACCESS.search(line)

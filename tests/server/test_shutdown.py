@@ -29,9 +29,26 @@ def _read_response(sock) -> tuple[int, bytes]:
 def serving(model_dir):
     """A `hyserve serve` process on a free port, once /health answers 200: yields (process, base URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", str(model_dir), "--port", str(port),
-                             "--served-model-name", "m", "--device", "cpu", "--graceful-shutdown", "60"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyserve.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "m",
+            "--device",
+            "cpu",
+            "--graceful-shutdown",
+            "60",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, lambda: proc.stderr.read() if proc.poll() is not None else "")
@@ -43,8 +60,13 @@ def serving(model_dir):
 
 def test_sigterm_lets_a_running_stream_finish(model_dirs):
     with serving(model_dirs["qwen3_5"]) as (proc, base):
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 150,
+            "temperature": 0,
+            "stream": True,
+        }
         lines, signalled = [], False
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -63,9 +85,11 @@ def test_a_request_arriving_while_draining_gets_503(model_dirs):
         # server has passed it its guards and is reading it.
         body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3, "temperature": 0}).encode()
         running = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=60)
-        running.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                        b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        running.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
         assert running.recv(4096).startswith(b"HTTP/1.1 100")
 
         proc.send_signal(signal.SIGTERM)
@@ -74,8 +98,12 @@ def test_a_request_arriving_while_draining_gets_503(model_dirs):
             time.sleep(0.05)
         r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503, r.text
-        assert r.json()["error"] == {"message": "server is shutting down", "type": "server_error", "param": None,
-                                     "code": "shutting_down"}
+        assert r.json()["error"] == {
+            "message": "server is shutting down",
+            "type": "server_error",
+            "param": None,
+            "code": "shutting_down",
+        }
         assert r.headers["connection"] == "close"
 
         running.sendall(body)  # the request in flight finishes normally

@@ -32,8 +32,9 @@ def test_json_schema_chat_greedy_is_valid_and_equal_streamed_and_with_the_cache_
     wait_idle(qwen35_server.service)  # the prompt's checkpoint is recorded in idle time, as a reader gives it
     again = chat(c, response_format=JSON_SCHEMA)
     assert again.choices[0].message.content == text and again.usage.prompt_tokens_details.cached_tokens > 0
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in chat(c, response_format=JSON_SCHEMA, stream=True)
-                       if ch.choices)
+    streamed = "".join(
+        ch.choices[0].delta.content or "" for ch in chat(c, response_format=JSON_SCHEMA, stream=True) if ch.choices
+    )
     assert streamed == text
     with BackgroundServer(make_service("qwen3_5", cache_enabled=False)) as off:
         assert chat(client(off), response_format=JSON_SCHEMA).choices[0].message.content == text
@@ -49,25 +50,43 @@ def test_sampled_replies_match_the_schema(qwen35_server):
 def test_json_object_opens_an_object_where_plain_decoding_does_not(qwen35_server):
     c = client(qwen35_server)
     plain = chat(c, max_tokens=8).choices[0].message.content
-    for r in (chat(c, response_format={"type": "json_object"}, max_tokens=8),
-              chat(c, max_tokens=8, extra_body={"structured_outputs": {"json_object": True}})):
+    for r in (
+        chat(c, response_format={"type": "json_object"}, max_tokens=8),
+        chat(c, max_tokens=8, extra_body={"structured_outputs": {"json_object": True}}),
+    ):
         assert r.choices[0].message.content.startswith('{"')
     assert not plain.startswith("{")
-    done = c.completions.create(model=MODEL, prompt="JSON:", temperature=0, max_tokens=40,
-                                extra_body={"guided_json": {"type": "object", "properties": {"a": {"type": "boolean"}},
-                                                            "required": ["a"], "additionalProperties": False}})
+    done = c.completions.create(
+        model=MODEL,
+        prompt="JSON:",
+        temperature=0,
+        max_tokens=40,
+        extra_body={
+            "guided_json": {
+                "type": "object",
+                "properties": {"a": {"type": "boolean"}},
+                "required": ["a"],
+                "additionalProperties": False,
+            }
+        },
+    )
     assert done.choices[0].finish_reason == "stop" and isinstance(json.loads(done.choices[0].text)["a"], bool)
 
 
-@pytest.mark.parametrize("extra, check", [
-    ({"guided_choice": ["yes", "no way", 'say "hi"']}, lambda t: t in ("yes", "no way", 'say "hi"')),
-    ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
-    ({"guided_regex": r"[a-z]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{3}-[0-9]{2}", t)),
-    ({"structured_outputs": {"regex": r"(red|blue) [0-9]{1,3}\."}},
-     lambda t: re.fullmatch(r"(red|blue) [0-9]{1,3}\.", t)),
-    ({"guided_grammar": 'start: "a" ("b" | "c")~3'}, lambda t: re.fullmatch(r"a[bc]{3}", t)),
-    ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, lambda t: re.fullmatch(r"x[0-9]{2}", t)),
-])
+@pytest.mark.parametrize(
+    "extra, check",
+    [
+        ({"guided_choice": ["yes", "no way", 'say "hi"']}, lambda t: t in ("yes", "no way", 'say "hi"')),
+        ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+        ({"guided_regex": r"[a-z]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{3}-[0-9]{2}", t)),
+        (
+            {"structured_outputs": {"regex": r"(red|blue) [0-9]{1,3}\."}},
+            lambda t: re.fullmatch(r"(red|blue) [0-9]{1,3}\.", t),
+        ),
+        ({"guided_grammar": 'start: "a" ("b" | "c")~3'}, lambda t: re.fullmatch(r"a[bc]{3}", t)),
+        ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, lambda t: re.fullmatch(r"x[0-9]{2}", t)),
+    ],
+)
 def test_choice_regex_and_grammar_on_chat_and_completions(qwen35_server, extra, check):
     c = client(qwen35_server)
     r = chat(c, max_tokens=30, extra_body=extra)
@@ -76,16 +95,21 @@ def test_choice_regex_and_grammar_on_chat_and_completions(qwen35_server, extra, 
     assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text)
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"guided_regex": "[a-"}, "guided_regex"),
-    ({"guided_json": {"type": "nosuch"}}, "guided_json"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
-     "response_format.json_schema.schema"),
-    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"guided_json": {"type": "nosuch"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ],
+)
 def test_bad_constraints_are_400s_naming_the_field(qwen35_server, extra, param):
     c = client(qwen35_server)
     with pytest.raises(openai.BadRequestError) as exc:
@@ -98,13 +122,19 @@ def test_real_qwen35_template_constrains_the_answer_not_the_reasoning(template_s
     from ..conftest import QWEN35_TEMPLATE
 
     srv = template_servers("qwen3_5", QWEN35_TEMPLATE)
-    r = client(srv).chat.completions.create(model="tpl", messages=MSGS, temperature=0, max_tokens=60,
-                                            response_format=JSON_SCHEMA,
-                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = client(srv).chat.completions.create(
+        model="tpl",
+        messages=MSGS,
+        temperature=0,
+        max_tokens=60,
+        response_format=JSON_SCHEMA,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert r.choices[0].finish_reason == "stop" and matches_schema(json.loads(r.choices[0].message.content))
     # thinking on: the prompt opens `<think>`, so the reasoning is free (this random model never closes it)
-    r = client(srv).chat.completions.create(model="tpl", messages=MSGS, temperature=0, max_tokens=6,
-                                            extra_body={"guided_choice": ["yes", "no"]})
+    r = client(srv).chat.completions.create(
+        model="tpl", messages=MSGS, temperature=0, max_tokens=6, extra_body={"guided_choice": ["yes", "no"]}
+    )
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content in (None, "")
 
 

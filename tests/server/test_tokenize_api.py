@@ -48,8 +48,12 @@ def test_errors_and_api_key(keyed):
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
-        ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True}, 400,
-         "add_special_tokens"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),
     ]:
         r = post(keyed, path, body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (path, body, r.text)

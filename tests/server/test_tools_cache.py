@@ -50,10 +50,18 @@ def agent_chat(srv, force, pair):
         state = whole = 0
         if previous is not None:
             state = previous[2].prompt_tokens + previous[2].completion_tokens - 1
-            whole = len(rt.render_next_turn([template_message(m) for m in previous[0] + [previous[1]]],
-                                             template_kwargs=kwargs))
-        out.append((None if forced else resp.choices[0].model_extra["token_ids"],
-                    resp.usage.prompt_tokens_details.cached_tokens, state, whole, messages[-1]["role"] == "tool"))
+            whole = len(
+                rt.render_next_turn([template_message(m) for m in previous[0] + [previous[1]]], template_kwargs=kwargs)
+            )
+        out.append(
+            (
+                None if forced else resp.choices[0].model_extra["token_ids"],
+                resp.usage.prompt_tokens_details.cached_tokens,
+                state,
+                whole,
+                messages[-1]["role"] == "tool",
+            )
+        )
         reply = resp.choices[0].message.model_dump(exclude_none=True)
         previous = (list(messages), reply, resp.usage)
         messages.append(reply)

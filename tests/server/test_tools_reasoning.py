@@ -21,13 +21,18 @@ LLAMA3 = ("qwen3", LLAMA3_TEMPLATE)  # the template and its parser; the architec
 
 ASK = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}]
 PARIS = {"city": "Paris", "days": 3}
-XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-            "</parameter>\n</function>\n</tool_call>")
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
 REPLIES = {  # a reply with reasoning, an answer and a call, as each model writes it after its prompt
     QWEN35: ("The user wants weather.\n</think>\n\nChecking.\n\n" + XML_CALL, "The user wants weather.", "Checking."),
-    QWEN3: ("<think>\nThe user wants weather.\n</think>\n\nChecking.\n" + JSON_CALL, "The user wants weather.",
-            "Checking."),
+    QWEN3: (
+        "<think>\nThe user wants weather.\n</think>\n\nChecking.\n" + JSON_CALL,
+        "The user wants weather.",
+        "Checking.",
+    ),
     LLAMA3: ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None, None),
 }
 
@@ -84,8 +89,11 @@ def test_forced_tool_call_with_reasoning(template_servers, force, pair):
 
     # The next turn: the client sends the message back as it got it, with the tool's result; it renders (the
     # arguments string parsed for the template) and extends the cached history.
-    history = [*ASK, choice.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "sunny, 21 C"}]
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "sunny, 21 C"},
+    ]
     resp2 = create(srv, history, tools=TOOLS, max_tokens=3)
     prompt2 = rt.render_chat([template_message(m) for m in history], True, template_kwargs={"tools": TOOLS})
     assert resp2.usage.prompt_tokens == len(prompt2)
@@ -130,8 +138,9 @@ def test_enable_thinking_off_and_reasoning_without_tools(template_servers, force
     resp = create(srv, ASK, seed=force(rt, "Quick thought.\n</think>\n\nParis is sunny."))
     assert resp.choices[0].message.content == "Paris is sunny."
     assert extra(resp.choices[0].message, "reasoning_content") == "Quick thought."
-    off = create(srv, ASK, seed=force(rt, "Paris is sunny."), extra_body={"chat_template_kwargs": {
-        "enable_thinking": False}})
+    off = create(
+        srv, ASK, seed=force(rt, "Paris is sunny."), extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert off.choices[0].message.content == "Paris is sunny."
     assert extra(off.choices[0].message, "reasoning_content") is None
     assert off.usage.prompt_tokens == resp.usage.prompt_tokens + 4  # the prompt closes the block: "\n\n</think>\n\n"
@@ -151,25 +160,50 @@ def test_model_output_shapes(template_servers, pair):
     final, reasoning, _ = streamed(srv, ASK, tools=TOOLS, max_tokens=24)
     m = resp.choices[0].message
     assert (final.choices[0].message.content, calls_of(final.choices[0].message), reasoning or None) == (
-        m.content, calls_of(m), extra(m, "reasoning_content"))
+        m.content,
+        calls_of(m),
+        extra(m, "reasoning_content"),
+    )
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
-    ({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-    ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
-    ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
-    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "get_weather", "arguments": "not json"}}]}]}, "messages"),  # the Qwen3.5 template needs a mapping
-    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "not json"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages",
+        ),  # the Qwen3.5 template needs a mapping
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]}, "messages"),
+    ],
+)
 def test_bad_tool_requests_are_400(template_servers, body, param):
     srv = template_servers(*QWEN35)
-    r = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"model": "tpl", "messages": ASK, "max_tokens": 2,
-                                                               **body}, timeout=30)
+    r = httpx.post(
+        f"{srv.base_url}/v1/chat/completions",
+        json={"model": "tpl", "messages": ASK, "max_tokens": 2, **body},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].split(".")[0] == param and err["message"], err

@@ -8,8 +8,12 @@ import httpx
 
 from hyserve.server.run import BackgroundServer
 
-BODY = {"model": "tiny-qwen3_5", "messages": [{"role": "user", "content": "Tell me a story about a robot."}],
-        "max_tokens": 8, "temperature": 0}
+BODY = {
+    "model": "tiny-qwen3_5",
+    "messages": [{"role": "user", "content": "Tell me a story about a robot."}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
 
 
 def _post(base, out):

@@ -26,14 +26,14 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import safetensors.torch
 
-from ..state.kv_chain import adopt, standalone
 from ..metrics import Metrics
+from ..state.kv_chain import adopt, standalone
 from ..state.snapshot import Snapshot, token_hash
 from .namespace import tenant_of
 from .secret import directory_key
@@ -86,8 +86,15 @@ def _header(f) -> dict:
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str, metrics: Metrics,
-                 telemetry: CacheTelemetry, max_pending_bytes: int = 2 << 30):
+    def __init__(
+        self,
+        directory: str | Path,
+        budget_bytes: int,
+        fingerprint: str,
+        metrics: Metrics,
+        telemetry: CacheTelemetry,
+        max_pending_bytes: int = 2 << 30,
+    ):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._key = directory_key(self.dir)
@@ -127,8 +134,14 @@ class DiskTier:
                 meta = _read_header(path)
                 if meta.get("format") != "hyserve" or meta.get("fingerprint") != self.fingerprint:
                     continue
-                entry = DiskEntry(path, meta["salt"], int(meta["num_tokens"]), meta["prefix_hash"],
-                                  path.stat().st_size, path.stat().st_mtime)
+                entry = DiskEntry(
+                    path,
+                    meta["salt"],
+                    int(meta["num_tokens"]),
+                    meta["prefix_hash"],
+                    path.stat().st_size,
+                    path.stat().st_mtime,
+                )
             except (DiskError, KeyError, ValueError, OSError) as exc:
                 reason = exc.reason if isinstance(exc, DiskError) else "disk_bad_header"
                 self.telemetry.emit("evicted", reason, file=path.name)
@@ -205,8 +218,14 @@ class DiskTier:
             return
         # compact copies: a packed snapshot's tensors are views of one block, which safetensors refuses
         tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items()}
-        meta = {"format": "hyserve", "fingerprint": self.fingerprint, "salt": salt,
-                "num_tokens": str(snap.num_tokens), "prefix_hash": snap.prefix_hash, "layout": layout}
+        meta = {
+            "format": "hyserve",
+            "fingerprint": self.fingerprint,
+            "salt": salt,
+            "num_tokens": str(snap.num_tokens),
+            "prefix_hash": snap.prefix_hash,
+            "layout": layout,
+        }
         meta["mac"] = checksum(tensors, *_signed(meta), key=self._key)
         path, tmp = self.dir / name, self.dir / f"{_TMP}{name}"
         try:
@@ -239,8 +258,9 @@ class DiskTier:
             del self._entries[entry.path.name]
             entry.path.unlink(missing_ok=True)
             removed.append(entry.path.name)
-            self.telemetry.emit("evicted", "disk_budget", tokens=entry.num_tokens, bytes=entry.nbytes,
-                                tenant=tenant_of(entry.salt))
+            self.telemetry.emit(
+                "evicted", "disk_budget", tokens=entry.num_tokens, bytes=entry.nbytes, tenant=tenant_of(entry.salt)
+            )
         return removed
 
     def flush(self) -> None:
@@ -255,9 +275,14 @@ class DiskTier:
     def find(self, prompt: Sequence[int], salt: str, min_length: int, max_length: int) -> DiskEntry | None:
         """The deepest entry of `salt` whose tokens are a prefix of `prompt`, longer than `min_length`."""
         with self._lock:
-            candidates = sorted((e for e in self._entries.values()
-                                 if e.salt == salt and min_length < e.num_tokens <= min(max_length, len(prompt))),
-                                key=lambda e: -e.num_tokens)
+            candidates = sorted(
+                (
+                    e
+                    for e in self._entries.values()
+                    if e.salt == salt and min_length < e.num_tokens <= min(max_length, len(prompt))
+                ),
+                key=lambda e: -e.num_tokens,
+            )
         hashes: dict[int, str] = {}  # one hash per distinct length: many chats end at the same one
         for entry in candidates:
             if entry.num_tokens not in hashes:
@@ -292,8 +317,13 @@ class DiskTier:
         except OSError:
             raise DiskError("disk_unreadable") from None
         meta = _header(io.BytesIO(data))
-        expected = {"format": "hyserve", "fingerprint": self.fingerprint, "salt": entry.salt,
-                    "num_tokens": str(entry.num_tokens), "prefix_hash": entry.prefix_hash}
+        expected = {
+            "format": "hyserve",
+            "fingerprint": self.fingerprint,
+            "salt": entry.salt,
+            "num_tokens": str(entry.num_tokens),
+            "prefix_hash": entry.prefix_hash,
+        }
         for key, value in expected.items():
             if meta.get(key) != value:
                 raise DiskError(f"disk_{key}_mismatch")

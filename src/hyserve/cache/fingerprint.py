@@ -40,8 +40,16 @@ def fingerprint(runtime, template: str) -> str:
     dtype = next((p.dtype for p in model.parameters()), None)
     device = next((p.device.type for p in model.parameters()), "cpu")
     kernels = sorted(getattr(runtime.kernels, "status", {}).items())
-    for part in (FORMAT, transformers.__version__, type(model).__name__, str(dtype), device, repr(kernels), template,
-                 model.config.to_json_string(use_diff=False)):
+    for part in (
+        FORMAT,
+        transformers.__version__,
+        type(model).__name__,
+        str(dtype),
+        device,
+        repr(kernels),
+        template,
+        model.config.to_json_string(use_diff=False),
+    ):
         h.update(part.encode())
         h.update(b"\0")
     model_dir = Path(runtime.model_dir)
@@ -49,8 +57,10 @@ def fingerprint(runtime, template: str) -> str:
         for part in split_parts(gguf_path(model_dir)):
             _file_part(h, part)
         return h.hexdigest()
-    files = sorted({f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)} |
-                   {model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file()})
+    files = sorted(
+        {f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern)}
+        | {model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+    )
     for f in files:
         _file_part(h, f)
     return h.hexdigest()

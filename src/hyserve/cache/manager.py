@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ..families import FamilyAdapter
-from ..state.kv_chain import KVChainError
 from ..metrics import Metrics
+from ..state.kv_chain import KVChainError
 from ..state.snapshot import LiveState, token_hash
 from .disk import DiskError, DiskTier
 from .namespace import tenant_of
 from .prefix_tree import PrefixTree, _Node
 from .telemetry import CacheTelemetry
-
 
 # Checkpoints written to disk as they are recorded, not only when evicted: a conversation's boundaries (the
 # end of its history, the end of a reply), which its next turn reuses, after a restart too.
@@ -46,8 +45,15 @@ class Restored:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, metrics: Metrics, telemetry: CacheTelemetry, enabled: bool = True,
-                 disk: DiskTier | None = None, share_kv: bool = True):
+    def __init__(
+        self,
+        budget_bytes: int,
+        metrics: Metrics,
+        telemetry: CacheTelemetry,
+        enabled: bool = True,
+        disk: DiskTier | None = None,
+        share_kv: bool = True,
+    ):
         self.tree = PrefixTree(budget_bytes)
         self.share_kv = share_kv
         self.disk = disk if enabled else None
@@ -68,8 +74,15 @@ class PrefixCache:
         self.metrics.cache_kv_bytes.set(self.tree.kv_bytes)
         self.metrics.cache_entries.set(self.tree.entries - self.tree.dead)
 
-    def restore(self, adapter: FamilyAdapter, prompt: Sequence[int], request_id: str = "", salt: str = "",
-                count: bool = True, keep_last: bool = True) -> Restored:
+    def restore(
+        self,
+        adapter: FamilyAdapter,
+        prompt: Sequence[int],
+        request_id: str = "",
+        salt: str = "",
+        count: bool = True,
+        keep_last: bool = True,
+    ) -> Restored:
         """A live state for `prompt`: restored from the deepest verified checkpoint, or empty.
 
         `keep_last`: leave at least the last prompt token to run, so the first output token has fresh
@@ -113,8 +126,15 @@ class PrefixCache:
                 self.disk.discard(salt, snap)
             self._gauges()
             self.metrics.cache_misses.labels(problem).inc()
-            self.telemetry.emit("miss", problem, tenant=tenant, request_id=request_id, prompt_tokens=len(prompt),
-                                checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes)
+            self.telemetry.emit(
+                "miss",
+                problem,
+                tenant=tenant,
+                request_id=request_id,
+                prompt_tokens=len(prompt),
+                checkpoint_tokens=snap.num_tokens,
+                bytes=snap.nbytes,
+            )
             return Restored(adapter.new_state(), 0, None)
         seconds = time.perf_counter() - t0
         self.tree.pin(node)
@@ -125,13 +145,29 @@ class PrefixCache:
             self.metrics.cached_tokens.inc(match.length)
         self.metrics.restore_seconds.observe(seconds)
         self.metrics.lock_hold.labels("restore").observe(seconds)
-        self.telemetry.emit("hit", "truncated" if match.needs_truncation else "exact", tenant=tenant,
-                            request_id=request_id, prompt_tokens=len(prompt), cached_tokens=match.length,
-                            checkpoint_tokens=snap.num_tokens, bytes=snap.nbytes, lock_ms=round(seconds * 1e3, 3))
+        self.telemetry.emit(
+            "hit",
+            "truncated" if match.needs_truncation else "exact",
+            tenant=tenant,
+            request_id=request_id,
+            prompt_tokens=len(prompt),
+            cached_tokens=match.length,
+            checkpoint_tokens=snap.num_tokens,
+            bytes=snap.nbytes,
+            lock_ms=round(seconds * 1e3, 3),
+        )
         return Restored(state, match.length, node)
 
-    def _from_disk(self, adapter: FamilyAdapter, prompt: Sequence[int], match, max_length: int, truncate: bool,
-                   salt: str, request_id: str):
+    def _from_disk(
+        self,
+        adapter: FamilyAdapter,
+        prompt: Sequence[int],
+        match,
+        max_length: int,
+        truncate: bool,
+        salt: str,
+        request_id: str,
+    ):
         """The memory match, or a deeper one after loading a verified disk checkpoint into the tree."""
         entry = self.disk.find(prompt, salt, match.length if match is not None else 0, max_length)
         if entry is None:
@@ -148,15 +184,23 @@ class PrefixCache:
         if not stored:
             self.telemetry.emit("declined", f"disk_load:{reason}", bytes=snap.nbytes, **base)
             return match if match is None or match.node.snapshot is not None else None
-        self.telemetry.emit("loaded", "disk", bytes=snap.nbytes, load_ms=round((time.perf_counter() - t0) * 1e3, 3),
-                            **base)
+        self.telemetry.emit(
+            "loaded", "disk", bytes=snap.nbytes, load_ms=round((time.perf_counter() - t0) * 1e3, 3), **base
+        )
         return self.tree.lookup(prompt, max_length=max_length, truncate=truncate, salt=salt)
 
     def has(self, tokens: Sequence[int], salt: str = "") -> bool:
         return self.enabled and self.tree.has(tokens, salt)
 
-    def record(self, adapter: FamilyAdapter, state: LiveState, kind: str, expected_tokens: int,
-               request_id: str = "", salt: str = "") -> bool:
+    def record(
+        self,
+        adapter: FamilyAdapter,
+        state: LiveState,
+        kind: str,
+        expected_tokens: int,
+        request_id: str = "",
+        salt: str = "",
+    ) -> bool:
         """Snapshot `state` as a checkpoint if its position is exactly `expected_tokens` and it is new."""
         if not self.enabled:
             return False
@@ -182,9 +226,15 @@ class PrefixCache:
         stored, reason, evicted = self.tree.insert(state.tokens, snap, salt)
         self._evicted(evicted)
         if stored:
-            self.telemetry.emit("recorded", kind, bytes=snap.nbytes, state_bytes=snap.state_nbytes,
-                                kv_shared_tokens=snap.kv.start if snap.kv is not None else 0,
-                                lock_ms=round(seconds * 1e3, 3), **base)
+            self.telemetry.emit(
+                "recorded",
+                kind,
+                bytes=snap.nbytes,
+                state_bytes=snap.state_nbytes,
+                kv_shared_tokens=snap.kv.start if snap.kv is not None else 0,
+                lock_ms=round(seconds * 1e3, 3),
+                **base,
+            )
             if self.disk is not None and kind in WRITE_THROUGH:
                 self.disk.put(salt, snap, kind)
         else:
@@ -208,8 +258,11 @@ class PrefixCache:
         stale, and stale ones no longer in flight are forgotten."""
         self._cleared[tenant] = time.perf_counter()
         if in_flight is not None:
-            self.stale = {rid for rid, salt in in_flight.items()
-                          if rid in self.stale or tenant is None or tenant_of(salt) == tenant}
+            self.stale = {
+                rid
+                for rid, salt in in_flight.items()
+                if rid in self.stale or tenant is None or tenant_of(salt) == tenant
+            }
         removed = self.tree.clear(tenant)
         if self.disk is not None:
             removed += self.disk.clear(tenant)
@@ -231,8 +284,12 @@ class PrefixCache:
         disk = {"enabled": False}
         if self.disk is not None:
             disk_entries, disk_bytes = self.disk.usage(tenant)
-            disk = {"enabled": True, "entries": disk_entries, "bytes": disk_bytes,
-                    "budget_bytes": self.disk.budget_bytes}
+            disk = {
+                "enabled": True,
+                "entries": disk_entries,
+                "bytes": disk_bytes,
+                "budget_bytes": self.disk.budget_bytes,
+            }
             if tenant is None:  # whole-server figures
                 disk.update(hits=self.disk.hits, load_seconds=round(self.disk.load_seconds, 6))
         return {
@@ -246,6 +303,8 @@ class PrefixCache:
             "lookups": lookups,
             "hits": hits,
             "hit_rate": (hits / lookups) if lookups else 0.0,
-            "tiers": {"memory": {"entries": entries, "bytes": nbytes, "state_bytes": state_bytes, "kv_bytes": kv_bytes},
-                      "disk": disk},
+            "tiers": {
+                "memory": {"entries": entries, "bytes": nbytes, "state_bytes": state_bytes, "kv_bytes": kv_bytes},
+                "disk": disk,
+            },
         }

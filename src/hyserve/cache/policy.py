@@ -27,8 +27,8 @@ boundary is skipped and the request is served anyway.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 log = logging.getLogger("hyserve.cache")
 
@@ -103,7 +103,11 @@ class CheckpointPolicy:
         return sorted(found.values(), key=lambda b: b.length), skipped
 
     def post_decode_ok(
-        self, state_tokens: Sequence[int], messages: list[dict] | None, reply: dict, render_next: RenderNextFn,
+        self,
+        state_tokens: Sequence[int],
+        messages: list[dict] | None,
+        reply: dict,
+        render_next: RenderNextFn,
         recurrent: bool = True,
     ) -> tuple[bool, str, list[int] | None]:
         """Whether to keep the state after decode: it must be a prefix of what the next turn will send

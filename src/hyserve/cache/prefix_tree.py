@@ -17,8 +17,8 @@ found again, no longer counted as its tenant's) and the last unpin drops it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 from ..state.snapshot import Snapshot
 from .namespace import tenant_of
@@ -27,7 +27,7 @@ from .namespace import tenant_of
 class _Node:
     __slots__ = ("edge", "children", "parent", "depth", "snapshot", "pins", "last_used", "dead")
 
-    def __init__(self, edge: tuple[int, ...], parent: "_Node | None", depth: int):
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None, depth: int):
         self.edge = edge
         self.children: dict[int, _Node] = {}
         self.parent = parent
@@ -48,7 +48,7 @@ class _Node:
             node = node.parent
         return [t for edge in reversed(parts) for t in edge]
 
-    def walk(self) -> Iterator["_Node"]:
+    def walk(self) -> Iterator[_Node]:
         stack = [self]
         while stack:
             node = stack.pop()
@@ -193,8 +193,7 @@ class PrefixTree:
         """The deepest snapshot above depth len(tokens) on the path of `tokens`: whose KV chain a snapshot
         there may continue."""
         path, _, _ = self._descend(tokens, salt)
-        return next((n.snapshot for n in reversed(path) if n.usable and 0 < n.depth < len(tokens)),
-                    None)
+        return next((n.snapshot for n in reversed(path) if n.usable and 0 < n.depth < len(tokens)), None)
 
     def _make_path(self, tokens: Sequence[int], root: _Node) -> _Node:
         node, pos = root, 0

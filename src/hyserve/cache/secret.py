@@ -48,8 +48,11 @@ def _read(path: Path) -> bytes | None:
 
 
 def _untrusted(path: Path, why: str) -> None:
-    log.warning("the disk tier's key %s is not this user's private key (%s): replaced; files keyed with it will be "
-                "refused", path, why)
+    log.warning(
+        "the disk tier's key %s is not this user's private key (%s): replaced; files keyed with it will be refused",
+        path,
+        why,
+    )
     path.unlink(missing_ok=True)
     return None
 

@@ -56,9 +56,13 @@ def _decode(enc: dict, tensors: dict[str, torch.Tensor], device):
 def to_tensors(cache) -> tuple[dict[str, torch.Tensor], str]:
     """(tensors by key, layout JSON) for a cache's layers. Raises TypeError for an attribute it cannot say."""
     tensors: dict[str, torch.Tensor] = {}
-    layout = [{"class": type(layer).__name__,
-               "attrs": {name: _encode(v, f"{i}.{name}", tensors) for name, v in vars(layer).items()}}
-              for i, layer in enumerate(cache.layers)]
+    layout = [
+        {
+            "class": type(layer).__name__,
+            "attrs": {name: _encode(v, f"{i}.{name}", tensors) for name, v in vars(layer).items()},
+        }
+        for i, layer in enumerate(cache.layers)
+    ]
     return tensors, json.dumps(layout, separators=(",", ":"))
 
 

@@ -5,5 +5,14 @@ from .messages import assistant_message, template_message
 from .reply import CallEvent, ParsedReply, ReplyReader, TextEvent, read_reply
 from .turn import ChatRequestError, ChatTurn
 
-__all__ = ["CallEvent", "ChatRequestError", "ChatTurn", "ParsedReply", "ReplyReader", "TextEvent",
-           "assistant_message", "read_reply", "template_message"]
+__all__ = [
+    "CallEvent",
+    "ChatRequestError",
+    "ChatTurn",
+    "ParsedReply",
+    "ReplyReader",
+    "TextEvent",
+    "assistant_message",
+    "read_reply",
+    "template_message",
+]

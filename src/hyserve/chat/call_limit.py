@@ -20,11 +20,15 @@ _NAMES = ("hyserve_probe_first", "hyserve_probe_second")
 
 def _history(calls: int) -> list[dict]:
     """An agent's turn as clients send it back: the calls, then a result for each (templates may insist)."""
-    tool_calls = [{"id": f"call{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
-                  for i, name in enumerate(_NAMES[:calls])]
-    return [{"role": "user", "content": "Hi"},
-            template_message({"role": "assistant", "content": "", "tool_calls": tool_calls}),
-            *[template_message({"role": "tool", "tool_call_id": c["id"], "content": "ok"}) for c in tool_calls]]
+    tool_calls = [
+        {"id": f"call{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+        for i, name in enumerate(_NAMES[:calls])
+    ]
+    return [
+        {"role": "user", "content": "Hi"},
+        template_message({"role": "assistant", "content": "", "tool_calls": tool_calls}),
+        *[template_message({"role": "tool", "tool_call_id": c["id"], "content": "ok"}) for c in tool_calls],
+    ]
 
 
 def _render(tokenizer, calls: int) -> str | None:

@@ -51,12 +51,17 @@ def template_message(message: dict) -> dict:
             out["reasoning_content"] = reasoning
         calls = message.get("tool_calls") or []
         if calls:
-            out["tool_calls"] = [{
-                "id": c.get("id") or "",
-                "type": c.get("type") or "function",
-                "function": {"name": c["function"]["name"],
-                             "arguments": template_arguments(c["function"].get("arguments", {}))},
-            } for c in calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.get("id") or "",
+                    "type": c.get("type") or "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": template_arguments(c["function"].get("arguments", {})),
+                    },
+                }
+                for c in calls
+            ]
     elif role == "tool":
         for key in ("tool_call_id", "name"):
             if isinstance(message.get(key), str):
@@ -70,8 +75,10 @@ def assistant_message(reply: ParsedReply) -> dict:
     if reply.reasoning is not None:
         out["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in reply.tool_calls]
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in reply.tool_calls
+        ]
     return out
 
 

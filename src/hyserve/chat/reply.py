@@ -53,13 +53,14 @@ class _Trim:
             self.started = True
         text = self.held + text
         body = text.rstrip()
-        self.held = text[len(body):]
+        self.held = text[len(body) :]
         return body
 
 
 class ReplyReader:
-    def __init__(self, reasoning: ThinkParser | None = None, tools: ToolParser | None = None,
-                 parallel_tool_calls: bool = True):
+    def __init__(
+        self, reasoning: ThinkParser | None = None, tools: ToolParser | None = None, parallel_tool_calls: bool = True
+    ):
         self.reasoning, self.tools, self.parallel = reasoning, tools, parallel_tool_calls
         trim = reasoning is not None or tools is not None
         self._trim = {CONTENT: _Trim(), REASONING: _Trim()} if trim else None
@@ -111,5 +112,8 @@ def read_reply(text: str, reader: ReplyReader) -> ParsedReply:
             parts[ev.channel].append(ev.text)
     content = "".join(parts[CONTENT])
     reasoning = "".join(parts[REASONING])
-    return ParsedReply(content if content or not calls else None,
-                       reasoning if reasoning and reader.reasoning is not None else None, calls)
+    return ParsedReply(
+        content if content or not calls else None,
+        reasoning if reasoning and reader.reasoning is not None else None,
+        calls,
+    )

@@ -60,8 +60,11 @@ class ChatTurn:
         if choice is not None and choice not in ("none", "auto") and not names:
             raise ChatRequestError("tool_choice is only allowed when tools are specified", "tool_choice")
         if isinstance(choice, dict) and choice["function"]["name"] not in names:
-            raise ChatRequestError(f"tool_choice names the function {choice['function']['name']!r}, which is not "
-                                   f"among the request's tools", "tool_choice")
+            raise ChatRequestError(
+                f"tool_choice names the function {choice['function']['name']!r}, which is not "
+                f"among the request's tools",
+                "tool_choice",
+            )
 
     @property
     def template_kwargs(self) -> dict:

@@ -8,13 +8,13 @@ under the lock it then restores each one's live state from the prefix cache.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from .. import logits, next_turn
 from ..cache.manager import PrefixCache, Restored
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
-from .. import logits, next_turn
 from ..sampling import Sampler
 from ..scheduler import Scheduler
 from ..sequence import OutputSequence
@@ -24,8 +24,14 @@ from .run import Run
 
 
 class Admission(Phase):
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        scheduler: Scheduler,
+    ):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         # Builds a proposer (extend(tokens), propose() -> ids) per request, or None: no speculation.
         self.make_proposer = None
@@ -34,8 +40,9 @@ class Admission(Phase):
         self.make_sampler: Callable = Sampler
 
     # -- rendering: the policy's checkpoint boundaries in a chat prompt ----------------------------------
-    def render(self, messages: list[dict], prompt: list[int] | None, salt: str = "",
-               template_kwargs: dict | None = None):
+    def render(
+        self, messages: list[dict], prompt: list[int] | None, salt: str = "", template_kwargs: dict | None = None
+    ):
         """The prompt (unless given) and the policy's boundaries in it; `salt`: the tenant's namespace;
         `template_kwargs`: the request's extra template arguments (tools, ...), the same for every render."""
         rt = self.runtime
@@ -50,15 +57,17 @@ class Admission(Phase):
         for kind, m in wanted:  # the system prompt as every chat that opens with it renders it (a user follows)
             if kind == "system":
                 rendered.insert(0, self._system_prefix(m, salt, template_kwargs))
-        boundaries, skipped = self.policy.boundaries_from(prompt, [w for w in wanted if w[0] == "system"] + plain,
-                                                          rendered)
+        boundaries, skipped = self.policy.boundaries_from(
+            prompt, [w for w in wanted if w[0] == "system"] + plain, rendered
+        )
         return prompt, boundaries, skipped
 
     def _system_prefix(self, messages: list[dict], salt: str, template_kwargs: dict | None) -> list[int] | Exception:
         rt = self.runtime
         try:
-            return next_turn.prefix_before(messages, {"role": "user"},
-                                           lambda items: rt.render_many(items, salt, template_kwargs), rt.special_ids)
+            return next_turn.prefix_before(
+                messages, {"role": "user"}, lambda items: rt.render_many(items, salt, template_kwargs), rt.special_ids
+            )
         except Exception as exc:  # the policy skips it, with the reason
             return exc
 
@@ -118,8 +127,11 @@ class Admission(Phase):
         `guard`. One cancelled since it was admitted gets none (it finishes without running), nor one
         waiting to copy a sibling's prefilled state (`fork_all`), nor one that `waits` for a job building
         its history (`Background.blocks`)."""
-        for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
-                    and not r.req.cancelled.is_set() and not waits(r)]:
+        for run in [
+            r
+            for r in self.scheduler.running
+            if r.restored is None and r.out is not None and not r.req.cancelled.is_set() and not waits(r)
+        ]:
             leader = self.leader(run)
             if leader is None or leader.decoding:
                 guard([run], self.restore, run)
@@ -134,8 +146,11 @@ class Admission(Phase):
     def fork_all(self, guard: Callable) -> None:
         """Under the lock, between prefill and decode: each request waiting on a sibling that has just
         prefilled (no token sampled yet) starts from a copy of its state and logits: n choices, one prefill."""
-        for run in [r for r in self.scheduler.running if r.restored is None and r.out is not None
-                    and not r.req.cancelled.is_set()]:
+        for run in [
+            r
+            for r in self.scheduler.running
+            if r.restored is None and r.out is not None and not r.req.cancelled.is_set()
+        ]:
             leader = self.leader(run)
             if leader is not None and leader.decoding and not leader.out.generated:
                 guard([run], self.fork, run, leader)

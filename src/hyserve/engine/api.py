@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from ..cache.policy import Boundary
 from ..sampling import SamplingParams
@@ -19,7 +19,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     messages: list[dict] | None = None  # chat requests: lets the policy find message boundaries
-    chat: "ChatPrompt | None" = None  # prompt and boundaries from Engine.render_chat, off the engine's thread
+    chat: ChatPrompt | None = None  # prompt and boundaries from Engine.render_chat, off the engine's thread
     cache_salt: str = ""  # tenant namespace of the prefix cache
     template_kwargs: dict | None = None  # chat: extra template arguments (tools, ...) for every render of `messages`
     # chat: reply text -> the assistant message the next request's `messages` will hold for it (reasoning and
@@ -28,7 +28,7 @@ class GenerationRequest:
     timeout: float | None = None  # seconds from arrival
     # n > 1: a sibling request with the same prompt, submitted first; this one decodes from a copy of its
     # state once it has prefilled (when it is still running then; else it restores and prefills as usual)
-    prefill_from: "GenerationRequest | None" = None
+    prefill_from: GenerationRequest | None = None
     grammar: object | None = None  # hyserve.grammar.Compiled: structured output, masks every sampled token
     # record the state after *every* generated token (prompt + output, the last token fed too) in place of the
     # usual post-decode checkpoint: /v1/responses continues a stored response from exactly there

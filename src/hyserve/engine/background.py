@@ -29,8 +29,15 @@ PIECE = 128
 
 
 class Background(Phase):
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler, prefill_chunk: int):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        scheduler: Scheduler,
+        prefill_chunk: int,
+    ):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         self.chunk = prefill_chunk
         self.piece = min(prefill_chunk, PIECE)
@@ -48,8 +55,14 @@ class Background(Phase):
             if not rebuild or self.cache.has(rebuild, req.cache_salt):
                 continue
             extends = bool(stops) and list(rebuild[: len(tokens)]) == tokens  # one job takes the deferred stops
-            self.scheduler.add_background(Job(list(rebuild), (stops if extends else []) + [
-                Boundary(len(rebuild), "reply_rerender")], req.cache_salt, req.request_id))
+            self.scheduler.add_background(
+                Job(
+                    list(rebuild),
+                    (stops if extends else []) + [Boundary(len(rebuild), "reply_rerender")],
+                    req.cache_salt,
+                    req.request_id,
+                )
+            )
             if extends:
                 stops = []
         if stops:
@@ -79,7 +92,7 @@ class Background(Phase):
         """Under the lock: one chunk of the job that the oldest of `waiting` (requests that extend a job)
         needs; the active job first if it is that one, else it pauses (recorded where it stands)."""
         for run in waiting:
-            if self._select(lambda job: job.extended_by(run.req.prompt, run.req.cache_salt)):
+            if self._select(lambda job: job.extended_by(run.req.prompt, run.req.cache_salt)):  # noqa: B023 (called at once)
                 self._piece(self.chunk)
                 return
 
@@ -93,20 +106,24 @@ class Background(Phase):
             if job is None:
                 return False
             self._pause()
-            self.scheduler.take_background(lambda j: j is job)
+            self.scheduler.take_background(lambda j: j is job)  # noqa: B023 (called at once)
             self._start(job)
 
     def _start(self, job: Job) -> None:
         rid = job.request_id
         try:
-            restored = self.cache.restore(self.runtime.adapter, job.tokens, rid, job.salt, count=False,
-                                          keep_last=False)
+            restored = self.cache.restore(self.runtime.adapter, job.tokens, rid, job.salt, count=False, keep_last=False)
         except Exception:  # (restores fail closed; a job is only an optimization)
             log.exception("background job for %s: restore failed", rid)
             return
         if len(job.tokens) - restored.state.position > self.policy.max_rebuild_tokens:
-            self.cache.telemetry.emit("declined", "rebuild_too_long", request_id=rid,
-                                      kind=",".join(b.kind for b in job.stops), tokens=len(job.tokens))
+            self.cache.telemetry.emit(
+                "declined",
+                "rebuild_too_long",
+                request_id=rid,
+                kind=",".join(b.kind for b in job.stops),
+                tokens=len(job.tokens),
+            )
             self.cache.release(restored)
             return
         job.stops = [b for b in job.stops if b.length > restored.state.position]
@@ -122,8 +139,9 @@ class Background(Phase):
         state = self.restored.state
         if state.position > self.restored.cached_tokens:
             self.cache.record(self.runtime.adapter, state, "rebuild_partial", state.position, job.request_id, job.salt)
-        self.cache.telemetry.emit("deferred", "paused", request_id=job.request_id, tokens=len(job.tokens),
-                                  from_tokens=state.position)
+        self.cache.telemetry.emit(
+            "deferred", "paused", request_id=job.request_id, tokens=len(job.tokens), from_tokens=state.position
+        )
         self.scheduler.add_background(job)
         self._finish()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from .. import model_thread
 from ..allocator import Trimmer
@@ -34,9 +34,9 @@ from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
 from ..runtime import ModelRuntime
 from ..scheduler import Scheduler
-from ..state.snapshot_blocks import BLOCKS
 from ..speculative import PromptLookup, SpeculativeConfig
 from ..state.caches import cache_nbytes
+from ..state.snapshot_blocks import BLOCKS
 from .admission import Admission
 from .api import SHUTTING_DOWN, ChatPrompt, Emit, Failed, Finished, GenerationRequest
 from .background import Background
@@ -57,9 +57,18 @@ class Engine:
     """Schedules requests on a model; a worker thread of its own waits for work and runs each step on
     the process's model thread (see `model_thread`)."""
 
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 prefill_chunk: int = 512, speculative: SpeculativeConfig | None = None,
-                 max_running: int = 8, max_waiting: int = 64, stall_timeout: float = 60.0):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        prefill_chunk: int = 512,
+        speculative: SpeculativeConfig | None = None,
+        max_running: int = 8,
+        max_waiting: int = 64,
+        stall_timeout: float = 60.0,
+    ):
         self.runtime = runtime
         self.cache = cache
         self.policy = policy
@@ -71,8 +80,9 @@ class Engine:
         self.background = Background(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
         self.finishing = Finishing(runtime, cache, policy, metrics, self.scheduler, self.background, self.outbox)
         self.prefill = Prefill(runtime, cache, policy, metrics, self.scheduler, prefill_chunk)
-        self.decode = Decode(runtime, cache, metrics, self.finishing.finish, self.finishing.settle, self.outbox,
-                             prefill_chunk)
+        self.decode = Decode(
+            runtime, cache, metrics, self.finishing.finish, self.finishing.settle, self.outbox, prefill_chunk
+        )
         if speculative:
             self.make_proposer = lambda prompt: PromptLookup(speculative, prompt)
         self._stopping = False
@@ -133,8 +143,14 @@ class Engine:
             self.runtime.prompt_encoder.forget(tenant)
         with sched.cond:  # nothing enters or leaves the queues meanwhile
             for job in self.background.cancel(lambda j: tenant is None or tenant_of(j.salt) == tenant):
-                self.cache.telemetry.emit("declined", "cleared", request_id=job.request_id, tenant=tenant_of(job.salt),
-                                          kind=",".join(b.kind for b in job.stops), tokens=len(job.tokens))
+                self.cache.telemetry.emit(
+                    "declined",
+                    "cleared",
+                    request_id=job.request_id,
+                    tenant=tenant_of(job.salt),
+                    kind=",".join(b.kind for b in job.stops),
+                    tokens=len(job.tokens),
+                )
             runs = [*sched.waiting, *sched.running]
             in_flight = {r.req.request_id: r.req.cache_salt for r in runs}
             return self.cache.clear(tenant, in_flight)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..cache.manager import PrefixCache
 from ..logits import token_logprobs
@@ -23,8 +23,16 @@ log = logging.getLogger("hyserve.engine")
 
 
 class Decode:
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, metrics: Metrics,
-                 finish: Callable[[Run, str], None], settle: Callable[[], None], outbox: Outbox, prefill_chunk: int):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        metrics: Metrics,
+        finish: Callable[[Run, str], None],
+        settle: Callable[[], None],
+        outbox: Outbox,
+        prefill_chunk: int,
+    ):
         self.runtime = runtime
         self.cache = cache
         self.metrics = metrics
@@ -157,7 +165,7 @@ class Decode:
         # so after passes that accept nothing, stop proposing for 2, 4, ... 32 steps.
         if accepted == 0:
             run.spec_misses += 1
-            run.spec_cooldown = min(32, 2 ** run.spec_misses)
+            run.spec_cooldown = min(32, 2**run.spec_misses)
         else:
             run.spec_misses = 0
         self.metrics.spec_proposed.inc(len(proposals))

@@ -1,6 +1,6 @@
 """Finishing: a request leaves the running list, with its final item, its post-decode checkpoint (when the
-policy says the next turn will start from it) and jobs that build its history as the next turn will send it. Its live state and
-its pin on the cache go in the same step, so the slot is free for the next one.
+policy says the next turn will start from it) and jobs that build its history as the next turn will send it. Its live
+state and its pin on the cache go in the same step, so the slot is free for the next one.
 
 Replies go out first: `finish` emits the final item and `settle` (before the step's next forward pass, and
 at the end of the step) delivers every reply of the step in one flush, then copies their checkpoints (fresh
@@ -38,8 +38,16 @@ END_OF_TURN = 32
 
 
 class Finishing(Phase):
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler, background: Background, outbox: Outbox):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        scheduler: Scheduler,
+        background: Background,
+        outbox: Outbox,
+    ):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         self.background = background
         self.outbox = outbox
@@ -107,8 +115,9 @@ class Finishing(Phase):
             replies.append(without_reasoning(reply))
         keep, rebuilds, whys, history = False, [], [], None
         for r in replies:
-            ok, why, ids = self.policy.post_decode_ok(state.tokens, req.messages, r, render_next,
-                                                      rt.has_recurrent_layers)
+            ok, why, ids = self.policy.post_decode_ok(
+                state.tokens, req.messages, r, render_next, rt.has_recurrent_layers
+            )
             keep, whys = keep or ok, whys + [why]
             if why == "rerender_match":
                 history = history or ids
@@ -119,14 +128,17 @@ class Finishing(Phase):
         if keep and self.cache.enabled and history is not None and 0 < len(history) - state.position <= END_OF_TURN:
             # the reply's last token and the end of its turn: the whole history, for a few tokens' pass
             rt.adapter.forward(state, history[state.position :])
-            run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(history), req.request_id,
-                                               req.cache_salt)
+            run.snapshots += self.cache.record(
+                rt.adapter, state, "post_decode", len(history), req.request_id, req.cache_salt
+            )
         elif keep:
-            run.snapshots += self.cache.record(rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1,
-                                               req.request_id, req.cache_salt)
+            run.snapshots += self.cache.record(
+                rt.adapter, state, "post_decode", len(req.prompt) + len(generated) - 1, req.request_id, req.cache_salt
+            )
         elif self.cache.enabled:
-            self.cache.telemetry.emit("declined", ",".join(whys), request_id=req.request_id, kind="post_decode",
-                                      tokens=state.position)
+            self.cache.telemetry.emit(
+                "declined", ",".join(whys), request_id=req.request_id, kind="post_decode", tokens=state.position
+            )
         return rebuilds
 
     def record_final(self, run: Run) -> None:
@@ -134,8 +146,9 @@ class Finishing(Phase):
         prompt + every generated token."""
         req, rt, generated = run.req, self.runtime, run.out.generated
         rt.adapter.forward(run.state, [generated[-1]])
-        run.snapshots += self.cache.record(rt.adapter, run.state, "post_decode", len(req.prompt) + len(generated),
-                                           req.request_id, req.cache_salt)
+        run.snapshots += self.cache.record(
+            rt.adapter, run.state, "post_decode", len(req.prompt) + len(generated), req.request_id, req.cache_salt
+        )
 
     def guard(self, runs: list[Run], fn, *args):
         """`fn(*args)`, or None after failing `runs` if it raised: each one leaves with a `Failed` item (unless

@@ -11,8 +11,14 @@ from ..scheduler import Scheduler
 
 
 class Phase:
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        scheduler: Scheduler,
+    ):
         self.runtime = runtime
         self.cache = cache
         self.policy = policy

@@ -14,7 +14,7 @@ a background job.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from ..cache.manager import PrefixCache
 from ..cache.policy import Boundary, CheckpointPolicy
@@ -33,8 +33,15 @@ PIECE_COST = 64
 
 
 class Prefill(Phase):
-    def __init__(self, runtime: ModelRuntime, cache: PrefixCache, policy: CheckpointPolicy, metrics: Metrics,
-                 scheduler: Scheduler, prefill_chunk: int):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        cache: PrefixCache,
+        policy: CheckpointPolicy,
+        metrics: Metrics,
+        scheduler: Scheduler,
+        prefill_chunk: int,
+    ):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         self.prefill_chunk = prefill_chunk
 
@@ -59,8 +66,10 @@ class Prefill(Phase):
         tokens run."""
         req, state, adapter = run.req, run.state, self.runtime.adapter
         prompt = req.prompt
-        while run.boundaries and (run.boundaries[0].length <= state.position
-                                  or self.cache.has(prompt[: run.boundaries[0].length], req.cache_salt)):
+        while run.boundaries and (
+            run.boundaries[0].length <= state.position
+            or self.cache.has(prompt[: run.boundaries[0].length], req.cache_salt)
+        ):
             b = run.boundaries.pop(0)
             why = "behind_restored_state" if b.length <= state.position else "already_cached"
             if why == "already_cached":
@@ -76,8 +85,14 @@ class Prefill(Phase):
                 break
             run.boundaries.remove(late)
             run.deferred.append(late)
-            self.cache.telemetry.emit("deferred", "short_tail", request_id=req.request_id, kind=late.kind,
-                                      tokens=late.length, from_tokens=run.checkpoint)
+            self.cache.telemetry.emit(
+                "deferred",
+                "short_tail",
+                request_id=req.request_id,
+                kind=late.kind,
+                tokens=late.length,
+                from_tokens=run.checkpoint,
+            )
         if run.boundaries and not captures:
             end = min(end, run.boundaries[0].length)
         start = state.position
@@ -92,8 +107,14 @@ class Prefill(Phase):
         else:
             logits = adapter.forward(state, prompt[start:end])
         self.metrics.prefill_tokens.inc(end - start)
-        log.debug("prefill %s: tokens %d-%d of %d (%d from the cache)", req.request_id, start, end, len(prompt),
-                  run.restored.cached_tokens)
+        log.debug(
+            "prefill %s: tokens %d-%d of %d (%d from the cache)",
+            req.request_id,
+            start,
+            end,
+            len(prompt),
+            run.restored.cached_tokens,
+        )
         if run.boundaries and run.boundaries[0].length == state.position:
             self.record(run, run.boundaries.pop(0), state)
         if state.position == len(prompt):
@@ -105,8 +126,9 @@ class Prefill(Phase):
         """Checkpoint `b` from `state` (the live state, or one captured inside the piece; None: not had)."""
         req = run.req
         if state is None:
-            self.cache.telemetry.emit("declined", "capture_failed", request_id=req.request_id, kind=b.kind,
-                                      tokens=b.length)
+            self.cache.telemetry.emit(
+                "declined", "capture_failed", request_id=req.request_id, kind=b.kind, tokens=b.length
+            )
         elif self.cache.record(self.runtime.adapter, state, b.kind, b.length, req.request_id, req.cache_salt):
             run.snapshots += 1
             run.checkpoint = b.length

@@ -17,8 +17,16 @@ from .nemotron_h import NemotronHAdapter
 from .zamba2 import Zamba2Adapter
 
 ADAPTERS: tuple[type[FamilyAdapter], ...] = (
-    HybridLinearAttentionAdapter, Mamba2Adapter, AttentionAdapter, NemotronHAdapter, GraniteMoeHybridAdapter,
-    BambaAdapter, FalconH1Adapter, Lfm2Adapter, JambaAdapter, Zamba2Adapter,
+    HybridLinearAttentionAdapter,
+    Mamba2Adapter,
+    AttentionAdapter,
+    NemotronHAdapter,
+    GraniteMoeHybridAdapter,
+    BambaAdapter,
+    FalconH1Adapter,
+    Lfm2Adapter,
+    JambaAdapter,
+    Zamba2Adapter,
 )
 REGISTRY: dict[str, type[FamilyAdapter]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
@@ -34,9 +42,18 @@ def adapter_for(model) -> FamilyAdapter:
     cls = REGISTRY.get(model_type)
     if cls is None:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     return cls(model)
 
 
-__all__ = ["ADAPTERS", "REGISTRY", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "adapter_for", "FamilyAdapter",
-           "RollbackPoint", *(cls.__name__ for cls in ADAPTERS)]
+__all__ = [
+    "ADAPTERS",
+    "REGISTRY",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "adapter_for",
+    "FamilyAdapter",
+    "RollbackPoint",
+    *(cls.__name__ for cls in ADAPTERS),
+]

@@ -12,5 +12,3 @@ class AttentionAdapter(FamilyAdapter):
     model_types = ("qwen3", "qwen2", "llama")
     has_recurrent_layers = False
     state_layers = {"full_attention": "kv"}
-
-

@@ -7,7 +7,7 @@
 
 transformers' Bamba numbers a piece's tokens from 0 whatever the cache holds (its `generate` passes
 positions), so every pass is given its positions: a piece after a checkpoint rotates as in one prefill.
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

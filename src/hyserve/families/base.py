@@ -6,9 +6,10 @@ layers can be cut back and which exist only at exact checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import inspect
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache
@@ -51,7 +52,8 @@ class FamilyAdapter:
 
     @torch.inference_mode()
     def forward(self, state: LiveState, token_ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all ([n, vocab])."""
+        """Run `token_ids` into `state` in place; return float logits of the last token ([vocab]) or all
+        ([n, vocab])."""
         if not token_ids:
             raise ValueError("forward needs at least one token")
         state.batch = None  # its tensors move on from the batch's rows
@@ -68,8 +70,13 @@ class FamilyAdapter:
         extra = {}
         if self.explicit_positions:
             extra["position_ids"] = torch.arange(state.position, state.position + len(token_ids), device=device)[None]
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
-                         **{self._cache_kw: state.cache}, **extra)
+        out = self.model(
+            input_ids=ids,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            **{self._cache_kw: state.cache},
+            **extra,
+        )
         state.tokens.extend(int(t) for t in token_ids)
         return out.logits[0].float()
 
@@ -77,8 +84,9 @@ class FamilyAdapter:
         """Whether `forward_capturing` can return states from inside a piece (else split the prefill)."""
         return False
 
-    def forward_capturing(self, state: LiveState, token_ids: Sequence[int], offsets: Sequence[int]
-                          ) -> tuple[torch.Tensor, list[LiveState] | None]:
+    def forward_capturing(
+        self, state: LiveState, token_ids: Sequence[int], offsets: Sequence[int]
+    ) -> tuple[torch.Tensor, list[LiveState] | None]:
         """`forward`, also returning the state after each of `offsets` tokens of the piece (ascending, strictly
         inside it), or None when those states could not be had (then no checkpoint may be taken there).
         Their attention KV are views of `state`'s (never written in place: see `clone_cache`); take a
@@ -102,8 +110,13 @@ class FamilyAdapter:
         ids = torch.zeros((len(batch.owners), 1), dtype=torch.long, device=self.model.device)  # idle rows: token 0
         ids[rows, 0] = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.model.device)
         try:
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: batch.cache},
-                             **self.batch_inputs(mask, positions))
+            out = self.model(
+                input_ids=ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: batch.cache},
+                **self.batch_inputs(mask, positions),
+            )
         except BaseException:
             self._batch = None  # half-updated: never reuse it
             for s in states:
@@ -131,8 +144,9 @@ class FamilyAdapter:
         (`hyserve.state.kv_chain`). With `base`, a checkpoint above this one on its path, the segment holds only
         the tokens after `base` and links to `base`'s chain, provided the state's KV over those tokens is
         bit for bit that chain's; otherwise (and without `base`) it holds the whole KV."""
-        return kv_chain.split(state.cache, state.position, token_hash(state.tokens),
-                              base.kv if base is not None else None)
+        return kv_chain.split(
+            state.cache, state.position, token_hash(state.tokens), base.kv if base is not None else None
+        )
 
     def restore(self, snapshot: Snapshot, tokens: Sequence[int], length: int | None = None) -> LiveState:
         """A fresh live state equal to `snapshot` (`tokens`: its tokens), or to its first `length` tokens
@@ -177,14 +191,13 @@ class FamilyAdapter:
         del state.tokens[num_tokens:]
         state.batch = None
 
-
     # -- rollback (speculative decoding) --------------------------------------------------
-    def rollback_point(self, state: LiveState) -> "RollbackPoint":
+    def rollback_point(self, state: LiveState) -> RollbackPoint:
         """Cheap save before a verify pass: copies of every layer's recurrent state (fixed size), KV only by length."""
         saved = {i: s for i, layer in enumerate(state.cache.layers) if (s := kind(layer).save(layer)) is not None}
         return RollbackPoint(state.position, saved)
 
-    def rewind(self, state: LiveState, point: "RollbackPoint", keep: Sequence[int]) -> torch.Tensor | None:
+    def rewind(self, state: LiveState, point: RollbackPoint, keep: Sequence[int]) -> torch.Tensor | None:
         """Make `state` equal to point + `keep` tokens (which it absorbed, along with rejected ones).
 
         Attention-only: cut the KV, no compute, returns None. Otherwise restore the saved recurrent

@@ -5,7 +5,7 @@
 | hybrid (Mamba2 + attention)| both | never: its Mamba2 state only at exact checkpoints (its KV alone could be) | KV copied or shared and state copied / KV left-padded, state rows stacked / state saved, KV cut by length, kept tokens re-run |
 
 A checkpoint inside a prefill piece is taken by splitting the prefill there.
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 |                  | at exact checkpoints          |                               |                    | the kept tokens   |
 
 Checkpoints inside a prefill piece come from hyserve's own kernels (`forward_capturing`).
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
             logits = self.forward(state, token_ids)
         if cap.unexpected or len(cap.conv) != len(cap.recurrent):
             return logits, None
-        states = [self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
-                  for i, o in enumerate(cap.offsets)]
+        states = [
+            self._state_at(state, start + o, [c[i] for c in cap.conv], [r[i] for r in cap.recurrent])
+            for i, o in enumerate(cap.offsets)
+        ]
         return logits, None if None in states else states
 
     @staticmethod
@@ -61,5 +63,3 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
         if next(captured, None) is not None:
             return None
         return LiveState(cache=copy.deepcopy(state.cache, memo), tokens=state.tokens[:length])
-
-

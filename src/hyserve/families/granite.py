@@ -6,7 +6,7 @@
 | full_attention (no RoPE)   | kv    | to any prefix             | copied or shared / left-padded / cut by length |
 
 A checkpoint inside a prefill piece is taken by splitting the prefill there.
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ transformers' Jamba scan over several tokens starts from a zero state whatever t
 TODO says so); only its one-token decode step reads the state. So a piece that extends a non-empty state
 (a cached turn, a verify pass, a rollback's kept tokens) runs one token per pass: exact, and slower
 than a prefill from empty, which is one pass as usual.
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

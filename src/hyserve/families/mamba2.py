@@ -14,5 +14,3 @@ class Mamba2Adapter(FamilyAdapter):
 
     def batch_inputs(self, mask, positions) -> dict:
         return {}  # no attention and no positions: fixed-size states stack as they are
-
-

@@ -8,7 +8,7 @@ layers, and MLP or MoE layers that keep no state.
 | moe, mlp                   | none  | nothing held            | nothing                                  |
 
 A checkpoint inside a prefill piece is taken by splitting the prefill there (no capturing kernels).
-"""
+"""  # noqa: E501 (markdown table rows, one a line)
 
 from __future__ import annotations
 

@@ -54,8 +54,9 @@ def modules() -> dict[str, ModuleType]:
         module = importlib.import_module(f"{families.__name__}.{info.name}")
         for arch in getattr(module, "ARCHITECTURES", {}):
             if arch in found:
-                raise RuntimeError(f"GGUF architecture {arch!r} is claimed by both {found[arch].__name__} "
-                                   f"and {module.__name__}")
+                raise RuntimeError(
+                    f"GGUF architecture {arch!r} is claimed by both {found[arch].__name__} and {module.__name__}"
+                )
             found[arch] = module
     return found
 

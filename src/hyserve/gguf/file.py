@@ -53,8 +53,9 @@ def gguf_path(path: str | Path) -> Path:
         files = sorted(path.glob("*.gguf"))
         stems = {f.name[: m.start()] for f in files if (m := SPLIT_PART.search(f.name))}
         if len(files) != 1 and not (len(stems) == 1 and all(SPLIT_PART.search(f.name) for f in files)):
-            raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
-                            "pass the one to serve")
+            raise GGUFError(
+                f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): pass the one to serve"
+            )
         path = files[0]
     return split_parts(path)[0]
 
@@ -68,9 +69,11 @@ def split_parts(path: Path) -> list[Path]:
     count, stem = int(m.group(2)), path.name[: m.start()]
     parts = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     if missing := [p.name for p in parts if not p.is_file()]:
-        raise GGUFError(f"{path.name} is part of a GGUF split in {count} files, and {len(missing)} of them "
-                        f"{'is' if len(missing) == 1 else 'are'} missing: {', '.join(missing)} (all the parts "
-                        "must be in one folder)")
+        raise GGUFError(
+            f"{path.name} is part of a GGUF split in {count} files, and {len(missing)} of them "
+            f"{'is' if len(missing) == 1 else 'are'} missing: {', '.join(missing)} (all the parts "
+            "must be in one folder)"
+        )
     return parts
 
 
@@ -149,11 +152,14 @@ def inspect(path: str | Path) -> GGUFInfo:
     supported = supported_architectures()
     model_type = supported.get(model_type, model_type)
     if model_type not in supported.values():
-        raise GGUFError(f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: "
-                        f"{', '.join(supported)}")
+        raise GGUFError(
+            f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: {', '.join(supported)}"
+        )
     if len(parts) > 1 and not hyserve_loads(arch):
-        raise GGUFError(f"{path.name} is part 1 of a GGUF split in {len(parts)} files, which transformers' loader "
-                        f"(the one for {arch}) cannot read: merge them first (llama.cpp's `llama-gguf-split --merge`)")
+        raise GGUFError(
+            f"{path.name} is part 1 of a GGUF split in {len(parts)} files, which transformers' loader "
+            f"(the one for {arch}) cannot read: merge them first (llama.cpp's `llama-gguf-split --merge`)"
+        )
     if _field(r, "tokenizer.ggml.model") is None:
         raise GGUFError(f"{path.name} has no tokenizer in its metadata (tokenizer.ggml.*)")
     from gguf import GGMLQuantizationType
@@ -163,8 +169,13 @@ def inspect(path: str | Path) -> GGUFInfo:
     types = Counter(t.tensor_type for pr in parsed for t in pr.tensors)
     if bad := sorted(t.name for t in types if t not in readable):
         raise GGUFError(f"{path.name}: tensor type(s) {', '.join(bad)} cannot be dequantized by gguf")
-    return GGUFInfo(path, arch, model_type, {t.name: n for t, n in types.most_common()},
-                    _field(r, "tokenizer.chat_template") is not None)
+    return GGUFInfo(
+        path,
+        arch,
+        model_type,
+        {t.name: n for t, n in types.most_common()},
+        _field(r, "tokenizer.chat_template") is not None,
+    )
 
 
 def _field(r, key: str):
@@ -183,8 +194,12 @@ def parsed_once(path: Path):
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
     parsed, metadata = reader(path), {}
-    patched = {(gguf, "GGUFReader"): gguf.GGUFReader, (gguf, "get_tensor_name_map"): gguf.get_tensor_name_map,
-               (hf_gguf, "load_gguf_checkpoint"): hf_gguf.load_gguf_checkpoint, (hf_gguf, "tqdm"): hf_gguf.tqdm}
+    patched = {
+        (gguf, "GGUFReader"): gguf.GGUFReader,
+        (gguf, "get_tensor_name_map"): gguf.get_tensor_name_map,
+        (hf_gguf, "load_gguf_checkpoint"): hf_gguf.load_gguf_checkpoint,
+        (hf_gguf, "tqdm"): hf_gguf.tqdm,
+    }
     same = functools.partial(_same_file, path)
 
     def read(p, *args, **kwargs):

@@ -105,20 +105,25 @@ def load(path: Path, dtype: torch.dtype, device: str):
                 entries = family.tensors(t.name, array, meta, cfg)
                 done.converted[kind] += 1
         except KeyError as exc:
-            raise GGUFError(f"{path.name}: tensor {t.name} ({kind}) has no place in a {config.model_type} model "
-                            f"(a newer or other converter's layout?)") from exc
+            raise GGUFError(
+                f"{path.name}: tensor {t.name} ({kind}) has no place in a {config.model_type} model "
+                f"(a newer or other converter's layout?)"
+            ) from exc
         for hf, value in entries:
             if hf not in shapes:
-                raise GGUFError(f"{path.name}: tensor {t.name} became {hf}, which a {config.model_type} model "
-                                "does not have")
+                raise GGUFError(
+                    f"{path.name}: tensor {t.name} became {hf}, which a {config.model_type} model does not have"
+                )
             if isinstance(value, Part):
                 value = (value, value.data)
             if not isinstance(value, tuple):
                 value = (None, value)
             if value[0] is None and tuple(value[1].shape) != shapes[hf]:
                 got = tuple(value[1].shape)
-                raise GGUFError(f"{path.name}: tensor {t.name} has shape {got} as {hf}, where the config from the "
-                                f"file's metadata makes {shapes[hf]}")
+                raise GGUFError(
+                    f"{path.name}: tensor {t.name} has shape {got} as {hf}, where the config from the "
+                    f"file's metadata makes {shapes[hf]}"
+                )
             if value[0] is None and isinstance(value[1], torch.Tensor):
                 value = (None, value[1].to(dtype))  # now: no float32 copy of the whole model at once
             pieces.setdefault(hf, []).append(value)
@@ -136,8 +141,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
         _tie(model)
     absent = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if absent:
-        raise GGUFError(f"{path.name} has no tensor for {len(absent)} weight(s) of the model: "
-                        f"{', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''}")
+        raise GGUFError(
+            f"{path.name} has no tensor for {len(absent)} weight(s) of the model: "
+            f"{', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''}"
+        )
     return model.to(device).eval(), tokenizer(path), done
 
 
@@ -164,12 +171,14 @@ def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded):
     """One HF tensor from its pieces: Blocks where every piece is of one kept type and the weight belongs to a
     linear layer or the embedding, else a float tensor."""
     owner = modules.get(hf.rpartition(".")[0])
-    quantizable = (hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
-                   and len(shape) == 2)
+    quantizable = (
+        hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)) and len(shape) == 2
+    )
     kinds = {v.kind for _, v in parts if isinstance(v, blocks.Blocks)}
     if kinds and (not quantizable or len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
-        done.why[hf] = ("of a weight not held by a linear layer" if not quantizable else
-                        "of a weight whose pieces differ in type")
+        done.why[hf] = (
+            "of a weight not held by a linear layer" if not quantizable else "of a weight whose pieces differ in type"
+        )
         done.converted.update(v.kind for _, v in parts if isinstance(v, blocks.Blocks))
     if quantizable and len(kinds) == 1 and all(isinstance(v, blocks.Blocks) for _, v in parts):
         if len(parts) == 1 and parts[0][0] is None:
@@ -204,8 +213,7 @@ def _float(v) -> torch.Tensor:
 
 def _check_covered(hf: str, covered: torch.Tensor) -> None:
     if not bool(covered.all()):
-        raise GGUFError(f"the file's tensors fill only {int(covered.sum())} of the {covered.numel()} slices of "
-                        f"{hf}")
+        raise GGUFError(f"the file's tensors fill only {int(covered.sum())} of the {covered.numel()} slices of {hf}")
 
 
 def _install(model, modules: dict, hf: str, b: blocks.Blocks, dtype: torch.dtype) -> None:

@@ -12,9 +12,10 @@
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
-them), and the one registry of everything they replace (`seam.patches(model)`, `seam.revert_all`); `verify` is the load-time check each must pass against the installed transformers before it is
-switched on. `install` returns what was decided (`KernelReport`); the runtime exposes it on `/health` and
-as a metric. `HYSERVE_KERNELS=0` leaves transformers' functions alone.
+them), and the one registry of everything they replace (`seam.patches(model)`, `seam.revert_all`); `verify` is the
+load-time check each must pass against the installed transformers before it is switched on. `install` returns what was
+decided (`KernelReport`); the runtime exposes it on `/health` and as a metric. `HYSERVE_KERNELS=0` leaves transformers'
+functions alone.
 """
 
 from __future__ import annotations
@@ -37,12 +38,37 @@ from .seam import KernelReport, active, hook, reference_only, slots
 log = logging.getLogger("hyserve.kernels")
 
 FUNCTIONS = (delta_rule.RECURRENT, delta_rule.CHUNKED, conv.STEP, conv.PREFILL)
-ALL = ("attention", "native_attention", "linear", "native_linear", "norm", *(k.name for k in FUNCTIONS), "decode_layer",
-       "native_gdn_step", "capture")
+ALL = (
+    "attention",
+    "native_attention",
+    "linear",
+    "native_linear",
+    "norm",
+    *(k.name for k in FUNCTIONS),
+    "decode_layer",
+    "native_gdn_step",
+    "capture",
+)
 
-__all__ = ["ALL", "KernelReport", "PieceCapture", "active", "capture", "chunk_size_for", "chunked_delta_rule",
-           "conv_prefill", "conv_step", "enabled", "gqa_sdpa_attention", "grouped_attention", "install",
-           "linear_forward", "recurrent_step", "reference_only", "safe_exp"]
+__all__ = [
+    "ALL",
+    "KernelReport",
+    "PieceCapture",
+    "active",
+    "capture",
+    "chunk_size_for",
+    "chunked_delta_rule",
+    "conv_prefill",
+    "conv_step",
+    "enabled",
+    "gqa_sdpa_attention",
+    "grouped_attention",
+    "install",
+    "linear_forward",
+    "recurrent_step",
+    "reference_only",
+    "safe_exp",
+]
 
 
 def enabled() -> bool:
@@ -99,8 +125,10 @@ def install(model, adapter, vocab: int) -> KernelReport:
             if why := verify.check_capture(adapter, vocab, dtype):
                 report.set("capture", False, f"a captured state differs from a split prefill's: {why}")
     if report.refused:
-        log.warning("hyserve kernels switched off, transformers' own functions run instead (slower, same "
-                    "results): %s", "; ".join(f"{k}: {v[5:]}" for k, v in report.refused.items()))
+        log.warning(
+            "hyserve kernels switched off, transformers' own functions run instead (slower, same results): %s",
+            "; ".join(f"{k}: {v[5:]}" for k, v in report.refused.items()),
+        )
     return report
 
 
@@ -112,8 +140,12 @@ def _install_attention(model, report: KernelReport, dtype) -> None:
         attention.register()
         model.set_attn_implementation(attention.NAME)
         owner = weakref.ref(model)  # (the registry lives on the model)
-        seam.patches(model).change("attention", model.config, "_attn_implementation",
-                                   lambda: owner() is not None and owner().set_attn_implementation("sdpa"))
+        seam.patches(model).change(
+            "attention",
+            model.config,
+            "_attn_implementation",
+            lambda: owner() is not None and owner().set_attn_implementation("sdpa"),
+        )
     report.set("attention", why is None, why or "")
 
 
@@ -151,8 +183,13 @@ def _install_linear(model, report: KernelReport) -> None:
         with torch.inference_mode():  # as served; the packed product is bit-identical to F.linear's
             got = linear_forward(module, x)
         want = torch.nn.functional.linear(x, module.weight, module.bias)
-        why = why or (verify.mismatch(got, want, x.dtype) if module not in packed else
-                      None if torch.equal(got, want) else "a packed product differs from F.linear")
+        why = why or (
+            verify.mismatch(got, want, x.dtype)
+            if module not in packed
+            else None
+            if torch.equal(got, want)
+            else "a packed product differs from F.linear"
+        )
     if why is None:
         for module in layers:
             registry.set("linear", module, "forward", types.MethodType(linear_forward, module))
@@ -209,4 +246,3 @@ def _install_function(model, kernel, report: KernelReport) -> None:
     else:
         return  # the model has no such layer: nothing to hook
     report.set(kernel.name, why is None, why or "")
-

@@ -32,39 +32,55 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as "sdpa"
 
 
-def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                       **kwargs):
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention, except that a masked multi-token query reads grouped KV heads in place."""
     groups = getattr(module, "num_key_value_groups", 1)
     if _decode_rows(query, key, attention_mask, groups, dropout, kwargs):
         native = module.__dict__.get(NATIVE)
         out = native(query, key, value, attention_mask, scaling) if native is not None else None
         return (decode_attention(query, key, value, attention_mask, scaling) if out is None else out), None
-    plain = (not active() or groups == 1 or attention_mask is None or query.shape[2] == 1
-             or query.device.type != "cpu" or kwargs.get("position_bias") is not None
-             or kwargs.get("softcap") is not None or kwargs.get("output_attentions"))
+    plain = (
+        not active()
+        or groups == 1
+        or attention_mask is None
+        or query.shape[2] == 1
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions")
+    )
     # decode (transformers packs the heads itself), unmasked prefill, not hyserve's thread, or a GPU (where a
     # mask with enable_gqa falls back to the math kernel, as transformers notes)
     if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     if dropout == 0.0 and _short_over_long(query, key, attention_mask):
         out = grouped_attention(query, key, value, attention_mask, scaling)
     else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
 def _decode_rows(query, key, mask, groups: int, dropout: float, kwargs) -> bool:
     """A decode step (one query per row) on the CPU, on hyserve's thread, with grouped KV heads and a mask that
     is the same for every head (or none)."""
-    return (active() and groups > 1 and query.shape[2] == 1 and query.device.type == "cpu" and dropout == 0.0
-            and key.shape[1] * groups == query.shape[1]
-            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1))
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions") and kwargs.get("sinks") is None
-            and kwargs.get("s_aux") is None)
+    return (
+        active()
+        and groups > 1
+        and query.shape[2] == 1
+        and query.device.type == "cpu"
+        and dropout == 0.0
+        and key.shape[1] * groups == query.shape[1]
+        and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1))
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions")
+        and kwargs.get("sinks") is None
+        and kwargs.get("s_aux") is None
+    )
 
 
 def decode_attention(query, key, value, mask, scaling=None):
@@ -87,8 +103,11 @@ def install_native(model, lib) -> str | None:
     (`native.DecodeAttention`), when it gives `decode_attention`'s results on probes of the layers' shapes
     (KV with spare columns, left-padded rows). Returns "" when it did, why not when it did not, None when
     there is nothing it is written for."""
-    layers = [m for m in model.modules() if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "head_dim")
-              and hasattr(m, "q_proj")]
+    layers = [
+        m
+        for m in model.modules()
+        if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "head_dim") and hasattr(m, "q_proj")
+    ]
     if not layers or layers[0].q_proj.weight.dtype != torch.bfloat16:
         return None
     kernel = native.DecodeAttention(lib)
@@ -100,8 +119,10 @@ def install_native(model, lib) -> str | None:
     g = torch.Generator().manual_seed(0)
     for rows, keys in ((1, 37), (1, 700), (3, 300)):
         q = torch.randn(rows, heads, 1, dim, generator=g).to(torch.bfloat16)
-        k, v = ((torch.randn(rows, kv_heads, keys + 64, dim, generator=g) * 2).to(torch.bfloat16)[:, :, :keys]
-                for _ in range(2))
+        k, v = (
+            (torch.randn(rows, kv_heads, keys + 64, dim, generator=g) * 2).to(torch.bfloat16)[:, :, :keys]
+            for _ in range(2)
+        )
         mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
         for r in range(rows):  # a decode batch's rows are left-padded to the longest
             mask[r, ..., : 7 * r] = False
@@ -131,9 +152,17 @@ SHORT_MAX_SCORE_BYTES = 24 << 20
 def _short_over_long(query, key, mask) -> bool:
     b, h, length, _ = query.shape
     keys = key.shape[2]
-    return (b == 1 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-            and length <= SHORT_MAX_QUERIES and keys >= SHORT_MIN_KEYS and h * length * keys * 4 <= SHORT_MAX_SCORE_BYTES
-            and query.dtype == torch.float32)
+    return (
+        b == 1
+        and mask is not None
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+        and length <= SHORT_MAX_QUERIES
+        and keys >= SHORT_MIN_KEYS
+        and h * length * keys * 4 <= SHORT_MAX_SCORE_BYTES
+        and query.dtype == torch.float32
+    )
 
 
 def grouped_attention(query, key, value, mask, scaling=None):
@@ -146,8 +175,9 @@ def grouped_attention(query, key, value, mask, scaling=None):
     groups = h // hk
     scale = d**-0.5 if scaling is None else scaling  # applied to the queries: 79 rows, not 79 x 4.2k scores
     shape = (b, hk, groups * length, keys)
-    scores = torch.matmul((query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2),
-                          out=_scratch("scores", shape, query))
+    scores = torch.matmul(
+        (query * scale).reshape(b, hk, groups * length, d), key.transpose(-1, -2), out=_scratch("scores", shape, query)
+    )
     first, blocked = _blocked_tail(mask)
     if blocked is not None:
         scores.view(b, hk, groups, length, keys)[..., first:].masked_fill_(blocked[:, :, None], float("-inf"))
@@ -185,9 +215,12 @@ def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Ten
     buf = buffers.get(name)
     # (a buffer made under inference mode, as serving makes them, cannot be written outside it: a later model's
     # load-time check runs outside)
-    if (buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device
-            or (buf.is_inference() and not torch.is_inference_mode_enabled())):
+    if (
+        buf is None
+        or buf.numel() < numel
+        or buf.dtype != like.dtype
+        or buf.device != like.device
+        or (buf.is_inference() and not torch.is_inference_mode_enabled())
+    ):
         buf = buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel].view(shape)
-
-

@@ -18,8 +18,13 @@ _SILU = ("silu", "swish")
 
 
 def _conv_applies(hidden_states, conv_state, weight, bias=None, activation=None) -> bool:
-    return (hidden_states.shape[-1] == 1 and weight.dim() == 2 and conv_state.shape[-1] >= weight.shape[-1]
-            and activation in (None, *_SILU) and hidden_states.dtype == conv_state.dtype == weight.dtype)
+    return (
+        hidden_states.shape[-1] == 1
+        and weight.dim() == 2
+        and conv_state.shape[-1] >= weight.shape[-1]
+        and activation in (None, *_SILU)
+        and hidden_states.dtype == conv_state.dtype == weight.dtype
+    )
 
 
 def conv_step(hidden_states, conv_state, weight, bias=None, activation=None):
@@ -41,8 +46,12 @@ def conv_step(hidden_states, conv_state, weight, bias=None, activation=None):
 
 
 def _conv_fn_applies(hidden_states, weight, bias=None, activation=None, **kwargs) -> bool:
-    return (weight.dim() == 2 and activation in (None, *_SILU) and hidden_states.dtype == weight.dtype
-            and hidden_states.shape[1] == weight.shape[0])
+    return (
+        weight.dim() == 2
+        and activation in (None, *_SILU)
+        and hidden_states.dtype == weight.dtype
+        and hidden_states.shape[1] == weight.shape[0]
+    )
 
 
 def conv_prefill(hidden_states, weight, bias=None, activation=None, **kwargs):
@@ -68,8 +77,6 @@ def _conv_window(x: torch.Tensor, end: int, kernel: int) -> torch.Tensor:
     return F.pad(window, (kernel - window.shape[-1], 0)) if window.shape[-1] < kernel else window.clone()
 
 
-
-
 # -- the hooks and their load-time probes ---------------------------------------------------------
 def _inputs(layer, batch: int, length: int, seed: int):
     conv = layer.conv1d
@@ -85,15 +92,29 @@ def _step_probes(layer):
 
 
 def _prefill_probes(layer):
-    return [((x, weight, bias), {"activation": act}, ())
-            for x, weight, bias, act in (_inputs(layer, 1, n, n) for n in (2, 37))]
+    return [
+        ((x, weight, bias), {"activation": act}, ())
+        for x, weight, bias, act in (_inputs(layer, 1, n, n) for n in (2, 37))
+    ]
 
 
 def _is_layer(module) -> bool:
     return isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d) and hasattr(module, "activation")
 
 
-STEP = Kernel("causal_conv1d_update", "causal_conv1d_update", _is_layer, _conv_applies,
-              lambda _reference, *a, **k: conv_step(*a, **k), _step_probes)
-PREFILL = Kernel("causal_conv1d_fn", "causal_conv1d_fn", _is_layer, _conv_fn_applies,
-                 lambda _reference, *a, **k: conv_prefill(*a, **k), _prefill_probes)
+STEP = Kernel(
+    "causal_conv1d_update",
+    "causal_conv1d_update",
+    _is_layer,
+    _conv_applies,
+    lambda _reference, *a, **k: conv_step(*a, **k),
+    _step_probes,
+)
+PREFILL = Kernel(
+    "causal_conv1d_fn",
+    "causal_conv1d_fn",
+    _is_layer,
+    _conv_fn_applies,
+    lambda _reference, *a, **k: conv_prefill(*a, **k),
+    _prefill_probes,
+)

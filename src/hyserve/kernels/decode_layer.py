@@ -45,8 +45,11 @@ class Stack:
         self.members = members
         group = members[0].__dict__.get(linear.GROUP)
         self.packed, self.columns, self.bias = None, None, None
-        if group is not None and group.size == len(members) and all(
-                m.__dict__.get(linear.GROUP) is group for m in members):
+        if (
+            group is not None
+            and group.size == len(members)
+            and all(m.__dict__.get(linear.GROUP) is group for m in members)
+        ):
             self.packed, self.columns = group.packed, [group.columns[id(m)] for m in members]
         elif len(members) == 1 and linear.PACKED in members[0].__dict__:
             self.packed, self.bias = members[0].__dict__[linear.PACKED], members[0].bias
@@ -92,7 +95,8 @@ class Parts:
             self.out_proj, self.gated_norm = Stack([gdn.out_proj]).one, _norm(gdn.norm)
         home = sys.modules.get(type(attn).__module__)
         if type(attn).__name__ in ATTENTION and all(
-                hasattr(home, n) for n in ("ALL_ATTENTION_FUNCTIONS", "apply_rotary_pos_emb", "eager_attention_forward")):
+            hasattr(home, n) for n in ("ALL_ATTENTION_FUNCTIONS", "apply_rotary_pos_emb", "eager_attention_forward")
+        ):
             self.attn = attn
             self.qkv = Stack([attn.q_proj, attn.k_proj, attn.v_proj])
             self.q_norm, self.k_norm, self.o_proj = _norm(attn.q_norm), _norm(attn.k_norm), Stack([attn.o_proj]).one
@@ -142,8 +146,9 @@ def gdn_between_products(p: Parts, mixed, z, b, a, conv_state, recurrent):
     k = mixed[..., key_dim : 2 * key_dim].reshape(rows, 1, hk, dk)
     v = mixed[..., 2 * key_dim :].reshape(rows, 1, hv, dv)
     g = p.neg_a * F.softplus(a.float() + p.dt_bias)
-    out, state = p.recurrent_step(None, q, k, v, g, b.sigmoid(), initial_state=recurrent, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True)
+    out, state = p.recurrent_step(
+        None, q, k, v, g, b.sigmoid(), initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     out = p.gated_norm(out.reshape(-1, dv), z.reshape(-1, dv))
     return out.reshape(rows, 1, value_dim), state
 
@@ -162,23 +167,40 @@ def _attention_step(p: Parts, x, position_embeddings, attention_mask, cache, kwa
     query, key = p.rotary(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     interface = p.interfaces.get_interface(attn.config._attn_implementation, p.eager)
-    out, _ = interface(attn, query, key, value, attention_mask,
-                       dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+    out, _ = interface(
+        attn,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=attn.attention_dropout if attn.training else 0.0,
+        scaling=attn.scaling,
+        **kwargs,
+    )
     out = out.reshape(rows, 1, -1).contiguous()
     out = out * torch.sigmoid(gate)
     return p.o_proj(out)
 
 
-def decode_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                   cache=None, **kwargs):
+def decode_forward(
+    self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None, **kwargs
+):
     """The decoder layer's forward: for one token per row on the model thread, the lean path; else its own."""
     out = None
     if hidden_states.shape[1] == 1 and cache is not None and "past_key_values" not in kwargs and active():
-        out = _lean(self, self.__dict__[PARTS], hidden_states, position_embeddings, attention_mask, position_ids,
-                    cache, kwargs)
+        out = _lean(
+            self, self.__dict__[PARTS], hidden_states, position_embeddings, attention_mask, position_ids, cache, kwargs
+        )
     if out is None:
-        out = type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
+        out = type(self).forward(
+            self,
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            **kwargs,
+        )
     return out
 
 
@@ -198,8 +220,14 @@ def _lean(layer, p: Parts, hidden_states, position_embeddings, attention_mask, p
     elif p.attn is not None:
         mixed = _attention_step(p, x, position_embeddings, attention_mask, cache, kwargs)
     else:
-        mixed, _ = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, position_embeddings=position_embeddings, **kwargs)
+        mixed, _ = layer.self_attn(
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
     hidden_states = hidden_states + mixed
     x = p.norm_post(hidden_states)
     if p.mlp is not None:

@@ -21,13 +21,32 @@ from .capture import capture_for
 from .seam import Kernel
 
 
-def _recurrent_applies(query, key, value, g=None, beta=None, initial_state=None, output_final_state=False,
-                       use_qk_l2norm_in_kernel=False, **kwargs) -> bool:
+def _recurrent_applies(
+    query,
+    key,
+    value,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **kwargs,
+) -> bool:
     return query.shape[1] == 1 and initial_state is not None and kwargs.get("cu_seqlens") is None
 
 
-def _recurrent_fast(_reference, query, key, value, g, beta, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, **kwargs):
+def _recurrent_fast(
+    _reference,
+    query,
+    key,
+    value,
+    g,
+    beta,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **kwargs,
+):
     return recurrent_step(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
 
@@ -35,8 +54,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # as transformers (and FLA) define it
 
 
-def recurrent_step(query, key, value, g, beta, initial_state, output_final_state=True,
-                   use_qk_l2norm_in_kernel=False):
+def recurrent_step(query, key, value, g, beta, initial_state, output_final_state=True, use_qk_l2norm_in_kernel=False):
     """One token of the gated delta rule for a batch: S' = exp(g) S + k (beta (v - k^T exp(g) S))^T,
     out = q^T S'. Shapes as transformers: q, k [b, 1, hk, dk]; v [b, 1, h, dv]; g, beta [b, 1, h];
     state [b, h, dk, dv]. A contiguous float32 `initial_state` is updated in place and returned as the
@@ -64,7 +82,6 @@ def recurrent_step(query, key, value, g, beta, initial_state, output_final_state
     return out, (state if output_final_state else None)
 
 
-
 # -- prefill: chunk size fitted to the piece --------------------------------------------------------
 def chunk_size_for(length: int) -> int:
     """The chunk size for a prefill piece of `length` tokens. transformers pads every piece to a multiple
@@ -76,25 +93,50 @@ def chunk_size_for(length: int) -> int:
     return 32 if -(-length // 32) * 32 < -(-length // 64) * 64 else 64
 
 
-
-
 def _chunked_applies(query, key, value, g=None, beta=None, chunk_size=None, *args, **kwargs) -> bool:
     return chunk_size is None and kwargs.get("cu_seqlens") is None and not args
 
 
-def _chunked_fitted(_reference, query, key, value, g, beta, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, **kwargs):
+def _chunked_fitted(
+    _reference,
+    query,
+    key,
+    value,
+    g,
+    beta,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **kwargs,
+):
     cap = capture_for(query)
     if cap is None:
-        return chunked_delta_rule(query, key, value, g, beta, chunk_size_for(query.shape[1]), initial_state,
-                                  output_final_state, use_qk_l2norm_in_kernel)
+        return chunked_delta_rule(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size_for(query.shape[1]),
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+        )
     # one run per stretch between capture offsets, each from the state the one before it ended in
     outs, states, state = [], [], initial_state
     edges = (0, *cap.offsets, cap.length)
     for start, end in zip(edges, edges[1:]):
-        out, state = chunked_delta_rule(query[:, start:end], key[:, start:end], value[:, start:end],
-                                        g[:, start:end], beta[:, start:end], chunk_size_for(end - start), state,
-                                        True, use_qk_l2norm_in_kernel)
+        out, state = chunked_delta_rule(
+            query[:, start:end],
+            key[:, start:end],
+            value[:, start:end],
+            g[:, start:end],
+            beta[:, start:end],
+            chunk_size_for(end - start),
+            state,
+            True,
+            use_qk_l2norm_in_kernel,
+        )
         outs.append(out)
         states.append(state)
     cap.recurrent.append(states[:-1])
@@ -122,8 +164,17 @@ def _strictly_upper(n: int, device: torch.device) -> torch.Tensor:
     return mask
 
 
-def chunked_delta_rule(query, key, value, g, beta, chunk_size: int, initial_state=None, output_final_state=False,
-                       use_qk_l2norm_in_kernel=False):
+def chunked_delta_rule(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size: int,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+):
     """The gated delta rule over a prefill piece, chunk by chunk: transformers'
     `torch_chunk_gated_delta_rule` with the same math and chunking, fewer passes over memory. Decays are
     exponentiated with `safe_exp`, both triangular solves are one, and each chunk's three state products
@@ -179,8 +230,6 @@ def chunked_delta_rule(query, key, value, g, beta, chunk_size: int, initial_stat
     return out, (state.view(b, h, dk, dv) if output_final_state else None)
 
 
-
-
 # -- the hooks and their load-time probes ---------------------------------------------------------
 def _probe(layer, batch: int, length: int, with_state: bool, seed: int):
     """Inputs of a Gated DeltaNet `layer`'s own shapes and dtypes, called as its forward calls the rule;
@@ -194,19 +243,42 @@ def _probe(layer, batch: int, length: int, with_state: bool, seed: int):
 
     gate = -torch.rand(batch, length, h, generator=g) * 4
     gate[:, ::5] -= 100
-    kwargs = dict(g=gate.to(device), beta=torch.rand(batch, length, h, generator=g).to(device, dtype),
-                  initial_state=rand(batch, h, dk, dv, scale=0.3) if with_state else None,
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
-    return (rand(batch, length, hk, dk).to(dtype), rand(batch, length, hk, dk).to(dtype),
-            rand(batch, length, h, dv).to(dtype)), kwargs, ()
+    kwargs = dict(
+        g=gate.to(device),
+        beta=torch.rand(batch, length, h, generator=g).to(device, dtype),
+        initial_state=rand(batch, h, dk, dv, scale=0.3) if with_state else None,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=None,
+    )
+    return (
+        (
+            rand(batch, length, hk, dk).to(dtype),
+            rand(batch, length, hk, dk).to(dtype),
+            rand(batch, length, h, dv).to(dtype),
+        ),
+        kwargs,
+        (),
+    )
 
 
 def _is_layer(module) -> bool:
     return all(hasattr(module, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "out_proj"))
 
 
-RECURRENT = Kernel("fused_recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule", _is_layer,
-                   _recurrent_applies, _recurrent_fast, lambda layer: [_probe(layer, 2, 1, True, 1)])
-CHUNKED = Kernel("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule", _is_layer, _chunked_applies,
-                 _chunked_fitted,
-                 lambda layer: [_probe(layer, 1, n, state, n) for n, state in ((37, True), (5, False), (130, True))])
+RECURRENT = Kernel(
+    "fused_recurrent_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    _is_layer,
+    _recurrent_applies,
+    _recurrent_fast,
+    lambda layer: [_probe(layer, 2, 1, True, 1)],
+)
+CHUNKED = Kernel(
+    "chunk_gated_delta_rule",
+    "torch_chunk_gated_delta_rule",
+    _is_layer,
+    _chunked_applies,
+    _chunked_fitted,
+    lambda layer: [_probe(layer, 1, n, state, n) for n, state in ((37, True), (5, False), (130, True))],
+)

@@ -1,9 +1,9 @@
 """Linear layers: bfloat16 weights packed once for oneDNN (`pack`), their products of a few rows in C once
-checked (`install_native`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with row-major float32 weights
-is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro` times both); a batched decode step runs
-one row per request through every layer. The result is returned as that transposed view (rows stay
-contiguous among themselves, so every reshape the models do still works): making it contiguous cost a
-quarter of the product.
+checked (`install_native`), and skinny float32 rows for a decode batch. For a few dozen rows, MKL's x @ W^T with
+row-major float32 weights is slower than the same product taken as (W @ x^T)^T (`benchmarks/bench_kernels.py --micro`
+times both); a batched decode step runs one row per request through every layer. The result is returned as that
+transposed view (rows stay contiguous among themselves, so every reshape the models do still works): making it
+contiguous cost a quarter of the product.
 """
 
 from __future__ import annotations
@@ -48,8 +48,12 @@ def pack(module: torch.nn.Linear, registry: seam.Patches | None = None) -> bool:
     The plain weight stays (tied embeddings, transformers' own functions), so weights take twice the memory;
     `HYSERVE_PACKED_LINEAR=0` switches this off. Returns whether the module is packed (recorded in `registry`,
     the model's `seam.patches`, as the "linear" kernel's)."""
-    if (module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu"
-            or os.environ.get("HYSERVE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available()):
+    if (
+        module.weight.dtype != torch.bfloat16
+        or module.weight.device.type != "cpu"
+        or os.environ.get("HYSERVE_PACKED_LINEAR", "1") == "0"
+        or not torch.backends.mkldnn.is_available()
+    ):
         return False
     try:
         packed = Packed(module.weight.detach())
@@ -99,8 +103,12 @@ def install_native(model, products) -> str:
 
 # Linear layers of one module that every model calls on the same input, one after the other (a Gated DeltaNet
 # layer's input projections, attention's q/k/v, an MLP's gate and up).
-SIBLINGS = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("in_proj_qkvz", "in_proj_ba"),
-            ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SIBLINGS = (
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    ("in_proj_qkvz", "in_proj_ba"),
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
 GROUP = "_hyserve_group"
 
 
@@ -122,7 +130,7 @@ class SiblingGroup:
         self.columns, start = {}, 0
         for m in members:
             self.columns[id(m)] = (start, start + m.out_features)
-            m.weight.data = weight[start:start + m.out_features]  # a view of the stack: held once
+            m.weight.data = weight[start : start + m.out_features]  # a view of the stack: held once
             start += m.out_features
         self.size = len(members)
         self._last = None  # [input, stacked output, reads left]
@@ -147,8 +155,10 @@ def group(model) -> list[SiblingGroup]:
     for parent in model.modules():
         for names in SIBLINGS:
             members = [getattr(parent, n, None) for n in names]
-            if (not all(type(m) is torch.nn.Linear and PACKED in m.__dict__ and m.bias is None for m in members)
-                    or len({m.in_features for m in members}) != 1):
+            if (
+                not all(type(m) is torch.nn.Linear and PACKED in m.__dict__ and m.bias is None for m in members)
+                or len({m.in_features for m in members}) != 1
+            ):
                 continue
             g = SiblingGroup(members)
             for m in members:
@@ -182,8 +192,6 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)  # a transposed view: see the module docstring
     return F.linear(x, self.weight, self.bias)
-
-
 
 
 def probe(linear: torch.nn.Linear, seed: int = 0) -> torch.Tensor:

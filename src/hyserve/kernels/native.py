@@ -5,8 +5,8 @@ products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
 A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
 its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
 and the state is read twice while it is in the core's cache. PyTorch's CPU flash attention reads a decode
-step's KV well below the memory's speed; in C both threads stream it, each over its own stretch of keys. The library is compiled once per source,
-compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
+step's KV well below the memory's speed; in C both threads stream it, each over its own stretch of keys. The library is
+compiled once per source, compiler and CPU (`-march=native`) into a cache folder (`HYSERVE_NATIVE_CACHE`, default
 `~/.cache/hyserve/native`) and loaded with ctypes. Nothing here is trusted unchecked: no compiler, a failed
 build or a second OpenMP runtime in the process leaves it off, and the load-time check compares each
 kernel against the PyTorch operations it replaces. `HYSERVE_NATIVE=0` switches it off.
@@ -60,21 +60,45 @@ def _openmp_runtimes() -> set[str]:
 
 class _GdnStep(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int) for n in ("rows", "hk", "dk", "hv", "dv", "kernel", "state_len", "threads")] + [
-        ("mixed", ctypes.c_void_p), ("z", ctypes.c_void_p), ("b", ctypes.c_void_p), ("a", ctypes.c_void_p),
-        ("mixed_stride", ctypes.c_long), ("z_stride", ctypes.c_long), ("b_stride", ctypes.c_long),
-        ("a_stride", ctypes.c_long), ("conv_state", ctypes.c_void_p), ("taps", ctypes.c_void_p),
-        ("conv_bias", ctypes.c_void_p), ("neg_a", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
-        ("state", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
-        ("out", ctypes.c_void_p)]
+        ("mixed", ctypes.c_void_p),
+        ("z", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("a", ctypes.c_void_p),
+        ("mixed_stride", ctypes.c_long),
+        ("z_stride", ctypes.c_long),
+        ("b_stride", ctypes.c_long),
+        ("a_stride", ctypes.c_long),
+        ("conv_state", ctypes.c_void_p),
+        ("taps", ctypes.c_void_p),
+        ("conv_bias", ctypes.c_void_p),
+        ("neg_a", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p),
+        ("state", ctypes.c_void_p),
+        ("norm_weight", ctypes.c_void_p),
+        ("norm_eps", ctypes.c_float),
+        ("out", ctypes.c_void_p),
+    ]
 
 
 class _Attention(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int) for n in ("rows", "heads", "kv_heads", "dim", "keys", "chunk", "threads")] + [
-        ("q", ctypes.c_void_p), ("q_row", ctypes.c_long), ("q_head", ctypes.c_long),
-        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p)] + [
-        (n, ctypes.c_long) for n in ("k_row", "k_head", "k_seq", "v_row", "v_head", "v_seq")] + [
-        ("mask", ctypes.c_void_p), ("m_row", ctypes.c_long), ("m_key", ctypes.c_long), ("scale", ctypes.c_float),
-        ("out", ctypes.c_void_p)]
+    _fields_ = (
+        [(n, ctypes.c_int) for n in ("rows", "heads", "kv_heads", "dim", "keys", "chunk", "threads")]
+        + [
+            ("q", ctypes.c_void_p),
+            ("q_row", ctypes.c_long),
+            ("q_head", ctypes.c_long),
+            ("k", ctypes.c_void_p),
+            ("v", ctypes.c_void_p),
+        ]
+        + [(n, ctypes.c_long) for n in ("k_row", "k_head", "k_seq", "v_row", "v_head", "v_seq")]
+        + [
+            ("mask", ctypes.c_void_p),
+            ("m_row", ctypes.c_long),
+            ("m_key", ctypes.c_long),
+            ("scale", ctypes.c_float),
+            ("out", ctypes.c_void_p),
+        ]
+    )
 
 
 def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
@@ -96,8 +120,12 @@ def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                run = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
-                                     capture_output=True, text=True, timeout=300)
+                run = subprocess.run(
+                    [compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
                 if run.returncode != 0:
                     return None, f"the C build failed: {run.stderr.strip()[-300:]}"
                 os.replace(built, target)  # atomic: a concurrent loader sees the whole file or none
@@ -123,8 +151,13 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.gdn_step.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ctypes.POINTER(_Attention)]
     lib.decode_attention.restype = ctypes.c_int
-    lib.products.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                                  ctypes.c_int]
+    lib.products.argtypes = [ctypes.c_int] * 3 + [
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     lib.products.restype = ctypes.c_int
     return lib, ""
 
@@ -151,22 +184,47 @@ class GdnStep:
         self.conv_bias = None if bias is None else bias.detach().float().contiguous()
         self.norm_weight = layer.norm.weight.detach().contiguous()
         eps = getattr(layer.norm, "variance_epsilon", getattr(layer.norm, "eps", None))
-        self.ok = (self.norm_weight.dtype == torch.bfloat16 and isinstance(eps, float) and self.taps.shape[0] == self.channels
-                   and layer.num_v_heads % layer.num_k_heads == 0)
+        self.ok = (
+            self.norm_weight.dtype == torch.bfloat16
+            and isinstance(eps, float)
+            and self.taps.shape[0] == self.channels
+            and layer.num_v_heads % layer.num_k_heads == 0
+        )
         hk, dk, hv, dv = self.dims
-        self.args = _GdnStep(hk=hk, dk=dk, hv=hv, dv=dv, kernel=self.kernel, taps=_ptr(self.taps),
-                             conv_bias=_ptr(self.conv_bias), neg_a=_ptr(self.neg_a), dt_bias=_ptr(self.dt_bias),
-                             norm_weight=_ptr(self.norm_weight), norm_eps=eps or 0.0)
+        self.args = _GdnStep(
+            hk=hk,
+            dk=dk,
+            hv=hv,
+            dv=dv,
+            kernel=self.kernel,
+            taps=_ptr(self.taps),
+            conv_bias=_ptr(self.conv_bias),
+            neg_a=_ptr(self.neg_a),
+            dt_bias=_ptr(self.dt_bias),
+            norm_weight=_ptr(self.norm_weight),
+            norm_eps=eps or 0.0,
+        )
 
     def __call__(self, mixed, z, b, a, conv_state, state) -> torch.Tensor | None:
         rows = mixed.shape[0]
         hk, dk, hv, dv = self.dims
-        if not (self.ok and all(t.dtype == torch.bfloat16 and t.dim() == 3 and t.shape[1] == 1 and t.stride(-1) == 1
-                                for t in (mixed, z, b, a))
-                and conv_state.dtype == torch.bfloat16 and conv_state.is_contiguous()
-                and conv_state.shape[:2] == (rows, self.channels) and conv_state.shape[2] >= self.kernel
-                and state.dtype == torch.float32 and state.is_contiguous() and state.shape == (rows, hv, dk, dv)
-                and mixed.shape[2] == self.channels and z.shape[2] == hv * dv and b.shape[2] == a.shape[2] == hv):
+        if not (
+            self.ok
+            and all(
+                t.dtype == torch.bfloat16 and t.dim() == 3 and t.shape[1] == 1 and t.stride(-1) == 1
+                for t in (mixed, z, b, a)
+            )
+            and conv_state.dtype == torch.bfloat16
+            and conv_state.is_contiguous()
+            and conv_state.shape[:2] == (rows, self.channels)
+            and conv_state.shape[2] >= self.kernel
+            and state.dtype == torch.float32
+            and state.is_contiguous()
+            and state.shape == (rows, hv, dk, dv)
+            and mixed.shape[2] == self.channels
+            and z.shape[2] == hv * dv
+            and b.shape[2] == a.shape[2] == hv
+        ):
             return None
         out = torch.empty(rows, 1, hv * dv, dtype=torch.bfloat16)
         p = self.args
@@ -193,10 +251,15 @@ class DecodeAttention:
     def __call__(self, query, key, value, mask, scaling=None) -> torch.Tensor | None:
         rows, heads, length, dim = query.shape
         kv_heads, keys = key.shape[1], key.shape[2]
-        if not (length == 1 and query.dtype == key.dtype == value.dtype == torch.bfloat16
-                and key.shape == value.shape == (rows, kv_heads, keys, dim) and heads % kv_heads == 0
-                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and keys > 0
-                and (mask is None or (mask.dtype == torch.bool and mask.shape == (rows, 1, 1, keys)))):
+        if not (
+            length == 1
+            and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and key.shape == value.shape == (rows, kv_heads, keys, dim)
+            and heads % kv_heads == 0
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and keys > 0
+            and (mask is None or (mask.dtype == torch.bool and mask.shape == (rows, 1, 1, keys)))
+        ):
             return None
         out = torch.empty(rows, 1, heads, dim, dtype=torch.bfloat16)
         a = self.args
@@ -235,13 +298,23 @@ class Products:
         """[..., k] x [n, k] -> [..., n], or None (nothing done) for inputs of another form."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if not (0 < rows <= self.ROWS and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[1] == k and weight.is_contiguous() and x.stride(-1) == 1):
+        if not (
+            0 < rows <= self.ROWS
+            and x.dtype == weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[1] == k
+            and weight.is_contiguous()
+            and x.stride(-1) == 1
+        ):
             return None
         flat = x.reshape(rows, k)  # a view for the row layouts decode steps use
         n = weight.shape[0]
         out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-        if self.lib.products(rows, n, k, flat.data_ptr(), flat.stride(0), weight.data_ptr(), out.data_ptr(),
-                             torch.get_num_threads()) != 0:
+        if (
+            self.lib.products(
+                rows, n, k, flat.data_ptr(), flat.stride(0), weight.data_ptr(), out.data_ptr(), torch.get_num_threads()
+            )
+            != 0
+        ):
             return None
         return out

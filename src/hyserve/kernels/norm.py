@@ -117,6 +117,7 @@ def _dispatch(form, own):
         if kwargs or len(args) != arity or not active():
             return own(self, *args, **kwargs)
         return form(self, *args)
+
     forward.form = form
     return forward
 

@@ -24,8 +24,9 @@ import contextlib
 import sys
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .. import model_thread
 
@@ -231,7 +232,9 @@ def hook_global(home, kernel: Kernel) -> None:
         return reference(*args, **kwargs)
 
     dispatch.reference = reference
-    if GLOBAL.original(home, kernel.legacy) is current:  # (a hook a dropped registry left: its reference is the original)
+    if (
+        GLOBAL.original(home, kernel.legacy) is current
+    ):  # (a hook a dropped registry left: its reference is the original)
         setattr(home, kernel.legacy, reference)
     GLOBAL.set(kernel.name, home, kernel.legacy, dispatch)
 

@@ -120,8 +120,9 @@ def check_capture(adapter, vocab: int, dtype: torch.dtype, seed: int = 1) -> str
     at = adapter.restore(adapter.snapshot(captured[1]), captured[1].tokens)
     if at.tokens != split.tokens:
         return "captured at the wrong token"
-    return _relative_mismatch([adapter.forward(at, ids[11:20], all_logits=True)],
-                              [adapter.forward(split, ids[11:20], all_logits=True)], dtype)
+    return _relative_mismatch(
+        [adapter.forward(at, ids[11:20], all_logits=True)], [adapter.forward(split, ids[11:20], all_logits=True)], dtype
+    )
 
 
 def _relative_mismatch(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> str | None:

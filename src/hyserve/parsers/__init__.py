@@ -5,5 +5,4 @@ registry that picks the formats from the chat template (overridable by `--tool-c
 from .base import ToolCall, ToolParser, ToolSchemas
 from .registry import REASONING_PARSERS, TOOL_PARSERS, Parsers, choose_parsers
 
-__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Parsers", "ToolCall", "ToolParser", "ToolSchemas",
-           "choose_parsers"]
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Parsers", "ToolCall", "ToolParser", "ToolSchemas", "choose_parsers"]

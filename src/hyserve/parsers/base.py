@@ -10,8 +10,8 @@ what the same reply gives unstreamed, whatever the chunking, and malformed outpu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ToolCall:
     id: str = ""
 
 
-Piece = Union[str, ToolCall]  # content text, or a parsed call
+Piece = str | ToolCall  # content text, or a parsed call
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ToolSchemas:
     roots: dict[str, dict] = field(default_factory=dict)  # function name -> its whole parameters schema ($defs)
 
     @classmethod
-    def of(cls, tools: list[dict] | None) -> "ToolSchemas":
+    def of(cls, tools: list[dict] | None) -> ToolSchemas:
         params, roots = {}, {}
         for tool in tools or []:
             fn = tool.get("function") or {}
@@ -109,14 +109,14 @@ class TaggedBlocks(ToolParser):
                 self._scanned = max(len(self.open_tag), len(self._buf) - len(self.close_tag) + 1)
                 return out
             end = j + len(self.close_tag)
-            out += self._block(self._buf[:end], self._buf[len(self.open_tag): j], closed=True)
+            out += self._block(self._buf[:end], self._buf[len(self.open_tag) : j], closed=True)
             self._buf, self._in_block = self._buf[end:], False
 
     def finish(self) -> list[Piece]:
         buf, self._buf = self._buf, ""
         if self._in_block:
             self._in_block = False
-            return self._block(buf, buf[len(self.open_tag):], closed=False)
+            return self._block(buf, buf[len(self.open_tag) :], closed=False)
         return [buf] if buf else []
 
     def _block(self, raw: str, body: str, closed: bool) -> list[Piece]:

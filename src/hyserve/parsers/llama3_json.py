@@ -46,7 +46,7 @@ class Llama3JsonParser(ToolParser):
     def _parse(text: str) -> list[ToolCall] | None:
         text = text.strip()
         if text.startswith(PYTHON_TAG):
-            text = text[len(PYTHON_TAG):].lstrip()
+            text = text[len(PYTHON_TAG) :].lstrip()
         decoder, calls, at = json.JSONDecoder(), [], 0
         while True:
             try:

@@ -40,7 +40,7 @@ class ThinkParser:
         if self._mode == "start":
             head = self._buf.lstrip()
             if head.startswith(self.start_tag):
-                self._mode, self._buf = "reasoning", head[len(self.start_tag):]
+                self._mode, self._buf = "reasoning", head[len(self.start_tag) :]
             elif self.start_tag.startswith(head):
                 return out
             else:
@@ -52,7 +52,7 @@ class ThinkParser:
         if i >= 0:
             if i:
                 out.append((REASONING, self._buf[:i]))
-            rest = self._buf[i + len(self.end_tag):]
+            rest = self._buf[i + len(self.end_tag) :]
             self._mode, self._buf = "content", ""
             if rest:
                 out.append((CONTENT, rest))

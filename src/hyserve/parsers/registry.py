@@ -25,8 +25,10 @@ class Parsers:
 
     @property
     def names(self) -> dict[str, str | None]:
-        return {"tool_call_parser": self.tool.name if self.tool else None,
-                "reasoning_parser": self.reasoning.name if self.reasoning else None}
+        return {
+            "tool_call_parser": self.tool.name if self.tool else None,
+            "reasoning_parser": self.reasoning.name if self.reasoning else None,
+        }
 
 
 def template_text(tokenizer) -> str:
@@ -51,5 +53,7 @@ def _choose(choice: str, template: str, table: dict, aliases: dict, what: str):
 
 def choose_parsers(template: str, tool: str = "auto", reasoning: str = "auto") -> Parsers:
     """Raises ValueError for an unknown name."""
-    return Parsers(_choose(tool, template, TOOL_PARSERS, TOOL_ALIASES, "tool-call parser"),
-                   _choose(reasoning, template, REASONING_PARSERS, REASONING_ALIASES, "reasoning parser"))
+    return Parsers(
+        _choose(tool, template, TOOL_PARSERS, TOOL_ALIASES, "tool-call parser"),
+        _choose(reasoning, template, REASONING_PARSERS, REASONING_ALIASES, "reasoning parser"),
+    )

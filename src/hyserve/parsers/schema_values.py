@@ -86,8 +86,11 @@ def _list(value) -> list:
 def _own(schema: dict) -> Shape:
     """The shape a schema's own keywords give (without `$ref` and combinators)."""
     t = schema.get("type")
-    types = frozenset(x for x in ([t] if isinstance(t, str) else t) if isinstance(x, str)) \
-        if isinstance(t, (str, list)) else None
+    types = (
+        frozenset(x for x in ([t] if isinstance(t, str) else t) if isinstance(x, str))
+        if isinstance(t, (str, list))
+        else None
+    )
     if types is None and any(k in schema for k in ("properties", "additionalProperties", "required")):
         types = frozenset(["object"])
     elif types is None and any(k in schema for k in ("items", "prefixItems")):
@@ -104,8 +107,14 @@ def _own(schema: dict) -> Shape:
     if isinstance(items, list):  # the older tuple form of `items`
         items, prefix = schema.get("additionalItems"), items
     extra = schema.get("additionalProperties")
-    return Shape(types, choices, props if isinstance(props, dict) else {}, extra if extra is not True else None,
-                 items if items is not True else None, tuple(prefix) if isinstance(prefix, list) else ())
+    return Shape(
+        types,
+        choices,
+        props if isinstance(props, dict) else {},
+        extra if extra is not True else None,
+        items if items is not True else None,
+        tuple(prefix) if isinstance(prefix, list) else (),
+    )
 
 
 def _resolve(ref: str, root):
@@ -171,7 +180,8 @@ def _same(a, b) -> bool:
 
 def _fits(value, s: Shape) -> bool:
     return (s.types is None or any(_is(value, t) for t in s.types)) and (
-        s.choices is None or any(_same(value, c) for c in s.choices))
+        s.choices is None or any(_same(value, c) for c in s.choices)
+    )
 
 
 def _readings(text: str):

@@ -52,15 +52,18 @@ class Quantized:
 
     def describe(self) -> str:
         blocks = "Q8_0" if self.scheme == "int8" else "Q4_0, the head Q8_0"
-        line = (f"{self.scheme} ({blocks}, blocks of {BLOCK}): {self.layers} layers, "
-                f"{human_bytes(self.bytes_before)} -> {human_bytes(self.bytes_after)}")
+        line = (
+            f"{self.scheme} ({blocks}, blocks of {BLOCK}): {self.layers} layers, "
+            f"{human_bytes(self.bytes_before)} -> {human_bytes(self.bytes_after)}"
+        )
         if self.kept:
             reasons: dict[str, list[str]] = {}
             for name, why in self.kept.items():
                 reasons.setdefault(why, []).append(name)
             line += "; left unquantized: " + "; ".join(
                 f"{len(names)} {why} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                for why, names in reasons.items())
+                for why, names in reasons.items()
+            )
         return line
 
 

@@ -28,6 +28,8 @@ def refusal(model_dir: str | Path) -> str | None:
     method = method_of(model_dir)
     if method is None:
         return None
-    return (f"{model_dir} holds weights already quantized (quantization_config method {method!r}), which hyserve "
-            "does not read: serve the float (bfloat16/float32) checkpoint, with --quantization int8 or int4 to "
-            "quantize it at load, or a GGUF file")
+    return (
+        f"{model_dir} holds weights already quantized (quantization_config method {method!r}), which hyserve "
+        "does not read: serve the float (bfloat16/float32) checkpoint, with --quantization int8 or int4 to "
+        "quantize it at load, or a GGUF file"
+    )

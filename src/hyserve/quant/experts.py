@@ -23,8 +23,12 @@ def fused_weights(module) -> tuple[str, str] | None:
     each expert)."""
     if not hasattr(module, "has_gate") or not isinstance(getattr(module, "down_proj", None), torch.Tensor):
         return None
-    if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) or getattr(
-            module, "has_post_expert_norm", False) or not getattr(module, "is_concatenated", True):
+    if (
+        getattr(module, "is_transposed", False)
+        or getattr(module, "has_bias", False)
+        or getattr(module, "has_post_expert_norm", False)
+        or not getattr(module, "is_concatenated", True)
+    ):
         return None
     up = "gate_up_proj" if module.has_gate else "up_proj"
     if not isinstance(getattr(module, up, None), torch.Tensor):
@@ -101,5 +105,4 @@ class QuantExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         fmt = "q4_0" if self.up_qs.dtype == torch.uint8 else "q8_0"
-        return (f"experts={self.num_experts}, hidden={self.hidden_dim}, gated={self.has_gate}, {fmt}, "
-                f"{self.dtype}")
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, gated={self.has_gate}, {fmt}, {self.dtype}"

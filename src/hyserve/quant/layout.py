@@ -35,8 +35,9 @@ def quantize(weight: torch.Tensor, scheme: str = "int8") -> tuple[torch.Tensor, 
     qs = torch.empty(n, k // 2 if scheme == "int4" else k, dtype=torch.uint8 if scheme == "int4" else torch.int8)
     d = torch.empty(n, k // BLOCK, dtype=torch.float16)
     for a in range(0, n, step):  # into the result, not into parts then joined: no second copy of the values
-        qs[a:a + step], d[a:a + step] = _quantize(weight[a:a + step].detach().float().reshape(-1, k // BLOCK, BLOCK),
-                                                  scheme)
+        qs[a : a + step], d[a : a + step] = _quantize(
+            weight[a : a + step].detach().float().reshape(-1, k // BLOCK, BLOCK), scheme
+        )
     return qs, d
 
 
@@ -60,7 +61,7 @@ def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     d = top / -8
     inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
     u = (w * inv[..., None] + 8.5).floor().clamp_(0, 15).to(torch.uint8)  # >= 0.5 here: trunc is floor
-    packed = u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << 4)
+    packed = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
     return packed.reshape(n, k // 2), d.to(torch.float16)
 
 
@@ -87,8 +88,14 @@ def dequantized_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias:
     step = max(1, CHUNK // k)
     if n <= step:
         return F.linear(xf, dequantize(qs, d, torch.float32), bias).to(x.dtype)
-    parts = [F.linear(xf, dequantize(qs[a:a + step], d[a:a + step], torch.float32),
-                      None if bias is None else bias[a:a + step]).to(x.dtype) for a in range(0, n, step)]
+    parts = [
+        F.linear(
+            xf,
+            dequantize(qs[a : a + step], d[a : a + step], torch.float32),
+            None if bias is None else bias[a : a + step],
+        ).to(x.dtype)
+        for a in range(0, n, step)
+    ]
     return torch.cat(parts, dim=-1)
 
 

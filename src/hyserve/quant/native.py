@@ -46,14 +46,31 @@ class Products:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if not (0 < rows <= self.ROWS and k == layer.in_features and x.is_floating_point() and x.device.type == "cpu"
-                and format_of(layer.qs) == self.format):
+        if not (
+            0 < rows <= self.ROWS
+            and k == layer.in_features
+            and x.is_floating_point()
+            and x.device.type == "cpu"
+            and format_of(layer.qs) == self.format
+        ):
             return None
         flat = x.reshape(rows, k).float().contiguous()  # a few rows: the copy costs nothing next to the weight
         n = layer.out_features
         y = torch.empty(rows, n, dtype=torch.float32)
-        if self.product(rows, n, k, flat.data_ptr(), k, layer.qs.data_ptr(), layer.d.data_ptr(),
-                                y.data_ptr(), torch.get_num_threads()) != 0:
+        if (
+            self.product(
+                rows,
+                n,
+                k,
+                flat.data_ptr(),
+                k,
+                layer.qs.data_ptr(),
+                layer.d.data_ptr(),
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+            != 0
+        ):
             return None
         if layer.bias is not None:
             y += layer.bias.float()

@@ -5,8 +5,8 @@ API, errors, auth and streaming behind several replicas are exactly a single ser
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 
 @dataclass
@@ -22,11 +22,18 @@ class HTTPRequest:
 
 async def call(app, req: HTTPRequest) -> AsyncIterator[dict | bytes]:
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": req.method, "scheme": "http", "path": req.path, "raw_path": req.path.encode(),
-        "query_string": req.query.encode("latin-1"), "root_path": "",
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": req.method,
+        "scheme": "http",
+        "path": req.path,
+        "raw_path": req.path.encode(),
+        "query_string": req.query.encode("latin-1"),
+        "root_path": "",
         "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers],
-        "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
     }
     out: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()  # the caller stopped reading: the app sees a disconnect
@@ -56,8 +63,10 @@ async def call(app, req: HTTPRequest) -> AsyncIterator[dict | bytes]:
             if message is None:
                 break
             if message["type"] == "http.response.start":
-                yield {"status": message["status"],
-                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+                yield {
+                    "status": message["status"],
+                    "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])],
+                }
             elif message["type"] == "http.response.body":
                 if message.get("body"):
                     yield bytes(message["body"])
@@ -68,5 +77,5 @@ async def call(app, req: HTTPRequest) -> AsyncIterator[dict | bytes]:
         if not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), 5)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 task.cancel()

@@ -11,10 +11,10 @@ else it ends with a 503 / an error event), and for /metrics (its routing metrics
 
 import asyncio
 import copy
-from typing import Any
 import json
 import logging
 import uuid
+from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
@@ -37,8 +37,13 @@ ROUTER = "hyserve.scale.request_router.CheckpointRequestRouter"
 class EngineReplica:
     """One hyserve engine and its app; `forward` streams one HTTP request's response (`bridge.call`)."""
 
-    def __init__(self, config: ServiceConfig, threads: int = 1, prefill_tokens_per_s: float = 1000.0,
-                 transfer_bytes_per_s: float = 500e6):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        threads: int = 1,
+        prefill_tokens_per_s: float = 1000.0,
+        transfer_bytes_per_s: float = 500e6,
+    ):
         from ..process_settings import apply
 
         apply()  # a replica is a process hyserve runs (on a cluster the CLI's settings may not reach)
@@ -87,27 +92,45 @@ class EngineReplica:
             if self._peers is None:
                 self._peers = serve.get_deployment_handle(*self.deployment)
             ask = Routed(routed.request_id, target=routed.fetch_from)
-            package = await asyncio.wait_for(self._peers.export.remote(
-                ask, salt, tokens, have, self.prefill_tokens_per_s, self.transfer_bytes_per_s), timeout=30)
+            package = await asyncio.wait_for(
+                self._peers.export.remote(
+                    ask, salt, tokens, have, self.prefill_tokens_per_s, self.transfer_bytes_per_s
+                ),
+                timeout=30,
+            )
         except Exception as exc:  # the holder died, is stuck, or the transport failed
-            log.warning("fetching a checkpoint from replica %s failed: %s: %s", routed.fetch_from,
-                        type(exc).__name__, exc)
+            log.warning(
+                "fetching a checkpoint from replica %s failed: %s: %s", routed.fetch_from, type(exc).__name__, exc
+            )
             return
         if package is not None:
             await asyncio.get_running_loop().run_in_executor(
-                None, self.transfers.take, package, salt, tokens[: package.num_tokens], routed.request_id)
+                None, self.transfers.take, package, salt, tokens[: package.num_tokens], routed.request_id
+            )
 
-    def export(self, routed: Routed, salt: str, tokens: list[int], deeper_than: int, prefill_tokens_per_s: float,
-               transfer_bytes_per_s: float):
+    def export(
+        self,
+        routed: Routed,
+        salt: str,
+        tokens: list[int],
+        deeper_than: int,
+        prefill_tokens_per_s: float,
+        transfer_bytes_per_s: float,
+    ):
         """For another replica: the deepest checkpoint of `tokens` held here, packed (`transfer.Package`), if
         it is deeper than theirs and worth moving; else None."""
-        return self.transfers.export(salt, tokens, deeper_than,
-                                     worth_fetching(prefill_tokens_per_s, transfer_bytes_per_s))
+        return self.transfers.export(
+            salt, tokens, deeper_than, worth_fetching(prefill_tokens_per_s, transfer_bytes_per_s)
+        )
 
     def record_routing_stats(self) -> dict:
         sched = self.service.engine.scheduler
-        return {"checkpoints": self.published.checkpoints(), "version": self.published.version,
-                "running": len(sched.running), "waiting": len(sched.waiting)}
+        return {
+            "checkpoints": self.published.checkpoints(),
+            "version": self.published.version,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+        }
 
     def check_health(self) -> None:
         problem = self.service.engine.problem()
@@ -135,10 +158,16 @@ def _unavailable(exc: BaseException):
 
     log.warning("request not served: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, BackPressureError):
-        return Response(_error_body("every replica's queue is full; try again later", "rate_limit_exceeded",
-                                    "rate_limit_error"), status_code=429, media_type="application/json")
-    return Response(_error_body(f"no replica could serve this request ({type(exc).__name__})",
-                                "replica_unavailable"), status_code=503, media_type="application/json")
+        return Response(
+            _error_body("every replica's queue is full; try again later", "rate_limit_exceeded", "rate_limit_error"),
+            status_code=429,
+            media_type="application/json",
+        )
+    return Response(
+        _error_body(f"no replica could serve this request ({type(exc).__name__})", "replica_unavailable"),
+        status_code=503,
+        media_type="application/json",
+    )
 
 
 def _error_body(message: str, code: str | None, kind: str = "server_error") -> bytes:
@@ -180,10 +209,10 @@ class Ingress:
                 body = b""
                 headers = [(k, v) for k, v in headers if k.lower() not in _DROP] + [("content-length", str(limit + 1))]
             salt, tokens = await asyncio.get_running_loop().run_in_executor(
-                None, self.keys.of, path, request.scope["headers"], body)
+                None, self.keys.of, path, request.scope["headers"], body
+            )
             routed = Routed(uuid.uuid4().hex, salt, tokens, _messages(path, body))
-        req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"),
-                          headers, body)
+        req = HTTPRequest(request.method, path, request.scope.get("query_string", b"").decode("latin-1"), headers, body)
         for attempt in (0, 1):
             stream = self.engine.options(stream=True).forward.remote(routed, req)
             held: list = []
@@ -203,11 +232,15 @@ class Ingress:
                     routed.avoid = replica or None
                     continue
                 TELEMETRY.failed(replica, "failed", routed.request_id)
-                return Response(_error_body("the replica serving this request stopped; try again",
-                                            "replica_unavailable"), status_code=503, media_type="application/json")
+                return Response(
+                    _error_body("the replica serving this request stopped; try again", "replica_unavailable"),
+                    status_code=503,
+                    media_type="application/json",
+                )
             head = held[0]
-            return StreamingResponse(_rest(held[1:], stream, routed, head), status_code=head["status"],
-                                     headers=_headers(head))
+            return StreamingResponse(
+                _rest(held[1:], stream, routed, head), status_code=head["status"], headers=_headers(head)
+            )
 
     def routing_events(self, request):
         """The latest routing decisions (`?limit=N`, default 100): every tenant's, so with keys the admin key's."""
@@ -217,11 +250,16 @@ class Ingress:
         if cfg.api_keys or cfg.admin_api_key:
             key = matching_key(bearer(request.scope), cfg)
             if key is None or key != cfg.admin_api_key:
-                status, message, code = (401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                         "invalid_api_key") if key is None else \
-                    (403, "routing events need the admin API key", "admin_key_required")
-                return Response(_error_body(message, code, "invalid_request_error"), status_code=status,
-                                media_type="application/json")
+                status, message, code = (
+                    (401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", "invalid_api_key")
+                    if key is None
+                    else (403, "routing events need the admin API key", "admin_key_required")
+                )
+                return Response(
+                    _error_body(message, code, "invalid_request_error"),
+                    status_code=status,
+                    media_type="application/json",
+                )
         try:
             limit = int(request.query_params.get("limit", 100))
         except ValueError:
@@ -237,23 +275,32 @@ class Ingress:
         for rid in await self.replicas():
             req = HTTPRequest(request.method, request.url.path, query, headers, b"")
             try:
-                items = [c async for c in self.engine.options(stream=True).forward.remote(
-                    Routed(uuid.uuid4().hex, target=rid), req)]
+                items = [
+                    c
+                    async for c in self.engine.options(stream=True).forward.remote(
+                        Routed(uuid.uuid4().hex, target=rid), req
+                    )
+                ]
             except Exception:  # a replica that died meanwhile has no cache left to report
                 continue
             answers[rid] = items
         if not answers:
-            return Response(_error_body("no replica is running", "replica_unavailable"), status_code=503,
-                            media_type="application/json")
+            return Response(
+                _error_body("no replica is running", "replica_unavailable"),
+                status_code=503,
+                media_type="application/json",
+            )
         for items in answers.values():
             if items[0]["status"] != 200:
                 return _response(items)
         bodies = {rid: json.loads(b"".join(items[1:])) for rid, items in answers.items()}
         if request.url.path == "/v1/cache/events":
-            events = sorted(({**e, "replica": rid} for rid, b in bodies.items() for e in b["events"]),
-                            key=lambda e: e.get("ts", 0))
-            limit = int(request.query_params.get("limit", 100)) if request.query_params.get("limit", "").isdigit() \
-                else 100
+            events = sorted(
+                ({**e, "replica": rid} for rid, b in bodies.items() for e in b["events"]), key=lambda e: e.get("ts", 0)
+            )
+            limit = (
+                int(request.query_params.get("limit", 100)) if request.query_params.get("limit", "").isdigit() else 100
+            )
             return JSONResponse({"events": events[-limit:] if limit > 0 else []})
         return JSONResponse({**_summed(list(bodies.values())), "replicas": bodies})
 
@@ -262,8 +309,12 @@ class Ingress:
         any, one /health request is sent."""
         if not replica_ids():
             try:
-                [_ async for _ in self.engine.options(stream=True).forward.remote(
-                    Routed(uuid.uuid4().hex), HTTPRequest("GET", "/health", "", [], b""))]
+                [
+                    _
+                    async for _ in self.engine.options(stream=True).forward.remote(
+                        Routed(uuid.uuid4().hex), HTTPRequest("GET", "/health", "", [], b"")
+                    )
+                ]
             except Exception as exc:
                 log.warning("no replica answered: %s: %s", type(exc).__name__, exc)
         return replica_ids()
@@ -274,8 +325,12 @@ class Ingress:
         for rid in await self.replicas():
             req = HTTPRequest("GET", "/metrics", "", [], b"")
             try:
-                chunks = [c async for c in self.engine.options(stream=True).forward.remote(
-                    Routed(uuid.uuid4().hex, target=rid), req)]
+                chunks = [
+                    c
+                    async for c in self.engine.options(stream=True).forward.remote(
+                        Routed(uuid.uuid4().hex, target=rid), req
+                    )
+                ]
             except Exception:
                 continue
             texts[rid] = b"".join(c for c in chunks if isinstance(c, bytes)).decode()
@@ -341,8 +396,9 @@ def _response(held: list):
     head = held[0]
     body = b"".join(held[1:])
     resp = Response(body, status_code=head["status"])
-    resp.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]
-                        if k.lower() != "content-length"] + [(b"content-length", str(len(body)).encode())]
+    resp.raw_headers = [
+        (k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"] if k.lower() != "content-length"
+    ] + [(b"content-length", str(len(body)).encode())]
     return resp
 
 
@@ -357,8 +413,7 @@ async def _rest(held: list, stream, routed: Routed, head: dict):
             raise
         TELEMETRY.failed(PLACED.pop(routed.request_id, ""), "failed", routed.request_id)
         if "text/event-stream" in dict((k.lower(), v) for k, v in head["headers"]).get("content-type", ""):
-            yield b"data: " + _error_body("the replica serving this request stopped", "replica_unavailable") \
-                + b"\n\n"
+            yield b"data: " + _error_body("the replica serving this request stopped", "replica_unavailable") + b"\n\n"
 
 
 def _merged(expositions: dict[str, str]) -> bytes:
@@ -383,9 +438,18 @@ def _merged(expositions: dict[str, str]) -> bytes:
 
 
 # -- the application ------------------------------------------------------------------------------------
-def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, threads: int = 1,
-              router: str = ROUTER, router_kwargs: dict | None = None, stats_period: float = 1.0,
-              ingress_cpus: float = 0.0, prefill_tokens_per_s: float = 1000.0, transfer_bytes_per_s: float = 500e6):
+def build_app(
+    config: ServiceConfig,
+    replicas: int,
+    replica_cpus: float = 1.0,
+    threads: int = 1,
+    router: str = ROUTER,
+    router_kwargs: dict | None = None,
+    stats_period: float = 1.0,
+    ingress_cpus: float = 0.0,
+    prefill_tokens_per_s: float = 1000.0,
+    transfer_bytes_per_s: float = 500e6,
+):
     """The Serve application: `replicas` engine replicas behind one ingress. `router`: the request router
     class (import path) of the engine deployment: hyserve's by default (the benchmark compares others).
     A replica fetches a checkpoint from another rather than prefilling its tokens when its bytes at
@@ -393,12 +457,18 @@ def build_app(config: ServiceConfig, replicas: int, replica_cpus: float = 1.0, t
     default: it only routes, and N replicas of one CPU each must fit on an N-CPU machine."""
     max_ongoing = config.max_running + config.max_waiting + 2  # the engine's own queue answers 429 first
     engine = serve.deployment(
-        EngineReplica, name="engine", num_replicas=replicas, max_ongoing_requests=max_ongoing,
+        EngineReplica,
+        name="engine",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": replica_cpus},
-        request_router_config=RequestRouterConfig(request_router_class=router,
-                                                  request_router_kwargs=router_kwargs or {},
-                                                  request_routing_stats_period_s=stats_period),
-        health_check_period_s=5, graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class=router,
+            request_router_kwargs=router_kwargs or {},
+            request_routing_stats_period_s=stats_period,
+        ),
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
     ).bind(config, threads, prefill_tokens_per_s, transfer_bytes_per_s)
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)

@@ -3,8 +3,9 @@ compute (the same `ModelRuntime.render_chat` and `encode`, over the tokenizer al
 look its prefixes up among the replicas' checkpoints. A request it cannot render (invalid, an endpoint
 without a prompt, a prompt longer than the context, one without a valid API key) is routed by load; the
 replica then answers it as a single server would. The API key is checked first: nothing of an
-unauthenticated body is parsed or tokenized. Its work is a replica's: a prompt that cannot fit is refused from its length before tokenizing
-(`prompt_bound`), and the texts kept for reuse are capped in number and bytes (`PrefixEncoder`)."""
+unauthenticated body is parsed or tokenized. Its work is a replica's: a prompt that cannot fit is refused from its
+length before tokenizing (`prompt_bound`), and the texts kept for reuse are capped in number and bytes
+(`PrefixEncoder`)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,16 @@ class PromptKeys:
         context = context_length(AutoConfig.from_pretrained(config.model_dir, local_files_only=True), tokenizer)
         self.config = config
         # the renderer of a loaded runtime, without weights: `render_chat` and `encode` use only these fields
-        self.runtime = ModelRuntime(None, tokenizer, None, config.model_dir, frozenset(), context, threading.Lock(),
-                                    special_tokens_in_content=config.allow_special_tokens_in_content)
+        self.runtime = ModelRuntime(
+            None,
+            tokenizer,
+            None,
+            config.model_dir,
+            frozenset(),
+            context,
+            threading.Lock(),
+            special_tokens_in_content=config.allow_special_tokens_in_content,
+        )
         self.runtime.prompt_encoder = PrefixEncoder(tokenizer, KEPT_TEXTS, self.runtime.escaper, KEPT_BYTES)
 
     def admitted(self, headers: list[tuple[bytes, bytes]]) -> tuple[bool, str | None]:

@@ -11,7 +11,7 @@ import hashlib
 import sys
 import threading
 from array import array
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..state.snapshot import Snapshot
 

@@ -40,8 +40,9 @@ class CheckpointRequestRouter(RequestRouter):
     def replica_ids(self) -> list[str]:
         return sorted(r.unique_id for r in self.curr_replicas)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         key = pending_request.args[0] if pending_request is not None and pending_request.args else None

@@ -12,8 +12,8 @@ from typing import Any
 from .router import RoutingTelemetry
 
 TELEMETRY = RoutingTelemetry()  # this process's routing decisions (the ingress's: its handle routes)
-ROUTERS: "weakref.WeakSet" = weakref.WeakSet()  # the request routers living in this process
-PLACED: "OrderedDict[str, str]" = OrderedDict()  # request id -> the replica it was last sent to (latest 10k)
+ROUTERS: weakref.WeakSet = weakref.WeakSet()  # the request routers living in this process
+PLACED: OrderedDict[str, str] = OrderedDict()  # request id -> the replica it was last sent to (latest 10k)
 
 
 def placed(request_id: str, replica: str) -> None:
@@ -43,5 +43,3 @@ class Routed:
     # that replica, and the checkpoint's length (the chosen replica may fetch it: `transfer`)
     fetch_from: str | None = None
     fetch_tokens: int = 0
-
-

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter as Tally, OrderedDict, deque
+from collections import Counter as Tally
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -131,8 +132,9 @@ class CheckpointRouting:
         if not holders:
             route = Route(by_load, "load", 0, depths, None, dict(loads))
         elif fit:
-            route = Route(fit[0], "checkpoint", depths[fit[0]], depths, holders[0] if fit[0] != holders[0] else None,
-                          dict(loads))
+            route = Route(
+                fit[0], "checkpoint", depths[fit[0]], depths, holders[0] if fit[0] != holders[0] else None, dict(loads)
+            )
         else:
             route = Route(by_load, "load", depths[by_load], depths, holders[0], dict(loads))
         self.sent(route.replica)  # at once: requests chosen together, before Ray reports any as sent, take turns too
@@ -144,20 +146,37 @@ class RoutingTelemetry:
 
     def __init__(self, keep: int = 2000):
         r = self.registry = CollectorRegistry()
-        self.routed = Counter("hyserve_route_requests", "Requests routed to a replica, by why: checkpoint (the "
-                              "deepest exact checkpoint of the prompt), load (none anywhere, or its holder "
-                              "overloaded), or retry (sent again after its replica died)", ["reason"], registry=r)
-        self.depth = Histogram("hyserve_route_checkpoint_tokens", "Tokens of the exact checkpoint the chosen "
-                               "replica holds of the prompt", buckets=_DEPTH_BUCKETS, registry=r)
-        self.overloaded = Counter("hyserve_route_holder_overloaded", "Requests sent away from the replica that "
-                                  "holds their deepest checkpoint because it was overloaded", registry=r)
-        self.replica_failures = Counter("hyserve_route_replica_failures", "Requests whose replica died while "
-                                        "they ran, by outcome (retried, failed)", ["outcome"], registry=r)
+        self.routed = Counter(
+            "hyserve_route_requests",
+            "Requests routed to a replica, by why: checkpoint (the "
+            "deepest exact checkpoint of the prompt), load (none anywhere, or its holder "
+            "overloaded), or retry (sent again after its replica died)",
+            ["reason"],
+            registry=r,
+        )
+        self.depth = Histogram(
+            "hyserve_route_checkpoint_tokens",
+            "Tokens of the exact checkpoint the chosen replica holds of the prompt",
+            buckets=_DEPTH_BUCKETS,
+            registry=r,
+        )
+        self.overloaded = Counter(
+            "hyserve_route_holder_overloaded",
+            "Requests sent away from the replica that holds their deepest checkpoint because it was overloaded",
+            registry=r,
+        )
+        self.replica_failures = Counter(
+            "hyserve_route_replica_failures",
+            "Requests whose replica died while they ran, by outcome (retried, failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.recent: deque[dict] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def decided(self, route: Route, replica: str, request_id: str = "", prompt_tokens: int = 0,
-                retry: bool = False) -> dict:
+    def decided(
+        self, route: Route, replica: str, request_id: str = "", prompt_tokens: int = 0, retry: bool = False
+    ) -> dict:
         """Record that a request went to `replica` (the policy chose `route`; Ray may have sent it elsewhere
         when the chosen one's queue was full)."""
         depth = route.depths.get(replica, 0)
@@ -166,10 +185,17 @@ class RoutingTelemetry:
         self.depth.observe(depth)
         if route.overloaded is not None and route.overloaded != replica:
             self.overloaded.inc()
-        event = {"ts": round(time.time(), 6), "event": "routed", "reason": reason, "replica": replica,
-                 "checkpoint_tokens": depth, "prompt_tokens": prompt_tokens, "request_id": request_id,
-                 "deepest_elsewhere": max((d for r, d in route.depths.items() if r != replica), default=0),
-                 "loads": route.loads}
+        event = {
+            "ts": round(time.time(), 6),
+            "event": "routed",
+            "reason": reason,
+            "replica": replica,
+            "checkpoint_tokens": depth,
+            "prompt_tokens": prompt_tokens,
+            "request_id": request_id,
+            "deepest_elsewhere": max((d for r, d in route.depths.items() if r != replica), default=0),
+            "loads": route.loads,
+        }
         if route.overloaded is not None and route.overloaded != replica:
             event["overloaded"] = route.overloaded
         with self._lock:
@@ -179,8 +205,15 @@ class RoutingTelemetry:
     def failed(self, replica: str, outcome: str, request_id: str = "") -> None:
         self.replica_failures.labels(outcome).inc()
         with self._lock:
-            self.recent.append({"ts": round(time.time(), 6), "event": "replica_failed", "reason": outcome,
-                                "replica": replica, "request_id": request_id})
+            self.recent.append(
+                {
+                    "ts": round(time.time(), 6),
+                    "event": "replica_failed",
+                    "reason": outcome,
+                    "replica": replica,
+                    "request_id": request_id,
+                }
+            )
 
     def events(self, limit: int = 100) -> list[dict]:
         with self._lock:

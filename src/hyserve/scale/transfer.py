@@ -12,8 +12,8 @@ request's restore verifies it against the prompt like any other checkpoint."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -51,8 +51,9 @@ class Transfers:
         rt = service.runtime
         self.fingerprint = fingerprint(rt, template_text(rt.tokenizer))
 
-    def export(self, salt: str, tokens: Sequence[int], deeper_than: int = 0,
-               max_bytes: Callable[[int], int] | None = None) -> Package | None:
+    def export(
+        self, salt: str, tokens: Sequence[int], deeper_than: int = 0, max_bytes: Callable[[int], int] | None = None
+    ) -> Package | None:
         """The deepest exact checkpoint of a prefix of `tokens` this replica holds, packed; None when it holds
         none deeper than `deeper_than` tokens, or when its bytes exceed `max_bytes(tokens it saves)` (then
         prefilling them is cheaper for the asker)."""

@@ -4,7 +4,7 @@ tokens and timings when it ran one. Routes hand those over through the request's
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from ..engine import Failed, Finished, GenerationRequest
 from ..logs import log_access
@@ -30,15 +30,23 @@ async def track(scope: dict, req: GenerationRequest, items: AsyncIterator[object
 def generation_fields(scope: dict) -> dict:
     """Request id, tokens, TTFT (s), decode speed (tokens/s after the first) and finish reason; None
     for what the request never reached."""
-    fields = {"id": scope.get(REQUEST_ID), "prompt_tokens": None, "cached_tokens": None,
-              "generated_tokens": None, "ttft_s": None, "decode_tok_s": None, "finish": None}
+    fields = {
+        "id": scope.get(REQUEST_ID),
+        "prompt_tokens": None,
+        "cached_tokens": None,
+        "generated_tokens": None,
+        "ttft_s": None,
+        "decode_tok_s": None,
+        "finish": None,
+    }
     item, elapsed = scope.get(OUTCOME, (None, None))
     if isinstance(item, Failed):
         fields["finish"] = "error"
     elif isinstance(item, Finished):
         n = len(item.token_ids)
-        fields.update(prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens, generated_tokens=n,
-                      finish=item.reason)
+        fields.update(
+            prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens, generated_tokens=n, finish=item.reason
+        )
         if item.ttft is not None:
             fields["ttft_s"] = round(item.ttft, 3)
             decoding = elapsed - item.ttft
@@ -70,5 +78,11 @@ class AccessLogMiddleware:
             client = scope.get("client")
             fields = generation_fields(scope) if scope.get(REQUEST_ID) else {}
             fields["duration_s"] = round(time.perf_counter() - start, 3)
-            log_access(f"{client[0]}:{client[1]}" if client else "-", scope.get("method", "-"), scope.get("path", ""),
-                       scope.get("http_version", "1.1"), status, fields)
+            log_access(
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope.get("method", "-"),
+                scope.get("path", ""),
+                scope.get("http_version", "1.1"),
+                status,
+                fields,
+            )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from ..engine import GenerationRequest
 
@@ -21,9 +21,15 @@ def siblings(req: GenerationRequest, n: int) -> list[GenerationRequest]:
         seed = req.sampling.seed
         if seed is not None:
             seed = seed + i if seed + i < SEED_SPAN else seed + i - SEED_SPAN
-        out.append(dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=seed),
-                                       prefill_from=req, request_id=f"{req.request_id}-{i}",
-                                       cancelled=threading.Event()))
+        out.append(
+            dataclasses.replace(
+                req,
+                sampling=dataclasses.replace(req.sampling, seed=seed),
+                prefill_from=req,
+                request_id=f"{req.request_id}-{i}",
+                cancelled=threading.Event(),
+            )
+        )
     return out
 
 

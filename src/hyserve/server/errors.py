@@ -13,8 +13,14 @@ log = logging.getLogger("hyserve.http")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -39,9 +45,16 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 ANTHROPIC_PATH = "/v1/messages"  # its routes answer in Anthropic's shape: {"type": "error", "error": {...}}
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                   503: "overloaded_error"}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_body(status: int, message: str) -> dict:
@@ -49,8 +62,14 @@ def anthropic_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": _text(message)}}
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None, path: str = "") -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    path: str = "",
+) -> JSONResponse:
     if path.startswith(ANTHROPIC_PATH):
         return JSONResponse(anthropic_body(status, message), status_code=status)
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
@@ -85,8 +104,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind, code=getattr(exc, "code", None),
-                              path=request.url.path)
+        return error_response(
+            exc.status_code, str(exc.detail), kind, code=getattr(exc, "code", None), path=request.url.path
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -64,8 +64,13 @@ class ChoiceFormat(Format):
         self.tokenizer = tokenizer  # for logprobs: each token's text
 
     def _envelope(self, choices: list, obj: str | None = None) -> dict:
-        return {"id": self.id, "object": obj or self.object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj or self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage_chunks(self, usage: dict) -> list[dict]:
         return [{**self._envelope([]), "usage": usage}]
@@ -96,17 +101,23 @@ class ChatFormat(ChoiceFormat):
         self.turn = turn
         self.reader = turn.reader()
 
-    def _chunk(self, delta: dict, finish: str | None = None, ids: list[int] | None = None,
-               logprobs: dict | None = None) -> dict:
-        return self._envelope([self._ids({"index": self.index, "delta": delta, "logprobs": logprobs,
-                                          "finish_reason": finish}, ids)])
+    def _chunk(
+        self, delta: dict, finish: str | None = None, ids: list[int] | None = None, logprobs: dict | None = None
+    ) -> dict:
+        return self._envelope(
+            [self._ids({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}, ids)]
+        )
 
     def _logprobs(self, entries: list | None) -> dict | None:
         """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}."""
         if entries is None:
             return None
-        return {"content": [{**self._one(t, lp), "top_logprobs": [self._one(i, v) for i, v in top]}
-                            for t, lp, top in entries], "refusal": None}
+        return {
+            "content": [
+                {**self._one(t, lp), "top_logprobs": [self._one(i, v) for i, v in top]} for t, lp, top in entries
+            ],
+            "refusal": None,
+        }
 
     def _one(self, token: int, logprob: float) -> dict:
         text = self._text(token)
@@ -120,23 +131,32 @@ class ChatFormat(ChoiceFormat):
         if not deltas and ((self.token_ids and ids) or logprobs):
             deltas = [{}]  # the ids and logprobs of text held back still go out with their step
         lps = self._logprobs(logprobs)
-        return [self._chunk(d, ids=ids if i == 0 else [], logprobs=lps if i == 0 else None)
-                for i, d in enumerate(deltas)]
+        return [
+            self._chunk(d, ids=ids if i == 0 else [], logprobs=lps if i == 0 else None) for i, d in enumerate(deltas)
+        ]
 
     def delta(self, d: Delta) -> list[dict]:
         return self._chunks(self.reader.feed(d.text), d.token_ids, d.logprobs)
 
     def final(self, fin: Finished) -> list[dict]:
         return self._chunks(self.reader.finish(), None) + [
-            self._chunk({}, _finish(fin, self.reader.calls > 0), [] if self.token_ids else None)]
+            self._chunk({}, _finish(fin, self.reader.calls > 0), [] if self.token_ids else None)
+        ]
 
     def choice(self, fin: Finished) -> dict:
         reply = self.turn.parse(fin.text)
         message = {**assistant_message(reply), "refusal": None}  # required (nullable): hyserve never refuses
         if reply.reasoning is not None:
             message["reasoning"] = reply.reasoning  # the name vLLM uses now, next to `reasoning_content`
-        return self._ids({"index": self.index, "message": message, "logprobs": self._logprobs(fin.logprobs),
-                          "finish_reason": _finish(fin, bool(reply.tool_calls))}, fin.token_ids)
+        return self._ids(
+            {
+                "index": self.index,
+                "message": message,
+                "logprobs": self._logprobs(fin.logprobs),
+                "finish_reason": _finish(fin, bool(reply.tool_calls)),
+            },
+            fin.token_ids,
+        )
 
 
 def _deltas(ev) -> list[dict]:
@@ -147,8 +167,11 @@ def _deltas(ev) -> list[dict]:
     assert isinstance(ev, CallEvent)
     call = ev.call
     return [  # the call's id and name first, then its arguments, as OpenAI streams them
-        {"tool_calls": [{"index": ev.index, "id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {"index": ev.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            ]
+        },
         {"tool_calls": [{"index": ev.index, "function": {"arguments": call.arguments}}]},
     ]
 

@@ -5,7 +5,7 @@ stream, or one JSON body once every choice has finished. `body.n` choices share 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -28,8 +28,15 @@ class Generation:
     """`req` and its n - 1 siblings in the engine, each with its `Format` (`make_format()` per choice);
     `endpoint` labels the metrics and the ignored-fields log line."""
 
-    def __init__(self, service: Service, endpoint: str, body: SamplingFields, req: GenerationRequest,
-                 request: Request, make_format: Callable[[], Format]):
+    def __init__(
+        self,
+        service: Service,
+        endpoint: str,
+        body: SamplingFields,
+        req: GenerationRequest,
+        request: Request,
+        make_format: Callable[[], Format],
+    ):
         self.service, self.endpoint, self.body, self.request = service, endpoint, body, request
         self.reqs = siblings(req, body.n)
         self.formats = [make_format() for _ in self.reqs]
@@ -52,7 +59,7 @@ class Generation:
         except QueueFull as exc:
             self.cancel()
             self.count("rejected")
-            raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+            raise APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded") from exc
         items = merged(streams)
         if self.body.stream:
             return EventSourceResponse(self.events(items), ping=PING_SECONDS, headers=self.headers)
@@ -120,8 +127,13 @@ class Generation:
             raise APIError(500, failed.message if failed else "generation failed", "server_error")
         if any(r.reason == "timeout" for r in results):
             self.count("timeout")
-            raise APIError(408, f"request timed out after {self.service.config.request_timeout} s", "timeout", None,
-                           "request_timeout")
+            raise APIError(
+                408,
+                f"request timed out after {self.service.config.request_timeout} s",
+                "timeout",
+                None,
+                "request_timeout",
+            )
         self.count("cancelled" if any(r.reason == "cancelled" for r in results) else "ok")
         return self.formats[0].response(results, self.formats)
 

@@ -61,10 +61,14 @@ def cache_scope(scope, cfg: ServiceConfig) -> str | None:
     return key_tenant(key if cfg.api_keys else None)
 
 
-async def send_error(send, status: int, message: str, type_: str, code: str | None, close: bool = False,
-                     path: str = "") -> None:
-    shaped = anthropic_body(status, message) if path.startswith(ANTHROPIC_PATH) else \
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}
+async def send_error(
+    send, status: int, message: str, type_: str, code: str | None, close: bool = False, path: str = ""
+) -> None:
+    shaped = (
+        anthropic_body(status, message)
+        if path.startswith(ANTHROPIC_PATH)
+        else {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    )
     body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
@@ -88,17 +92,25 @@ class GuardMiddleware:
         if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.service.draining:
-            return await send_error(send, 503, "server is shutting down", "server_error", "shutting_down",
-                                     close=True, path=path)
+            return await send_error(
+                send, 503, "server is shutting down", "server_error", "shutting_down", close=True, path=path
+            )
         scope[API_KEY] = key = matching_key(bearer(scope), cfg)
         if cfg.api_keys and key is None:  # every route but the probes, /openapi.json too
-            return await send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer "
-                                     "<key>'", "invalid_request_error", "invalid_api_key", path=path)
+            return await send_error(
+                send,
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                "invalid_request_error",
+                "invalid_api_key",
+                path=path,
+            )
         limit = cfg.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await send_error(send, 413, f"request body over {limit} bytes", "invalid_request_error",
-                                         BodyTooLarge.code, path=path)
+                return await send_error(
+                    send, 413, f"request body over {limit} bytes", "invalid_request_error", BodyTooLarge.code, path=path
+                )
         seen = 0
 
         async def limited_receive():

@@ -23,8 +23,9 @@ def _reason(finish: str | None) -> str | None:
 
 
 class LegacyFunctionsFormat(ChatFormat):
-    def _chunk(self, delta: dict, finish: str | None = None, ids: list[int] | None = None,
-               logprobs: dict | None = None) -> dict:
+    def _chunk(
+        self, delta: dict, finish: str | None = None, ids: list[int] | None = None, logprobs: dict | None = None
+    ) -> dict:
         return super()._chunk(_legacy(delta), _reason(finish), ids, logprobs)
 
     def choice(self, fin: Finished) -> dict:

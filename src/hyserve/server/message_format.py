@@ -32,8 +32,10 @@ def _input(arguments: str) -> dict:
 def content_blocks(reply: ParsedReply) -> list[dict]:
     out = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
     out += [{"type": "text", "text": reply.content}] if reply.content else []
-    return out + [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input(c.arguments)}
-                  for c in reply.tool_calls]
+    return out + [
+        {"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input(c.arguments)}
+        for c in reply.tool_calls
+    ]
 
 
 class MessagesFormat(Format):
@@ -60,8 +62,16 @@ class MessagesFormat(Format):
         return [anthropic_body(408 if type_ == "timeout" else 503 if code == SHUTTING_DOWN else 500, message)]
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage,
+        }
 
     def _start(self, cached: int) -> list[dict]:
         """message_start, once, with the usage split the final one has (Anthropic's: input_tokens excludes
@@ -79,8 +89,10 @@ class MessagesFormat(Format):
         events = self._start(fin.cached_tokens)
         events += [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
         reason, seq = self.stop(fin, self.calls)
-        return events + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                          "usage": usage_of(fin)}, {"type": "message_stop"}]
+        return events + [
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage_of(fin)},
+            {"type": "message_stop"},
+        ]
 
     def response(self, fins: list[Finished], formats: list[Format]) -> dict:
         fin = fins[0]
@@ -103,18 +115,28 @@ class MessagesFormat(Format):
             block = {"type": "tool_use", "id": _tool_id(ev.call.id), "name": ev.call.name, "input": {}}
             return closed + [
                 {"type": "content_block_start", "index": idx, "content_block": block},
-                {"type": "content_block_delta", "index": idx,
-                 "delta": {"type": "input_json_delta", "partial_json": json.dumps(_input(ev.call.arguments))}},
-                {"type": "content_block_stop", "index": idx}]
+                {
+                    "type": "content_block_delta",
+                    "index": idx,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(_input(ev.call.arguments))},
+                },
+                {"type": "content_block_stop", "index": idx},
+            ]
         kind = "thinking" if ev.channel == "reasoning" else "text"
         events = self._close() if self.open not in (None, kind) else []
         if self.open is None:
             self.open, self.blocks = kind, self.blocks + 1
-            start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                {"type": "text", "text": ""}
+            start = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
             events.append({"type": "content_block_start", "index": self.blocks - 1, "content_block": start})
-        delta = {"type": "thinking_delta", "thinking": ev.text} if kind == "thinking" else \
-            {"type": "text_delta", "text": ev.text}
+        delta = (
+            {"type": "thinking_delta", "thinking": ev.text}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": ev.text}
+        )
         return events + [{"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}]
 
     def _close(self) -> list[dict]:
@@ -122,15 +144,19 @@ class MessagesFormat(Format):
             return []
         events = []
         if self.open == "thinking":
-            events.append({"type": "content_block_delta", "index": self.blocks - 1,
-                           "delta": {"type": "signature_delta", "signature": ""}})
+            events.append(
+                {
+                    "type": "content_block_delta",
+                    "index": self.blocks - 1,
+                    "delta": {"type": "signature_delta", "signature": ""},
+                }
+            )
         self.open = None
         return events + [{"type": "content_block_stop", "index": self.blocks - 1}]
 
 
 def input_usage(prompt_tokens: int, cached: int) -> dict:
-    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def usage_of(fin: Finished) -> dict:

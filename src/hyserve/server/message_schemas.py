@@ -5,7 +5,7 @@ tool calls (`input` as JSON arguments), each `tool_result` as a tool message. To
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,7 +16,7 @@ from .schemas import SamplingFields, stop_list
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["user", "assistant"]
-    content: Union[str, list[dict[str, Any]]]
+    content: str | list[dict[str, Any]]
 
 
 class AnthropicTool(BaseModel):
@@ -37,7 +37,7 @@ class AnthropicToolChoice(BaseModel):
 class MessagesRequest(SamplingFields):
     max_tokens: int = Field(gt=0)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[dict[str, Any]], None] = None
+    system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     stop_sequences: list[str] | None = None
@@ -148,8 +148,13 @@ def _assistant(blocks: list, param: str) -> dict:
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use" and isinstance(b.get("id"), str) and isinstance(b.get("name"), str):
-            msg.setdefault("tool_calls", []).append({"id": b["id"], "type": "function", "function": {
-                "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            msg.setdefault("tool_calls", []).append(
+                {
+                    "id": b["id"],
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)},
+                }
+            )
         else:
             raise APIError(400, f"{param}.{j}: unsupported assistant content block {kind!r}", param=f"{param}.{j}")
     return msg

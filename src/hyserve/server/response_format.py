@@ -22,18 +22,34 @@ def _id(prefix: str) -> str:
 
 
 def reasoning_item(text: str, rid: str | None = None, status: str = "completed") -> dict:
-    return {"id": rid or _id("rs"), "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+    return {
+        "id": rid or _id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "status": status,
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+    }
 
 
 def message_item(text: str, mid: str | None = None, status: str = "completed") -> dict:
-    return {"id": mid or _id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []}
+    return {
+        "id": mid or _id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else [],
+    }
 
 
 def call_item(call, arguments: str | None = None, status: str = "completed") -> dict:
-    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+    return {
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": status,
+    }
 
 
 def output_items(reply: ParsedReply) -> list[dict]:
@@ -73,8 +89,9 @@ class ResponsesFormat(Format):
     def final(self, fin: Finished) -> list[dict]:
         events = [e for ev in self.reader.finish() for e in self._stream(ev)] + self._close()
         resp = self.finished(fin, self.output)
-        return events + [self._ev("response.completed" if resp["status"] == "completed" else "response.incomplete",
-                                  response=resp)]
+        return events + [
+            self._ev("response.completed" if resp["status"] == "completed" else "response.incomplete", response=resp)
+        ]
 
     def failure(self, message: str, type_: str, code: str | None) -> list[dict]:
         """`response.failed`, whose response holds the items streamed so far (the open one incomplete)."""
@@ -97,11 +114,21 @@ class ResponsesFormat(Format):
             closed = self._close()  # the open text item first: its events come before this call's
             return closed + [
                 self._ev("response.output_item.added", output_index=idx, item=item),
-                self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                         delta=ev.call.arguments),
-                self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                         name=ev.call.name, arguments=ev.call.arguments),
-                self._ev("response.output_item.done", output_index=idx, item=done)]
+                self._ev(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=idx,
+                    delta=ev.call.arguments,
+                ),
+                self._ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    name=ev.call.name,
+                    arguments=ev.call.arguments,
+                ),
+                self._ev("response.output_item.done", output_index=idx, item=done),
+            ]
         kind = "reasoning" if ev.channel == "reasoning" else "message"
         events = []
         if self.open is not None and self.open["item"]["type"] != kind:
@@ -124,9 +151,16 @@ class ResponsesFormat(Format):
         idx = len(self.output)
         self.open = {"item": item, "text": "", "index": idx}
         self.output.append(item)  # replaced by the finished item on close
-        return [self._ev("response.output_item.added", output_index=idx, item=item),
-                self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                         part=self._part(kind, ""))]
+        return [
+            self._ev("response.output_item.added", output_index=idx, item=item),
+            self._ev(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=idx,
+                content_index=0,
+                part=self._part(kind, ""),
+            ),
+        ]
 
     def _close(self) -> list[dict]:
         if self.open is None:
@@ -138,10 +172,17 @@ class ResponsesFormat(Format):
         self.output[idx] = done
         name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
         extra = {} if kind == "reasoning" else {"logprobs": []}
-        return [self._ev(name, item_id=item["id"], output_index=idx, content_index=0, text=text, **extra),
-                self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                         part=self._part(kind, text)),
-                self._ev("response.output_item.done", output_index=idx, item=done)]
+        return [
+            self._ev(name, item_id=item["id"], output_index=idx, content_index=0, text=text, **extra),
+            self._ev(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=idx,
+                content_index=0,
+                part=self._part(kind, text),
+            ),
+            self._ev("response.output_item.done", output_index=idx, item=done),
+        ]
 
     # -- the response object --------------------------------------------------------------------------------
     def finished(self, fin: Finished, output: list[dict]) -> dict:
@@ -154,17 +195,29 @@ class ResponsesFormat(Format):
         """The response object as it stands (`fin`: the finished generation, None before it)."""
         b = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if fin and fin.reason == "length" else None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
-            "output": output, "parallel_tool_calls": b.parallel_tool_calls,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
-            "reasoning": b.reasoning.model_dump() if b.reasoning else None, "store": b.store,
-            "temperature": b.temperature, "text": b.text_options(),
-            "tool_choice": b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
+            "reasoning": b.reasoning.model_dump() if b.reasoning else None,
+            "store": b.store,
+            "temperature": b.temperature,
+            "text": b.text_options(),
+            "tool_choice": b.tool_choice.model_dump()
+            if hasattr(b.tool_choice, "model_dump")
             else (b.tool_choice or "auto"),
-            "tools": [echoed_tool(t) for t in b.tools or []], "top_p": b.top_p, "truncation": "disabled",
+            "tools": [echoed_tool(t) for t in b.tools or []],
+            "top_p": b.top_p,
+            "truncation": "disabled",
             "usage": response_usage(fin, reasoning_tokens(self.turn, self.decode, fin.token_ids)) if fin else None,
         }
 
@@ -199,7 +252,10 @@ def response_usage(fin: Finished, reasoning: int = 0) -> dict:
     out = len(fin.token_ids)
     # cache_write_tokens: required; hyserve records its checkpoints as a side effect and counts no input as
     # written (as /v1/messages reports cache_creation_input_tokens: 0)
-    return {"input_tokens": fin.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": fin.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": fin.prompt_tokens + out}
+    return {
+        "input_tokens": fin.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": fin.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": fin.prompt_tokens + out,
+    }

@@ -7,12 +7,12 @@ tools are flat here (`{"type": "function", "name", ...}`) and nested in chat (`{
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import APIError
 from ..grammar import Spec
+from .errors import APIError
 from .schemas import Effort, SamplingFields, thinking_options
 from .structured import format_spec
 
@@ -54,11 +54,11 @@ class TextOptions(BaseModel):
 
 
 class ResponsesRequest(SamplingFields):
-    input: Union[str, list[dict[str, Any]]] = Field(min_length=1)
+    input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, gt=0)
     tools: list[ResponseTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
@@ -82,8 +82,9 @@ class ResponsesRequest(SamplingFields):
         out = []
         for i, t in enumerate(self.tools or []):
             if t.type != "function" or not t.name:
-                raise APIError(400, f"only function tools are supported (tools[{i}] is {t.type!r})",
-                               param=f"tools[{i}]")
+                raise APIError(
+                    400, f"only function tools are supported (tools[{i}] is {t.type!r})", param=f"tools[{i}]"
+                )
             fn = {"name": t.name, "description": t.description, "parameters": t.parameters, "strict": t.strict}
             out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
         return out or None
@@ -116,8 +117,9 @@ def _text(content, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            raise APIError(400, f"this server is text-only: content part type {kind!r} is not supported",
-                           param=f"{param}[{j}]")
+            raise APIError(
+                400, f"this server is text-only: content part type {kind!r} is not supported", param=f"{param}[{j}]"
+            )
         if not isinstance(part.get("text"), str):
             raise APIError(400, "a text part needs a string `text`", param=f"{param}[{j}].text")
         out.append(part["text"])
@@ -151,8 +153,11 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
         elif kind == "function_call":
-            call = {"id": _field(item, "call_id", param), "type": "function",
-                    "function": {"name": _field(item, "name", param), "arguments": _field(item, "arguments", param)}}
+            call = {
+                "id": _field(item, "call_id", param),
+                "type": "function",
+                "function": {"name": _field(item, "name", param), "arguments": _field(item, "arguments", param)},
+            }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
                 last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
@@ -162,8 +167,13 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                     out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": _field(item, "call_id", param),
-                        "content": _text(output, f"{param}.output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _field(item, "call_id", param),
+                    "content": _text(output, f"{param}.output"),
+                }
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = _text(parts, f"{param}.content")

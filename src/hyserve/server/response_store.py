@@ -29,8 +29,16 @@ class ResponseStore:
         self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, tenant: str, rid: str, tokens: list[int], response: dict, instructions: str | None,
-            messages: list[dict] | None = None, tools: list[dict] | None = None) -> bool:
+    def put(
+        self,
+        tenant: str,
+        rid: str,
+        tokens: list[int],
+        response: dict,
+        instructions: str | None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+    ) -> bool:
         """Keep a response; False when it alone is over the budget (it is then not stored)."""
         nbytes = TOKEN_BYTES * len(tokens) + len(json.dumps(response)) + len(instructions or "")
         nbytes += len(json.dumps([messages, tools], default=str))

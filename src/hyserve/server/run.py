@@ -50,8 +50,13 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # uvicorn logs no address for sockets handed to it
             rt, host = self.service.runtime, self.config.host
-            log.info("serving %s (%s) on http://%s:%d/v1 (Ctrl-C to stop)", self.service.model_name,
-                     rt.model.config.model_type, f"[{host}]" if ":" in host else host, self.config.port)
+            log.info(
+                "serving %s (%s) on http://%s:%d/v1 (Ctrl-C to stop)",
+                self.service.model_name,
+                rt.model.config.model_type,
+                f"[{host}]" if ":" in host else host,
+                self.config.port,
+            )
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit:
@@ -66,9 +71,13 @@ class DrainingServer(uvicorn.Server):
         deadline = None if budget is None else loop.time() + budget
         waiting = self.service.inflight
         if waiting:
-            log.info("%s: finishing %d request(s) in flight, for at most %s (--graceful-shutdown); new requests "
-                     "get 503. Ctrl-C (or another SIGTERM) exits at once", self.stop_reason or "stopping", waiting,
-                     "ever" if budget is None else f"{budget:g} s")
+            log.info(
+                "%s: finishing %d request(s) in flight, for at most %s (--graceful-shutdown); new requests "
+                "get 503. Ctrl-C (or another SIGTERM) exits at once",
+                self.stop_reason or "stopping",
+                waiting,
+                "ever" if budget is None else f"{budget:g} s",
+            )
         else:
             log.info("%s: no request in flight, stopping", self.stop_reason or "stopping")
         while self.service.inflight and not self.force_exit and (deadline is None or loop.time() < deadline):
@@ -103,8 +112,9 @@ class CutOffQuietly:
             nonlocal started, complete, events
             if message["type"] == "http.response.start":
                 started = True
-                events = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                             for k, v in message.get("headers", ()))
+                events = any(
+                    k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message.get("headers", ())
+                )
             complete = complete or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
 
@@ -150,8 +160,9 @@ def draining_server(service: Service, host: str, port: int, graceful_seconds: fl
     AppStatus.disable_automatic_graceful_drain()
     # log_config=None: the CLI has set logging up (`logs.configure`); hyserve writes the access lines
     app = CutOffQuietly(create_app(service), service)
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=graceful_seconds)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=graceful_seconds
+    )
     return DrainingServer(config, service)
 
 
@@ -171,8 +182,9 @@ class BackgroundServer:
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int | None = None):
         self.service = service
         self.host, self.port = host, port or free_port()
-        config = uvicorn.Config(create_app(service), host=self.host, port=self.port, log_level="warning",
-                                lifespan="off")
+        config = uvicorn.Config(
+            create_app(service), host=self.host, port=self.port, log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="hyserve-uvicorn", daemon=True)
 
@@ -180,7 +192,7 @@ class BackgroundServer:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         self.thread.start()
         deadline = time.time() + 30
         while not self.server.started:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -32,7 +32,7 @@ class TextPart(BaseModel):
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str = Field(min_length=1)
-    arguments: Union[str, dict[str, Any]] = "{}"  # the API's type is a JSON string; a mapping is accepted too
+    arguments: str | dict[str, Any] = "{}"  # the API's type is a JSON string; a mapping is accepted too
 
 
 class MessageToolCall(BaseModel):
@@ -49,15 +49,18 @@ def text_only(content):
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise PydanticCustomError("text_only", "this server is text-only: content part type {kind} is not "
-                                          "supported (only text parts are)", {"kind": repr(kind), "part": j})
+                raise PydanticCustomError(
+                    "text_only",
+                    "this server is text-only: content part type {kind} is not supported (only text parts are)",
+                    {"kind": repr(kind), "part": j},
+                )
     return content
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the legacy tool
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     function_call: ToolCallFunction | None = None  # assistant messages: the legacy (deprecated) form of a call
@@ -127,15 +130,16 @@ class SamplingFields(StructuredFields):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)  # 0 or -1: off
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: Union[str, list[str], None] = Field(default=None, validate_default=True)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices, sharing one prefill
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
-                                      allow_inf_nan=False)  # vLLM extension
+    repetition_penalty: float = Field(
+        default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0, allow_inf_nan=False
+    )  # vLLM extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension
     stop_token_ids: list[int] | None = None  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
@@ -195,9 +199,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     tools: list[ToolDefinition] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[FunctionDefinition] | None = Field(default=None, min_length=1)  # deprecated `tools`
-    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None  # deprecated `tool_choice`
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # deprecated `tool_choice`
     parallel_tool_calls: bool = True
     reasoning_effort: Effort | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra chat-template variables
@@ -247,7 +251,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int]]
+    prompt: str | list[int]
     max_tokens: int | None = Field(default=16, gt=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

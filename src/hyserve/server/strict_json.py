@@ -15,8 +15,10 @@ from fastapi.routing import APIRoute
 
 # an escaped high surrogate not followed by a low one, or a low one not preceded by a high one: a cheap
 # filter on the raw bytes, so that only suspect bodies are decoded twice
-_LONE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-                   rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_LONE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
 
 
 def _encodable(s: str) -> bool:
@@ -57,8 +59,16 @@ class StrictJSONRoute(APIRoute):
                 except (ValueError, RecursionError):
                     path = None  # not JSON FastAPI can read: its own parsing answers that
                 if path is not None:
-                    raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *path),
-                                                   "msg": "text holds a lone UTF-16 surrogate", "input": None}])
+                    raise RequestValidationError(
+                        [
+                            {
+                                "type": "string_unicode",
+                                "loc": ("body", *path),
+                                "msg": "text holds a lone UTF-16 surrogate",
+                                "input": None,
+                            }
+                        ]
+                    )
             return await handler(request)
 
         return checked

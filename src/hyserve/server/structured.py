@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,7 +30,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` (its `guided_*` fields grouped): set exactly one."""
 
     model_config = ConfigDict(extra="allow")
-    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = None
@@ -42,7 +42,7 @@ class StructuredFields(BaseModel):
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: Union[dict[str, Any], str, None] = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
@@ -64,7 +64,7 @@ def _schema(value, param: str) -> str:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise APIError(400, f"{param} is not valid JSON: {exc}", param=param)
+            raise APIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(value, (dict, bool)):
         raise APIError(400, f"{param} must be a JSON schema (an object)", param=param)
     return json.dumps(value)
@@ -85,11 +85,19 @@ def constraint_of(body: StructuredFields) -> Spec | None:
     """The request's one constraint, or None. Two at once (say response_format and guided_regex) is a 400."""
     found: list[Spec] = body.format_specs()
     so = body.structured_outputs
-    fields = [("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
-              ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar)]
+    fields = [
+        ("guided_json", body.guided_json),
+        ("guided_regex", body.guided_regex),
+        ("guided_choice", body.guided_choice),
+        ("guided_grammar", body.guided_grammar),
+    ]
     if so is not None:
-        fields += [("structured_outputs.json", so.json_), ("structured_outputs.regex", so.regex),
-                   ("structured_outputs.choice", so.choice), ("structured_outputs.grammar", so.grammar)]
+        fields += [
+            ("structured_outputs.json", so.json_),
+            ("structured_outputs.regex", so.regex),
+            ("structured_outputs.choice", so.choice),
+            ("structured_outputs.grammar", so.grammar),
+        ]
         if so.json_object:
             found.append(Spec("json", ANY_OBJECT, "structured_outputs.json_object"))
     for param, value in fields:
@@ -103,6 +111,9 @@ def constraint_of(body: StructuredFields) -> Spec | None:
         else:
             found.append(Spec(kind, value, param))
     if len(found) > 1:
-        raise APIError(400, f"set one structured-output constraint, not {len(found)}: "
-                            + ", ".join(s.param for s in found), param=found[1].param)
+        raise APIError(
+            400,
+            f"set one structured-output constraint, not {len(found)}: " + ", ".join(s.param for s in found),
+            param=found[1].param,
+        )
     return found[0] if found else None

@@ -24,8 +24,10 @@ class GrowingKV:
     def update(self, key_states, value_states, *args, **kwargs):
         n, k = self.keys.shape[-2], key_states.shape[-2]
         if n + k > self._k.shape[-2]:
-            grow = lambda t: torch.cat([t[:, :, :n], t.new_zeros((*t.shape[:2], k + max(SPARE, n // 4), t.shape[3]))],
-                                       dim=-2)  # noqa: E731
+
+            def grow(t):
+                return torch.cat([t[:, :, :n], t.new_zeros((*t.shape[:2], k + max(SPARE, n // 4), t.shape[3]))], dim=-2)
+
             self._k, self._v = grow(self._k), grow(self._v)
         self._k[:, :, n : n + k] = key_states
         self._v[:, :, n : n + k] = value_states
@@ -54,7 +56,7 @@ def left_padded(rows, name: str, longest: int, room: int = 0) -> torch.Tensor:
     `longest` (the `room` rows all zero: padding): one copy."""
     first = getattr(rows[0], name)
     out = first.new_empty((len(rows) + room, first.shape[1], longest + SPARE, first.shape[3]))
-    out[len(rows):, :, :longest].zero_()
+    out[len(rows) :, :, :longest].zero_()
     for i, r in enumerate(rows):
         t = getattr(r, name)
         n = t.shape[-2]

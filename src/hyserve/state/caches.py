@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import mmap
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -58,8 +58,11 @@ def clone_cache(cache_or_layer, share_kv: bool = False, packed: bool = False, le
 
     `leave_out`: tensors the copy holds None in place of (the KV a snapshot keeps in segments, `kv_chain`)."""
     left = {id(t) for t in leave_out}
-    shared = ({id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer])
-               for t in (kind(layer).kv(layer) or ())} if share_kv else set())
+    shared = (
+        {id(t) for layer in getattr(cache_or_layer, "layers", [cache_or_layer]) for t in (kind(layer).kv(layer) or ())}
+        if share_kv
+        else set()
+    )
     tensors = {id(t): t for t in cache_tensors(cache_or_layer) if id(t) not in left}  # each once
     cpu = [t for i, t in tensors.items() if packed and i not in shared and t.device.type == "cpu"]
     memo = dict(zip(map(id, cpu), packed_clones(cpu)))

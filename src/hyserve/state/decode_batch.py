@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -93,10 +93,10 @@ def place(batch: DecodeBatch, states: Sequence[LiveState], room: int = 0) -> lis
     finished). Gathered afresh when a state still alive is not among `states` (a pass updates every
     row's conv and recurrent states in place, which that state may view), when a joining request's KV
     is longer than the batch is wide or no row is free for it, when more than a quarter of the rows
-    would idle (beyond `room`, the rows kept for requests about to join), or when more than a third of the batch's width (and more than SPARE columns) is left
-    padding in every row. Every row is right-aligned at the width, which grows by one column a pass, so
-    under a steady load, where requests keep joining the rows of finished ones and the batch is never
-    gathered for another reason, the width would grow without end: the batch's memory and every pass's
+    would idle (beyond `room`, the rows kept for requests about to join), or when more than a third of the batch's width
+    (and more than SPARE columns) is left padding in every row. Every row is right-aligned at the width, which grows by
+    one column a pass, so under a steady load, where requests keep joining the rows of finished ones and the batch is
+    never gathered for another reason, the width would grow without end: the batch's memory and every pass's
     attention with it (`benchmarks/bench_load.py`'s soak shows whether it stays bounded)."""
     owners = [ref() if ref is not None else None for ref in batch.owners]
     row_of = {id(o): r for r, o in enumerate(owners) if o is not None}

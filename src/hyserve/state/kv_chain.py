@@ -5,8 +5,8 @@ reply). A standalone copy of the state at each would hold all the attention KV b
 and KV grows with every token where a recurrent state does not: at long contexts it is most of a copy.
 Instead a snapshot holds its recurrent/conv state (fixed size) and a `KVSegment`: the KV of the tokens
 since the nearest checkpoint above it on the same path, linked to that checkpoint's segment (its
-`parent`). Python references keep a segment alive exactly while a checkpoint, a descendant's chain, or a write to the disk
-tier still needs it; `PrefixTree` counts each segment's bytes once.
+`parent`). Python references keep a segment alive exactly while a checkpoint, a descendant's chain, or a write to the
+disk tier still needs it; `PrefixTree` counts each segment's bytes once.
 
 Exactness: a new segment is linked to an ancestor's chain only when the live state's KV over the
 ancestor's tokens is bit for bit the chain's (compared as integers: -0.0 differs from 0.0, and a NaN

@@ -15,12 +15,12 @@ class KVSegment:
 
     __slots__ = ("start", "end", "layers", "parent", "depth", "nbytes", "__weakref__")
 
-    def __init__(self, start: int, end: int, layers: tuple[KV | None, ...], parent: "KVSegment | None"):
+    def __init__(self, start: int, end: int, layers: tuple[KV | None, ...], parent: KVSegment | None):
         self.start, self.end, self.layers, self.parent = start, end, layers, parent
         self.depth = parent.depth + 1 if parent is not None else 1
         self.nbytes = tensors_nbytes(t for kv in layers if kv is not None for t in kv)
 
-    def chain(self) -> list["KVSegment"]:
+    def chain(self) -> list[KVSegment]:
         """This segment and its ancestors, the first tokens first."""
         out, seg = [], self
         while seg is not None:

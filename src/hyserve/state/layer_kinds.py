@@ -33,10 +33,15 @@ new kind of layer is a class here and a line in `kind`. The operations:
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from .batch_layers import GrowingHybridLayer, GrowingLayer, left_padded
 
@@ -102,8 +107,9 @@ class LayerKind:
     def put_back(self, layers: list, index: int, saved) -> None:
         """Put back what `save` took from `layers[index]`."""
 
-    def at_prefix(self, layer, length: int, captured: Iterator[tuple[torch.Tensor, torch.Tensor]],
-                  memo: dict[int, object]) -> bool:
+    def at_prefix(
+        self, layer, length: int, captured: Iterator[tuple[torch.Tensor, torch.Tensor]], memo: dict[int, object]
+    ) -> bool:
         """Fill `memo` (for `copy.deepcopy` of the cache) so that the copy of this layer is the layer as it
         was after `length` tokens, taking its (conv, recurrent) states, if it has any, from `captured` (one
         pair per layer that has them, in layer order). False when that cannot be had for this kind."""
@@ -241,8 +247,13 @@ class Recurrent(LayerKind):
         super().view_row(layer, row, own, pad)
 
 
-_STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
-                 "is_recurrent_states_initialized")
+_STATE_FIELDS = (
+    "conv_states",
+    "recurrent_states",
+    "has_previous_state",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+)
 
 
 class Hybrid(AttentionKV, Recurrent):
@@ -255,8 +266,12 @@ class Hybrid(AttentionKV, Recurrent):
 
     def save(self, layer):
         """Its conv and recurrent states alone: its KV is cut back by length."""
-        return {name: {i: (t.clone() if t is not None and hasattr(t, "clone") else t)
-                       for i, t in getattr(layer, name).items()} for name in _STATE_FIELDS}
+        return {
+            name: {
+                i: (t.clone() if t is not None and hasattr(t, "clone") else t) for i, t in getattr(layer, name).items()
+            }
+            for name in _STATE_FIELDS
+        }
 
     def put_back(self, layers, index, saved):
         for name, values in saved.items():

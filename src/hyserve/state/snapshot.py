@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .kv_segment import KVSegment
 
@@ -62,4 +62,3 @@ class LiveState:
     @property
     def position(self) -> int:
         return len(self.tokens)
-

@@ -40,7 +40,7 @@ def vocab_size(meta: dict) -> int:
 
 
 def block(name: str) -> tuple[int | None, str]:
-    """"blk.3.ssm_in.weight" -> (3, "ssm_in.weight"); a tensor outside the blocks -> (None, name)."""
+    """ "blk.3.ssm_in.weight" -> (3, "ssm_in.weight"); a tensor outside the blocks -> (None, name)."""
     if name.startswith("blk."):
         bid, rest = name[4:].split(".", 1)
         return int(bid), rest
@@ -58,8 +58,11 @@ def token_ids(meta: dict) -> dict:
 
 def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf.py's LlamaModel.permute (q/k rows reordered for llama.cpp's rotary layout)."""
-    return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def as_tensor(array) -> torch.Tensor:

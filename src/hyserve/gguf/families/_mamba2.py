@@ -10,21 +10,30 @@ from ._common import required
 
 # GGUF name within a block -> the HF name within the mixer
 NAMES = {
-    "ssm_in.weight": "in_proj.weight", "ssm_in.bias": "in_proj.bias",
-    "ssm_conv1d.weight": "conv1d.weight", "ssm_conv1d.bias": "conv1d.bias",
+    "ssm_in.weight": "in_proj.weight",
+    "ssm_in.bias": "in_proj.bias",
+    "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias",
     "ssm_dt.bias": "dt_bias",  # the converter renamed dt_bias to dt_proj.bias / dt.bias to map it
-    "ssm_a": "A_log", "ssm_d": "D",
+    "ssm_a": "A_log",
+    "ssm_d": "D",
     "ssm_norm.weight": "norm.weight",
-    "ssm_out.weight": "out_proj.weight", "ssm_out.bias": "out_proj.bias",
+    "ssm_out.weight": "out_proj.weight",
+    "ssm_out.bias": "out_proj.bias",
 }
 
 
 def dims(meta: dict) -> dict:
     """The mixer's sizes from the file's `ssm.*` keys (time_step_rank holds the head count for Mamba2)."""
     inner, heads = int(required(meta, "ssm.inner_size")), int(required(meta, "ssm.time_step_rank"))
-    return {"inner": inner, "heads": heads, "head_dim": inner // heads,
-            "state": int(required(meta, "ssm.state_size")), "groups": int(required(meta, "ssm.group_count")),
-            "conv": int(required(meta, "ssm.conv_kernel"))}
+    return {
+        "inner": inner,
+        "heads": heads,
+        "head_dim": inner // heads,
+        "state": int(required(meta, "ssm.state_size")),
+        "groups": int(required(meta, "ssm.group_count")),
+        "conv": int(required(meta, "ssm.conv_kernel")),
+    }
 
 
 def mixer_tensor(rest: str, array: torch.Tensor) -> tuple[str, torch.Tensor] | None:

@@ -18,48 +18,83 @@ from ._common import arch_value, as_tensor, block, has, required, token_ids, voc
 
 ARCHITECTURES = {"falcon-h1": "falcon_h1"}
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.final_layernorm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.final_layernorm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "pre_ff_layernorm.weight",
     "ffn_norm": "pre_ff_layernorm.weight",  # what the converter writes: FFN_PRE_NORM maps without ".weight"
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "feed_forward.gate_proj.weight", "ffn_up.weight": "feed_forward.up_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
     "ffn_down.weight": "feed_forward.down_proj.weight",
 }
-_UNFOLDABLE = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_gate.bias", "ffn_up.bias",
-               "ffn_down.bias", "ssm_in.bias", "ssm_out.bias")
+_UNFOLDABLE = (
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "attn_output.bias",
+    "ffn_gate.bias",
+    "ffn_up.bias",
+    "ffn_down.bias",
+    "ssm_in.bias",
+    "ssm_out.bias",
+)
 
 
 def config(meta: dict) -> dict:
     names = meta.get("tensor_shapes", {})
     if biased := sorted({n.split(".", 2)[2] for n in names if n.startswith("blk.")} & set(_UNFOLDABLE)):
-        raise GGUFError(f"a Falcon-H1 file with biases ({', '.join(biased)}) is not supported: the "
-                               "converter folds the µP multipliers into weights, not into biases")
+        raise GGUFError(
+            f"a Falcon-H1 file with biases ({', '.join(biased)}) is not supported: the "
+            "converter folds the µP multipliers into weights, not into biases"
+        )
     n_layers = int(required(meta, "block_count"))
     hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
     ssm = _mamba2.dims(meta)
     return {
-        "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1",
-        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": n_layers,
+        "architectures": ["FalconH1ForCausalLM"],
+        "model_type": "falcon_h1",
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
         "intermediate_size": int(required(meta, "feed_forward_length")),
-        "num_attention_heads": heads, "num_key_value_heads": int(required(meta, "attention.head_count_kv")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(required(meta, "attention.head_count_kv")),
         "head_dim": int(arch_value(meta, "attention.key_length") or hidden // heads),
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
-        "mamba_d_ssm": ssm["inner"], "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"],
-        "mamba_d_state": ssm["state"], "mamba_n_groups": ssm["groups"], "mamba_d_conv": ssm["conv"],
+        "mamba_d_ssm": ssm["inner"],
+        "mamba_n_heads": ssm["heads"],
+        "mamba_d_head": ssm["head_dim"],
+        "mamba_d_state": ssm["state"],
+        "mamba_n_groups": ssm["groups"],
+        "mamba_d_conv": ssm["conv"],
         "mamba_expand": max(1, ssm["inner"] // hidden),
-        "mamba_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True), "mamba_proj_bias": False,
+        "mamba_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True),
+        "mamba_proj_bias": False,
         "mamba_rms_norm": has(meta, "blk.0.ssm_norm.weight", False),
         "mamba_norm_before_gate": False,  # llama.cpp's Mamba2 norms y * silu(z)
-        "attention_bias": False, "mlp_bias": False, "projectors_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "projectors_bias": False,
         # folded into the weights by the converter
-        "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "attention_in_multiplier": 1.0,
-        "attention_out_multiplier": 1.0, "key_multiplier": 1.0, "ssm_in_multiplier": 1.0,
-        "ssm_out_multiplier": 1.0, "ssm_multipliers": [1.0] * 5, "mlp_multipliers": [1.0, 1.0],
+        "embedding_multiplier": 1.0,
+        "lm_head_multiplier": 1.0,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 1.0,
+        "key_multiplier": 1.0,
+        "ssm_in_multiplier": 1.0,
+        "ssm_out_multiplier": 1.0,
+        "ssm_multipliers": [1.0] * 5,
+        "mlp_multipliers": [1.0, 1.0],
         **token_ids(meta),
     }
 

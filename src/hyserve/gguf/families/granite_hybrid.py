@@ -30,14 +30,22 @@ from ._common import (
 
 ARCHITECTURES = {"granitehybrid": "granitemoehybrid"}
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim)
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate_inp.weight": "block_sparse_moe.router.weight",
     "ffn_gate_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 0, 1),
     "ffn_up_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 1, 1),
@@ -57,8 +65,10 @@ def config(meta: dict) -> dict:
     types = ["full_attention" if k else "linear_attention" for k in kv]
     for i, t in enumerate(types):  # a folder whose layer_types the converter misread makes such a file
         if has(meta, f"blk.{i}.attn_q.weight", t == "full_attention") != (t == "full_attention"):
-            raise GGUFError(f"block {i}: its tensors and its metadata (head_count_kv {kv[i]}) disagree on whether "
-                            "it is an attention layer (a file from a converter that misread the layer types?)")
+            raise GGUFError(
+                f"block {i}: its tensors and its metadata (head_count_kv {kv[i]}) disagree on whether "
+                "it is an attention layer (a file from a converter that misread the layer types?)"
+            )
     if "linear_attention" not in types:
         raise GGUFError("a granitehybrid file without Mamba layers")
     hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
@@ -69,22 +79,30 @@ def config(meta: dict) -> dict:
     head_dim = int(arch_value(meta, "attention.key_length") or hidden // heads)
     rope = bool(arch_value(meta, "rope.scaling.finetuned", True))
     if rope and int(arch_value(meta, "rope.dimension_count", head_dim)) != head_dim:
-        raise GGUFError(f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} "
-                        "head dimensions (a partial-rotary Bamba file) is not supported")
+        raise GGUFError(
+            f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} "
+            "head dimensions (a partial-rotary Bamba file) is not supported"
+        )
     experts = int(arch_value(meta, "expert_count", 0) or 0)
     ff = int(per_layer(required(meta, "feed_forward_length"), n_layers)[0])
     return {
-        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": n_layers, "layer_types": types,
-        "num_attention_heads": heads, "num_key_value_heads": max(kv),
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "layer_types": types,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(kv),
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
         "position_embedding_type": "rope" if rope else "nope",
         "attention_bias": has(meta, f"blk.{types.index('full_attention')}.attn_q.bias", False)
-        if "full_attention" in types else False,
+        if "full_attention" in types
+        else False,
         # absent (a Bamba file, whose config has no multipliers): llama.cpp scales scores by 1/sqrt(head_dim)
-        "attention_multiplier": float(arch_value(meta, "attention.scale") or head_dim ** -0.5),
+        "attention_multiplier": float(arch_value(meta, "attention.scale") or head_dim**-0.5),
         "embedding_multiplier": float(arch_value(meta, "embedding_scale", 1.0)),
         "residual_multiplier": float(arch_value(meta, "residual_scale", 1.0)),
         "logits_scaling": float(arch_value(meta, "logit_scale", 1.0)),
@@ -93,8 +111,12 @@ def config(meta: dict) -> dict:
         "intermediate_size": ff,
         # a dense model's shared MLP is written as the plain FFN, of feed_forward_length
         "shared_intermediate_size": int(arch_value(meta, "expert_shared_feed_forward_length", 0) or 0) or ff,
-        "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"], "mamba_d_state": ssm["state"],
-        "mamba_n_groups": ssm["groups"], "mamba_d_conv": ssm["conv"], "mamba_expand": ssm["inner"] // hidden,
+        "mamba_n_heads": ssm["heads"],
+        "mamba_d_head": ssm["head_dim"],
+        "mamba_d_state": ssm["state"],
+        "mamba_n_groups": ssm["groups"],
+        "mamba_d_conv": ssm["conv"],
+        "mamba_expand": ssm["inner"] // hidden,
         "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
         "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
         **token_ids(meta),

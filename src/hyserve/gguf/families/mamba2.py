@@ -12,8 +12,11 @@ from ._common import as_tensor, block, has, required, token_ids, vocab_size
 
 ARCHITECTURES = {"mamba2": "mamba2"}
 
-_TOP = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "token_embd.weight": "backbone.embeddings.weight",
+    "output_norm.weight": "backbone.norm_f.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def config(meta: dict) -> dict:
@@ -22,12 +25,20 @@ def config(meta: dict) -> dict:
     if ssm["inner"] % hidden:
         raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
     return {
-        "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
-        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": int(required(meta, "block_count")),
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(required(meta, "block_count")),
         "layer_norm_epsilon": float(required(meta, "attention.layer_norm_rms_epsilon")),
-        "num_heads": ssm["heads"], "head_dim": ssm["head_dim"], "state_size": ssm["state"], "n_groups": ssm["groups"],
-        "conv_kernel": ssm["conv"], "expand": ssm["inner"] // hidden,
-        "use_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True), "use_bias": has(meta, "blk.0.ssm_in.bias", False),
+        "num_heads": ssm["heads"],
+        "head_dim": ssm["head_dim"],
+        "state_size": ssm["state"],
+        "n_groups": ssm["groups"],
+        "conv_kernel": ssm["conv"],
+        "expand": ssm["inner"] // hidden,
+        "use_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True),
+        "use_bias": has(meta, "blk.0.ssm_in.bias", False),
         **token_ids(meta),
     }
 

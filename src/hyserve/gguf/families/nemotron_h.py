@@ -30,20 +30,35 @@ from ._common import (
 
 ARCHITECTURES = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 
-_TOP = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight",
-        "output.weight": "lm_head.weight"}
-_PROOF = {"linear_attention": "ssm_in.weight", "full_attention": "attn_q.weight", "moe": "ffn_up_exps.weight",
-          "mlp": "ffn_up.weight"}  # a tensor each kind of block has
+_TOP = {
+    "token_embd.weight": "model.embeddings.weight",
+    "output_norm.weight": "model.norm_f.weight",
+    "output.weight": "lm_head.weight",
+}
+_PROOF = {
+    "linear_attention": "ssm_in.weight",
+    "full_attention": "attn_q.weight",
+    "moe": "ffn_up_exps.weight",
+    "mlp": "ffn_up.weight",
+}  # a tensor each kind of block has
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
     "attn_norm.weight": "norm.weight",
-    "attn_q.weight": "mixer.q_proj.weight", "attn_k.weight": "mixer.k_proj.weight",
-    "attn_v.weight": "mixer.v_proj.weight", "attn_output.weight": "mixer.o_proj.weight",
-    "attn_q.bias": "mixer.q_proj.bias", "attn_k.bias": "mixer.k_proj.bias",
-    "attn_v.bias": "mixer.v_proj.bias", "attn_output.bias": "mixer.o_proj.bias",
-    "ffn_up.weight": "mixer.up_proj.weight", "ffn_down.weight": "mixer.down_proj.weight",
-    "ffn_up.bias": "mixer.up_proj.bias", "ffn_down.bias": "mixer.down_proj.bias",
-    "ffn_gate_inp.weight": "mixer.gate.weight", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
-    "ffn_up_exps.weight": "mixer.experts.up_proj", "ffn_down_exps.weight": "mixer.experts.down_proj",
+    "attn_q.weight": "mixer.q_proj.weight",
+    "attn_k.weight": "mixer.k_proj.weight",
+    "attn_v.weight": "mixer.v_proj.weight",
+    "attn_output.weight": "mixer.o_proj.weight",
+    "attn_q.bias": "mixer.q_proj.bias",
+    "attn_k.bias": "mixer.k_proj.bias",
+    "attn_v.bias": "mixer.v_proj.bias",
+    "attn_output.bias": "mixer.o_proj.bias",
+    "ffn_up.weight": "mixer.up_proj.weight",
+    "ffn_down.weight": "mixer.down_proj.weight",
+    "ffn_up.bias": "mixer.up_proj.bias",
+    "ffn_down.bias": "mixer.down_proj.bias",
+    "ffn_gate_inp.weight": "mixer.gate.weight",
+    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_exps.weight": "mixer.experts.up_proj",
+    "ffn_down_exps.weight": "mixer.experts.down_proj",
     "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
 }
@@ -57,34 +72,48 @@ def layer_types(meta: dict) -> list[str]:
     types = ["full_attention" if kv[i] else mlp if ff[i] else "linear_attention" for i in range(n_layers)]
     for i, t in enumerate(types):  # a dense model converted under transformers 5 is written as nemotron_h_moe
         if not has(meta, f"blk.{i}.{_PROOF[t]}", True):  # with its MLP blocks' width 0: read as Mamba blocks
-            raise GGUFError(f"block {i}: its metadata makes it a {t} block, but the file has no {_PROOF[t]} there "
-                            "(a file from a converter that misread the layer pattern?)")
+            raise GGUFError(
+                f"block {i}: its metadata makes it a {t} block, but the file has no {_PROOF[t]} there "
+                "(a file from a converter that misread the layer pattern?)"
+            )
     return types
 
 
 def config(meta: dict) -> dict:
     if arch_value(meta, "nextn_predict_layers"):
-        raise GGUFError("a Nemotron-H file with a multi-token-prediction block is not supported (convert it with "
-                        "--no-mtp)")
+        raise GGUFError(
+            "a Nemotron-H file with a multi-token-prediction block is not supported (convert it with --no-mtp)"
+        )
     if arch_value(meta, "moe_latent_size"):
         raise GGUFError("Nemotron-H with latent MoE projections (moe_latent_size) is not supported")
     types = layer_types(meta)
     n = len(types)
-    hidden, heads = int(required(meta, "embedding_length")), int(per_layer(required(meta, "attention.head_count"), n)[0])
+    hidden, heads = (
+        int(required(meta, "embedding_length")),
+        int(per_layer(required(meta, "attention.head_count"), n)[0]),
+    )
     ff = per_layer(arch_value(meta, "feed_forward_length", 0), n)
     ssm = _mamba2.dims(meta)
     first_ssm = types.index("linear_attention") if "linear_attention" in types else 0
     cfg = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "vocab_size": vocab_size(meta), "hidden_size": hidden, "num_hidden_layers": n, "layers_block_type": types,
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden,
+        "num_hidden_layers": n,
+        "layers_block_type": types,
         "num_attention_heads": heads,
         "num_key_value_heads": max(int(k) for k in per_layer(required(meta, "attention.head_count_kv"), n)) or 1,
         "head_dim": int(arch_value(meta, "attention.key_length") or hidden // heads),
         "max_position_embeddings": int(required(meta, "context_length")),
-        "layer_norm_epsilon": float(arch_value(meta, "attention.layer_norm_epsilon")
-                                    or required(meta, "attention.layer_norm_rms_epsilon")),
-        "mamba_num_heads": ssm["heads"], "mamba_head_dim": ssm["head_dim"], "ssm_state_size": ssm["state"],
-        "n_groups": ssm["groups"], "conv_kernel": ssm["conv"],
+        "layer_norm_epsilon": float(
+            arch_value(meta, "attention.layer_norm_epsilon") or required(meta, "attention.layer_norm_rms_epsilon")
+        ),
+        "mamba_num_heads": ssm["heads"],
+        "mamba_head_dim": ssm["head_dim"],
+        "ssm_state_size": ssm["state"],
+        "n_groups": ssm["groups"],
+        "conv_kernel": ssm["conv"],
         "use_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
         "use_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
         "attention_bias": any(has(meta, f"blk.{i}.attn_q.bias", False) for i in range(n)),
@@ -95,17 +124,19 @@ def config(meta: dict) -> dict:
     if "mlp" in types:
         cfg["intermediate_size"] = int(max(ff))
     if "moe" in types:
-        cfg.update({
-            "n_routed_experts": int(required(meta, "expert_count")),
-            "num_experts_per_tok": int(required(meta, "expert_used_count")),
-            "moe_intermediate_size": int(required(meta, "expert_feed_forward_length")),
-            "moe_shared_expert_intermediate_size": int(required(meta, "expert_shared_feed_forward_length")),
-            "n_shared_experts": int(arch_value(meta, "expert_shared_count", 1)),
-            "norm_topk_prob": bool(arch_value(meta, "expert_weights_norm", False)),
-            "routed_scaling_factor": float(arch_value(meta, "expert_weights_scale", 1.0)),
-            "n_group": int(arch_value(meta, "expert_group_count", 1)),
-            "topk_group": int(arch_value(meta, "expert_group_used_count", 1)),
-        })
+        cfg.update(
+            {
+                "n_routed_experts": int(required(meta, "expert_count")),
+                "num_experts_per_tok": int(required(meta, "expert_used_count")),
+                "moe_intermediate_size": int(required(meta, "expert_feed_forward_length")),
+                "moe_shared_expert_intermediate_size": int(required(meta, "expert_shared_feed_forward_length")),
+                "n_shared_experts": int(arch_value(meta, "expert_shared_count", 1)),
+                "norm_topk_prob": bool(arch_value(meta, "expert_weights_norm", False)),
+                "routed_scaling_factor": float(arch_value(meta, "expert_weights_scale", 1.0)),
+                "n_group": int(arch_value(meta, "expert_group_count", 1)),
+                "topk_group": int(arch_value(meta, "expert_group_used_count", 1)),
+            }
+        )
     return cfg
 
 

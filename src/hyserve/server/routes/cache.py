@@ -15,16 +15,20 @@ router = api_router()
 
 def under_lock(serving: Serving, fn, *args):
     """`fn(*args)` off the event loop, under the runtime lock: the engine changes the tree while it runs."""
+
     def call():
         with serving.runtime.lock:
             return fn(*args)
+
     return run_in_threadpool(call)
 
 
 @router.get("/v1/cache")
 async def cache_stats(request: Request, serving: Serving = Depends(serving_of)):
     tenant = cache_scope(request.scope, serving.config)
-    return await under_lock(serving, serving.service.cache.stats, tenant)  # (a clear's dead checkpoints are walked past)
+    return await under_lock(
+        serving, serving.service.cache.stats, tenant
+    )  # (a clear's dead checkpoints are walked past)
 
 
 @router.get("/v1/cache/events")

@@ -27,5 +27,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     req = serving.chat_request(body, chat.prompt, messages, request, chat, turn, grammar)
     fmt = LegacyFunctionsFormat if body.legacy_functions else ChatFormat
     tokenizer = serving.runtime.tokenizer
-    return await serving.respond("chat", body, req, request,
-                                 lambda: fmt(serving.model_name, body.return_token_ids, turn, tokenizer))
+    return await serving.respond(
+        "chat", body, req, request, lambda: fmt(serving.model_name, body.return_token_ids, turn, tokenizer)
+    )

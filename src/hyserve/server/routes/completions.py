@@ -23,7 +23,7 @@ async def prompt_ids(serving: Serving, body: CompletionRequest, request: Request
         try:
             return await run_in_threadpool(rt.encode, body.prompt, serving.salt_of(body, request))
         except PromptTooLong as exc:
-            raise serving.too_long(exc, "prompt")
+            raise serving.too_long(exc, "prompt") from exc
     vocab = len(rt.tokenizer)
     if any(t < 0 or t >= vocab for t in body.prompt):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -42,5 +42,10 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     req = serving.build_request(body, prompt, None, request, grammar=grammar)
     rt = serving.runtime
     echo = (body.prompt if isinstance(body.prompt, str) else rt.decode(prompt)) if body.echo else None
-    return await serving.respond("completions", body, req, request,
-                                 lambda: CompletionFormat(serving.model_name, body.return_token_ids, rt.tokenizer, echo))
+    return await serving.respond(
+        "completions",
+        body,
+        req,
+        request,
+        lambda: CompletionFormat(serving.model_name, body.return_token_ids, rt.tokenizer, echo),
+    )

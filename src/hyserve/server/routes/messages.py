@@ -27,6 +27,7 @@ def stop_finder(serving: Serving, body: MessagesRequest):
             return None
         tail = rt.tokenizer.decode(fin.token_ids[-16:], skip_special_tokens=False)
         return next((s for s in body.stop if s in tail), None)
+
     return find
 
 

@@ -13,8 +13,13 @@ router = api_router()
 
 
 def model_object(serving: Serving) -> dict:
-    return {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "hyserve",
-            "max_model_len": serving.runtime.max_model_len}
+    return {
+        "id": serving.model_name,
+        "object": "model",
+        "created": serving.created,
+        "owned_by": "hyserve",
+        "max_model_len": serving.runtime.max_model_len,
+    }
 
 
 @router.get("/v1/models")
@@ -37,12 +42,18 @@ async def health(serving: Serving = Depends(serving_of)):
     # degraded: the engine's steps keep failing or one has hung; an orchestrator should restart it
     problem = service.engine.problem()
     if problem is not None:
-        return JSONResponse({"status": "degraded", "model": service.model_name, "idle": service.engine.idle,
-                             "reason": problem}, status_code=503)
+        return JSONResponse(
+            {"status": "degraded", "model": service.model_name, "idle": service.engine.idle, "reason": problem},
+            status_code=503,
+        )
     # idle: nothing queued, running or left for idle time (benchmarks wait for it between turns)
     # kernels: each of hyserve's kernels "on", or "off: why" (the load-time check against transformers)
-    return {"status": "ok", "model": service.model_name, "idle": service.engine.idle,
-            "kernels": serving.runtime.kernels.status}
+    return {
+        "status": "ok",
+        "model": service.model_name,
+        "idle": service.engine.idle,
+        "kernels": serving.runtime.kernels.status,
+    }
 
 
 @router.get("/metrics")

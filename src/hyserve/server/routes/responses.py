@@ -31,8 +31,9 @@ def stored(serving: Serving, request: Request, rid: str, param: str | None = Non
     """The caller's stored response `rid`; another tenant's id reads as unknown."""
     item = serving.responses.get(serving.tenant(request), rid)
     if item is None:
-        raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error", param,
-                       "response_not_found")
+        raise APIError(
+            404, f"Response with id '{rid}' not found.", "invalid_request_error", param, "response_not_found"
+        )
     return item
 
 
@@ -45,8 +46,7 @@ def render(serving: Serving, messages: list[dict], salt: str, template_kwargs: d
         raise ContinuationError(f"could not apply the chat template: {exc}") from exc
 
 
-async def prompt_of(serving: Serving, body: ResponsesRequest, request: Request, messages: list[dict],
-                    turn: ChatTurn):
+async def prompt_of(serving: Serving, body: ResponsesRequest, request: Request, messages: list[dict], turn: ChatTurn):
     """(prompt ids, rendered chat or None, history to record or None, earlier conversation): the input rendered
     alone, or continuing the stored `previous_response_id`."""
     salt = serving.salt_of(body, request)
@@ -55,16 +55,18 @@ async def prompt_of(serving: Serving, body: ResponsesRequest, request: Request, 
         return chat.prompt, chat, messages, []
     prev = stored(serving, request, body.previous_response_id, "previous_response_id")
     if body.instructions is not None and body.instructions != prev.instructions:
-        raise APIError(400, "instructions cannot change when continuing a response: its tokens already hold the "
-                       "earlier ones", param="instructions")
+        raise APIError(
+            400,
+            "instructions cannot change when continuing a response: its tokens already hold the earlier ones",
+            param="instructions",
+        )
     body.instructions = prev.instructions  # they are in its tokens, so they hold here too (the response reports them)
     earlier = prev.messages or []
     if turn.tools != prev.tools:  # the template lists tools up front: render it all with the new ones
         history = earlier + messages
         chat = await run_in_threadpool(render, serving, history, salt, turn.template_kwargs)
         return chat.prompt, chat, history, earlier
-    tail = await run_in_threadpool(continuation_ids, serving.runtime, messages, prev.tokens, salt,
-                                   turn.template_kwargs)
+    tail = await run_in_threadpool(continuation_ids, serving.runtime, messages, prev.tokens, salt, turn.template_kwargs)
     return prev.tokens + tail, None, None, earlier
 
 
@@ -78,9 +80,9 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     try:
         prompt, chat, history, earlier = await prompt_of(serving, body, request, messages, turn)
     except PromptTooLong as exc:
-        raise serving.too_long(exc, "input")
+        raise serving.too_long(exc, "input") from exc
     except ContinuationError as exc:
-        raise APIError(400, str(exc), param="input")
+        raise APIError(400, str(exc), param="input") from exc
     req = serving.chat_request(body, prompt, history, request, chat, turn, grammar)
     req.keep_final = body.store
     who, instructions = serving.tenant(request), body.instructions
@@ -88,8 +90,9 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
     def on_done(fin: Finished, resp: dict) -> None:
         if body.store and fin.reason in ("stop", "length"):
             conversation = earlier + messages + [turn.history_message(fin.text)]
-            serving.responses.put(who, resp["id"], prompt + list(fin.token_ids), resp, instructions, conversation,
-                                  turn.tools)
+            serving.responses.put(
+                who, resp["id"], prompt + list(fin.token_ids), resp, instructions, conversation, turn.tools
+            )
 
     fmt = ResponsesFormat(serving.model_name, turn, body, on_done, serving.runtime.decode)
     return await serving.respond("responses", body, req, request, lambda: fmt)

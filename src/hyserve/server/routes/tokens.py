@@ -25,17 +25,22 @@ def tokenize(serving: Serving, body: TokenizeRequest, salt: str) -> list[int]:
         check_length(len(body.prompt), rt.chars_per_token, rt.max_model_len)
         return list(rt.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
     try:
-        turn = ChatTurn(serving.service.parsers, [t.model_dump(exclude_none=True) for t in body.tools or []] or None,
-                        None, True, dict(body.chat_template_kwargs or {}))
+        turn = ChatTurn(
+            serving.service.parsers,
+            [t.model_dump(exclude_none=True) for t in body.tools or []] or None,
+            None,
+            True,
+            dict(body.chat_template_kwargs or {}),
+        )
     except ChatRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param)
+        raise APIError(400, str(exc), param=exc.param) from exc
     messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
     try:
         ids = rt.render_chat(messages, body.add_generation_prompt, salt, turn.template_kwargs)
     except (PromptTooLong, APIError):
         raise
     except Exception as exc:
-        raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
+        raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
     return list(ids)
 
 
@@ -50,8 +55,9 @@ async def tokenize_route(body: TokenizeRequest, request: Request, serving: Servi
     try:
         ids = await run_in_threadpool(tokenize, serving, body, serving.salt_of(None, request))
     except PromptTooLong as exc:
-        raise APIError(400, str(exc), param="messages" if body.messages else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400, str(exc), param="messages" if body.messages else "prompt", code="context_length_exceeded"
+        ) from exc
     rt = serving.runtime
     out = {"count": len(ids), "max_model_len": rt.max_model_len, "tokens": ids}
     if body.return_token_strs:
