@@ -150,13 +150,13 @@ def main(argv=None) -> int:
     turns = args.turns or (6 if args.quick else 12)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = build_model(size)
-    from hyserve.testing import ForcedReplies
+    from hyserve.testing.forced import ForcedReplies
 
     forced = ForcedReplies(7_000_000)
 
     from hyserve.chat import template_message
+    from hyserve.models.service import ServiceConfig, build_service
     from hyserve.server.run import BackgroundServer
-    from hyserve.service import ServiceConfig, build_service
 
     services = {
         name: build_service(

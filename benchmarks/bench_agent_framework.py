@@ -7,7 +7,7 @@ ready, as agents do: no idle time. Each user turn is one `Runner.run` over the c
 calls tools twice, then answers. Both habits of clients are run: openai-agents' default, which does not send
 the model's reasoning back, and `should_replay_reasoning_content` set, which does.
 
-A random-weight model never writes a tool call, so every reply is forced (`hyserve.testing`): a transport
+A random-weight model never writes a tool call, so every reply is forced (`hyserve.testing.forced`): a transport
 under the framework's HTTP client adds a scripted seed to each request (reasoning, `</think>`, the XML tool
 call or an answer). Everything else runs as always. The transport also reads each request's messages and
 each response's usage: per request, cached tokens against its history (the prompt tokens that do not depend
@@ -188,9 +188,9 @@ def main(argv=None) -> int:
     turns = args.turns or (2 if args.quick else 4)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = C.ensure_model("qwen3_5", size, TEMPLATE)
+    from hyserve.models.service import ServiceConfig, build_service
     from hyserve.server.run import BackgroundServer
-    from hyserve.service import ServiceConfig, build_service
-    from hyserve.testing import ForcedReplies
+    from hyserve.testing.forced import ForcedReplies
 
     svc = build_service(
         ServiceConfig(model_dir=model_dir, served_model_name="agent", device="cpu", cache_bytes=2 << 30)

@@ -1,6 +1,6 @@
 """Shared helpers for the benchmark scripts: model folders, synthetic text, machine description, stats.
 
-Nothing here downloads anything: models are random-init folders built by `hyserve.tiny` into
+Nothing here downloads anything: models are random-init folders built by `hyserve.testing.tiny` into
 benchmarks/.models/ (gitignored) and reused on later runs.
 """
 
@@ -52,7 +52,7 @@ def ensure_model(arch: str, size: str, template: Path | None = None) -> Path:
     out = MODELS_DIR / (f"{size}-{arch}" + ("-qwen3.5-template" if template else ""))
     if _complete(out):
         return out
-    from hyserve.tiny import make_tiny_model
+    from hyserve.testing.tiny import make_tiny_model
 
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
     tmp = MODELS_DIR / f".tmp-{size}-{arch}-{os.getpid()}"

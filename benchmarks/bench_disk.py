@@ -29,7 +29,7 @@ import bench_common as C  # noqa: E402
 def round_robin(service, chats: int, turns: int, words: int, seed: int = 0):
     """Replies and (prompt, cached) tokens of `chats` conversations taking `turns` turns each in turn."""
     from hyserve.engine import GenerationRequest
-    from hyserve.sampling import SamplingParams
+    from hyserve.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     history = [[{"role": "system", "content": f"You are assistant number {c}."}] for c in range(chats)]
@@ -54,7 +54,7 @@ def round_robin(service, chats: int, turns: int, words: int, seed: int = 0):
 
 
 def hit_rates(model_dir, chats: int, turns: int, words: int) -> list[dict]:
-    from hyserve.service import ServiceConfig, build_service
+    from hyserve.models.service import ServiceConfig, build_service
 
     probe = build_service(ServiceConfig(model_dir=model_dir, device="cpu"))
     round_robin(probe, 1, 2, words)
@@ -99,7 +99,7 @@ def warm_turns(model_dir, history_tokens: int, reps: int) -> list[dict]:
     from hyserve.cache.manager import PrefixCache
     from hyserve.cache.telemetry import CacheTelemetry
     from hyserve.metrics import Metrics
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models.runtime import ModelRuntime
 
     rt = ModelRuntime.load(model_dir, device="cpu")
     ad, rng = rt.adapter, random.Random(1)

@@ -122,7 +122,7 @@ def bench_llguidance(tok, vocab: int, tokens: list[int]) -> dict:
     import llguidance
     import llguidance.hf
 
-    from hyserve.grammar import apply_bitmask, fill_bitmask, new_bitmask  # as the server does
+    from hyserve.engine.grammar import apply_bitmask, fill_bitmask, new_bitmask  # as the server does
 
     t0 = time.perf_counter()
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from hyserve.tiny import train_tokenizer
+    from hyserve.testing.tiny import train_tokenizer
 
     torch.set_num_threads(1)
     toks = [("tiny", train_tokenizer())]

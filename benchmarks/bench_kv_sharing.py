@@ -36,7 +36,7 @@ def conversation(service, turns: int, user_tokens: int, reply_tokens: int, seed:
     """Replies and per-turn (prompt tokens, cached tokens) of one conversation; the engine is left idle
     between turns (a reader), so its idle-time checkpoints are taken."""
     from hyserve.engine import GenerationRequest
-    from hyserve.sampling import SamplingParams
+    from hyserve.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     tok = service.runtime.tokenizer
@@ -112,7 +112,7 @@ def warm_turn(service, messages: list, new_tokens: int, reps: int) -> dict:
 
 
 def measure(model_dir, turns: int, user_tokens: int, reply_tokens: int, reps: int) -> dict:
-    from hyserve.service import ServiceConfig, build_service
+    from hyserve.models.service import ServiceConfig, build_service
 
     out, replies = {"modes": {}}, None
     for name, share in MODES:

@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     import torch
 
-    from hyserve import model_thread
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models import model_thread
+    from hyserve.models.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "bench"
     contexts = [int(c) for c in (args.contexts or ("300" if args.quick else "1000,4000,12000")).split(",")]

@@ -315,7 +315,7 @@ def renderer(model_dir: Path):
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from hyserve.runtime import ModelRuntime, context_length
+    from hyserve.models.runtime import ModelRuntime, context_length
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     context = context_length(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)

@@ -77,7 +77,7 @@ def measure(runtimes: dict, ids: list[int], windows: int, window: int, chunk: in
     """Every runtime on the same windows, piece by piece in lockstep (only one piece's logits held at a time)."""
     import torch
 
-    from hyserve import model_thread
+    from hyserve.models import model_thread
 
     def run():
         nll = {name: [] for name in runtimes}
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     C.setup_torch(args.threads)
     import platform
 
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models.runtime import ModelRuntime
 
     schemes = [x for x in args.schemes.split(",") if x]
     runtimes = {REFERENCE: ModelRuntime.load(path, dtype="float32", device="cpu")}

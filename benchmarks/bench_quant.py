@@ -48,7 +48,7 @@ def held_bytes(model) -> int:
 
 def step_times(runtimes: dict, prompt: int, batch: int, blocks: int, steps: int) -> dict:
     """Seconds per decode step of `batch` requests for each runtime, alternating block by block."""
-    from hyserve import model_thread
+    from hyserve.models import model_thread
 
     def run():
         sides = {}
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.size, args.blocks, args.steps, args.prompt, args.batch = "tiny", 2, 2, 16, 2
     C.setup_torch(args.threads)
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models.runtime import ModelRuntime
 
     model_dir = C.ensure_model(args.arch, args.size)
     memory, runtimes = {}, {}

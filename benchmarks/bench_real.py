@@ -86,7 +86,7 @@ def model_dir(model: str, quick: bool) -> Path:
         return C.ensure_model(arch, "tiny")
     out = C.MODELS_DIR / f"{model}-{arch}"
     if not C._complete(out):
-        from hyserve.tiny import make_tiny_model
+        from hyserve.testing.tiny import make_tiny_model
 
         print(f"building the {model} model in {out} (a few minutes, ~3 GB) ...", file=sys.stderr, flush=True)
         make_tiny_model(out, arch, size=model, force=True)
@@ -207,8 +207,8 @@ def run(args) -> dict:
     decode = args.decode or (4 if args.quick else 32)
     d = model_dir(args.model, args.quick)
 
-    from hyserve import experts, model_thread
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models import experts, model_thread
+    from hyserve.models.runtime import ModelRuntime
 
     rows = {}
     dtypes = args.dtypes.split(",")

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
 
-from hyserve.tiny import ARCHS  # noqa: E402
+from hyserve.testing.tiny import ARCHS  # noqa: E402
 
 ALL_MODELS = ("qwen3_5", "mamba2", "qwen3")
 HYBRID_MODELS = (
@@ -173,7 +173,7 @@ def wait_idle(engine, limit: float = 30.0) -> float:
 class HyserveSystem:
     def __init__(self, name: str, model_dir: Path, cache_enabled: bool, block_size: int | None, cache_bytes: int):
         from hyserve.cache.policy import CheckpointPolicy
-        from hyserve.service import ServiceConfig, build_service
+        from hyserve.models.service import ServiceConfig, build_service
 
         self.name = name
         policy = CheckpointPolicy(block_size=block_size) if block_size else CheckpointPolicy()
@@ -216,7 +216,7 @@ class HyserveSystem:
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
         from hyserve.engine import GenerationRequest
-        from hyserve.sampling import SamplingParams
+        from hyserve.engine.sampling import SamplingParams
 
         rt = self.service.runtime
         prompt = rt.render_chat(messages, True)
@@ -672,7 +672,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--models",
         default=",".join(ALL_MODELS),
-        help=f"comma list of hyserve.tiny archs (default {', '.join(ALL_MODELS)}; 'hybrids': the families "
+        help=f"comma list of hyserve.testing.tiny archs (default {', '.join(ALL_MODELS)}; 'hybrids': the families "
         f"of issue 21: {', '.join(HYBRID_MODELS)})",
     )
     p.add_argument(

@@ -77,8 +77,8 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     C.setup_torch(args.threads)
-    from hyserve import model_thread
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models import model_thread
+    from hyserve.models.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "real-0.8b"
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")

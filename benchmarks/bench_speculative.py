@@ -3,7 +3,7 @@
     python benchmarks/bench_speculative.py            # bench-size models, qwen3_5 + mamba2 + qwen3 (< 10 min, 2 cores)
     python benchmarks/bench_speculative.py --quick    # tiny qwen3_5 only, 1 thread (< 1 min): a smoke test, not numbers
 
-Every model here is random-init (built by `hyserve.tiny`, never downloaded). A random model does not
+Every model here is random-init (built by `hyserve.testing.tiny`, never downloaded). A random model does not
 copy its prompt, so the workload speculation is meant for -- a code-editing reply that repeats long
 spans of the file it was sent -- cannot be produced by the model itself. The script therefore measures
 three things separately:
@@ -79,7 +79,7 @@ def ensure_model(arch: str, size: str, wait_s: float = 600.0) -> Path:
             raise SystemExit(f"{building[0]} exists but is still incomplete after {wait_s:.0f}s; remove it and retry")
         print(f"waiting for {building[0]} to be built by another process ...", file=sys.stderr, flush=True)
         time.sleep(5)
-    from hyserve.tiny import make_tiny_model
+    from hyserve.testing.tiny import make_tiny_model
 
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
     out = candidates[0]
@@ -277,8 +277,8 @@ def smollm2_gguf() -> Path:
 def run_trained(args, log) -> dict:
     """Prompt lookup against none on SmolLM2-135M-Instruct (see the module docstring): per workload, the
     acceptance rate and the decode speed of interleaved spec-off / spec-on runs, outputs compared token by token."""
-    from hyserve.service import ServiceConfig, build_service
-    from hyserve.speculative import PromptLookup, SpeculativeConfig
+    from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
+    from hyserve.models.service import ServiceConfig, build_service
 
     path = smollm2_gguf()
     cfg = SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram)
@@ -495,7 +495,7 @@ def wait_for_quiet(log, max_wait_s: float, threshold: float = 0.3, window: float
 
 def run_once(svc, prompt, messages, max_tokens, proposer_factory) -> dict:
     from hyserve.engine import GenerationRequest
-    from hyserve.sampling import SamplingParams
+    from hyserve.engine.sampling import SamplingParams
 
     m = svc.metrics
     p0, a0 = m.spec_proposed._value.get(), m.spec_accepted._value.get()
@@ -648,7 +648,7 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
 def verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
     """Time the pieces of a verify pass on the adapter directly, on the model thread the engine uses (a
     second torch thread would run slower: see benchmarks/bench_threads.py), with the engine idle."""
-    from hyserve import model_thread
+    from hyserve.models import model_thread
 
     return model_thread.run(_verify_cost, svc, prompt, ks, iters)
 
@@ -702,7 +702,7 @@ def _verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
 
 def proposer_cost(cfg, prompt: list[int], output: list[int], reps: int = 5) -> dict:
     """Wall time of PromptLookup's own work: indexing the prompt (inside TTFT) and extend+propose per step."""
-    from hyserve.speculative import PromptLookup
+    from hyserve.engine.speculative import PromptLookup
 
     build, step = [], []
     for _ in range(reps):
@@ -720,7 +720,7 @@ def proposer_cost(cfg, prompt: list[int], output: list[int], reps: int = 5) -> d
 
 def hit_rates(prompt, output, ks_ns) -> list[dict]:
     """Replay only (no timing): how often PromptLookup would propose, and what would be accepted, for other n."""
-    from hyserve.speculative import PromptLookup, SpeculativeConfig
+    from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
 
     rows = []
     for k, n in ks_ns:
@@ -907,8 +907,8 @@ def main(argv=None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    from hyserve.service import ServiceConfig, build_service
-    from hyserve.speculative import PromptLookup, SpeculativeConfig
+    from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
+    from hyserve.models.service import ServiceConfig, build_service
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     import torch
 
-    from hyserve import model_thread
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models import model_thread
+    from hyserve.models.runtime import ModelRuntime
 
     size, context, new, reps = ("tiny", 400, 20, 3) if args.quick else ("bench", 4182, 79, 7)
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), device="cpu")

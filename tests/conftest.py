@@ -12,9 +12,9 @@ from hyserve import process_settings
 process_settings.apply()  # before torch, as `hyserve serve` runs: huge pages, transformers offline
 
 from hyserve.cache.policy import CheckpointPolicy  # noqa: E402
-from hyserve.runtime import ModelRuntime  # noqa: E402
-from hyserve.service import ServiceConfig, build_service  # noqa: E402
-from hyserve.tiny import ARCHS, make_tiny_model  # noqa: E402
+from hyserve.models.runtime import ModelRuntime  # noqa: E402
+from hyserve.models.service import ServiceConfig, build_service  # noqa: E402
+from hyserve.testing.tiny import ARCHS, make_tiny_model  # noqa: E402
 
 FAMILIES = ("qwen3_5", "qwen3_next", "mamba2", "qwen3")
 # The hybrid families of issue 21: parametrized into the tests that issue lists (tests/test_families.py).

@@ -25,7 +25,7 @@ def test_the_real_moe_size_has_the_35b_a3b_layer():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hyserve.tiny import default_arch, model_config, train_tokenizer
+    from hyserve.testing.tiny import default_arch, model_config, train_tokenizer
 
     assert default_arch("real-moe") == "qwen3_5_moe" and default_arch("real-0.8b") == "qwen3_5"
     config, save_dtype = model_config("qwen3_5_moe", "real-moe", train_tokenizer())
@@ -58,7 +58,7 @@ def test_the_real_4b_size_has_qwen35_4b_dimensions_in_bfloat16():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hyserve.tiny import SIZES, default_arch, model_config, train_tokenizer
+    from hyserve.testing.tiny import SIZES, default_arch, model_config, train_tokenizer
 
     assert "real-4b" in SIZES and default_arch("real-4b") == "qwen3_5"
     config, save_dtype = model_config("qwen3_5", "real-4b", train_tokenizer())
@@ -80,7 +80,7 @@ def test_the_real_4b_size_has_qwen35_4b_dimensions_in_bfloat16():
     assert {k: getattr(config, k) for k in real} == real
     assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 8
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)  # as hyserve.tiny builds it
+        model = AutoModelForCausalLM.from_config(config, dtype=save_dtype)  # as hyserve.testing.tiny builds it
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 4.21
 
@@ -314,7 +314,7 @@ def test_ids_the_tokenizer_lacks_are_never_picked_by_a_real_size_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hyserve.tiny import model_config, silence_unknown_ids, train_tokenizer
+    from hyserve.testing.tiny import model_config, silence_unknown_ids, train_tokenizer
 
     tokenizer = train_tokenizer()
     known = len(tokenizer)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyserve import model_thread
 from hyserve.kernels import decode_layer
-from hyserve.runtime import ModelRuntime
+from hyserve.models import model_thread
+from hyserve.models.runtime import ModelRuntime
 
 
 def _lean_layers(rt):

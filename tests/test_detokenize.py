@@ -2,8 +2,8 @@
 
 import torch
 
-from hyserve.detokenize import IncrementalDetokenizer, StopStringFilter
-from hyserve.sampling import Sampler, SamplingParams
+from hyserve.engine.detokenize import IncrementalDetokenizer, StopStringFilter
+from hyserve.engine.sampling import Sampler, SamplingParams
 
 
 def test_multibyte_characters_are_not_split(runtimes):

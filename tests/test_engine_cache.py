@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyserve.engine import GenerationRequest
-from hyserve.sampling import SamplingParams
+from hyserve.engine.sampling import SamplingParams
 
 from .conftest import FAMILIES, wait_idle
 

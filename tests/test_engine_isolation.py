@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from hyserve.engine import Failed, Finished, GenerationRequest
-from hyserve.sampling import SamplingParams
+from hyserve.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 TEXTS = [
@@ -186,7 +186,7 @@ def test_a_cancel_at_any_point_of_a_runs_life_leaves_nothing_behind(make_service
     """The victim is cancelled (its client leaves) at `point`, next to an innocent request; with a seed the
     sampler refuses it also fails at admission (the issue's wedge: a run left without a state). Either way it
     ends with one final item, the innocent gets its solo tokens and the engine is left clean, serving."""
-    from hyserve.speculative import SpeculativeConfig
+    from hyserve.engine.speculative import SpeculativeConfig
 
     spec = point == "speculation"
     svc = make_service(arch, prefill_chunk=8, speculative=SpeculativeConfig() if spec else None)

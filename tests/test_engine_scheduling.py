@@ -3,7 +3,7 @@
 import threading
 
 from hyserve.engine import Failed, Finished, GenerationRequest
-from hyserve.sampling import SamplingParams
+from hyserve.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

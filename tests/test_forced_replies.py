@@ -1,9 +1,9 @@
-"""Forced replies (`hyserve.testing`) go through the engine's sampler hook: only the engines they are attached
+"""Forced replies (`hyserve.testing.forced`) go through the engine's sampler hook: only the engines they are attached
 to, only requests with a scripted seed, and detaching puts the engine's own sampler back."""
 
 from hyserve.engine.api import GenerationRequest
-from hyserve.sampling import Sampler, SamplingParams
-from hyserve.testing import ForcedReplies
+from hyserve.engine.sampling import Sampler, SamplingParams
+from hyserve.testing.forced import ForcedReplies
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 3]
 

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("gguf")
 
 from hyserve import gguf  # noqa: E402
-from hyserve.preflight import StartupError, check_model_dir  # noqa: E402
-from hyserve.runtime import ModelRuntime  # noqa: E402
+from hyserve.models.preflight import StartupError, check_model_dir  # noqa: E402
+from hyserve.models.runtime import ModelRuntime  # noqa: E402
 
 from .gguf_files import write_from_folder, write_header_only  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402

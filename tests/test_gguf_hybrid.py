@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("gguf")
 
 from hyserve import gguf  # noqa: E402
-from hyserve.preflight import check_model_dir  # noqa: E402
+from hyserve.models.preflight import check_model_dir  # noqa: E402
+from hyserve.models.runtime import ModelRuntime  # noqa: E402
 from hyserve.quant.layout import QuantEmbedding, QuantLinear  # noqa: E402
-from hyserve.runtime import ModelRuntime  # noqa: E402
 
 from .gguf_files import requantize, write_header_only  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402

@@ -15,7 +15,7 @@ from hyserve.gguf.families import falcon_h1, granite_hybrid, nemotron_h  # noqa:
 from hyserve.gguf.families._common import unpermute  # noqa: E402
 from hyserve.gguf.file import GGUFError  # noqa: E402
 from hyserve.gguf.loader import file_metadata  # noqa: E402
-from hyserve.runtime import ModelRuntime  # noqa: E402
+from hyserve.models.runtime import ModelRuntime  # noqa: E402
 
 from .gguf_files import _permute  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402

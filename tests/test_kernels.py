@@ -7,7 +7,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from hyserve import kernels, model_thread
+from hyserve import kernels
+from hyserve.models import model_thread
 
 
 class _Attn(torch.nn.Module):
@@ -363,7 +364,7 @@ def test_sibling_projections_run_as_one_stacked_product_with_the_same_results(mo
     gate/up run as one stacked product per group; decode logits are bit for bit those of the layers apart,
     a member called on another input computes its own product, and the members' own packed copies are freed."""
     from hyserve.kernels import linear
-    from hyserve.runtime import ModelRuntime
+    from hyserve.models.runtime import ModelRuntime
 
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     grouped = [m for m in rt.model.modules() if linear.GROUP in m.__dict__]

@@ -16,7 +16,7 @@ from hyserve.cache.telemetry import CacheTelemetry
 from hyserve.metrics import Metrics
 from hyserve.state import kv_chain
 from hyserve.state.caches import cache_tensors
-from hyserve.tiny import ARCHS
+from hyserve.testing.tiny import ARCHS
 
 from .test_state import _greedy, _ids
 

@@ -3,8 +3,8 @@
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hyserve import logits as lp
-from hyserve.sampling import SamplingParams
+from hyserve.engine import logits as lp
+from hyserve.engine.sampling import SamplingParams
 
 
 def test_repetition_penalty_equals_transformers():

@@ -8,8 +8,9 @@ import socket
 
 import pytest
 
-from hyserve import logs, preflight
+from hyserve import logs
 from hyserve.engine import GenerationRequest
+from hyserve.models import preflight
 from hyserve.stats_log import StatsLogger
 
 

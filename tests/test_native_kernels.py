@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyserve import model_thread
 from hyserve.kernels import attention, decode_layer, linear, native
-from hyserve.runtime import ModelRuntime
+from hyserve.models import model_thread
+from hyserve.models.runtime import ModelRuntime
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hyserve import next_turn
-from hyserve.tiny import train_tokenizer
+from hyserve.prompt import next_turn
+from hyserve.testing.tiny import train_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "chat_templates"
 NAMES = [

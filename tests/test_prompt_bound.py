@@ -5,9 +5,9 @@ import random
 import pytest
 from tokenizers import normalizers, pre_tokenizers
 
-from hyserve.prompt_bound import PromptTooLong, max_chars_per_token
-from hyserve.prompt_tokens import PrefixEncoder
-from hyserve.tiny import train_tokenizer
+from hyserve.prompt.bound import PromptTooLong, max_chars_per_token
+from hyserve.prompt.tokens import PrefixEncoder
+from hyserve.testing.tiny import train_tokenizer
 
 from .test_prompt_tokens import QWEN_SPLIT, _variant
 

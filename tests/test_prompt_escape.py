@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hyserve.prompt_escape import MARK, ContentEscaper, trie_regex
-from hyserve.prompt_tokens import PrefixEncoder
-from hyserve.tiny import train_tokenizer
+from hyserve.prompt.escape import MARK, ContentEscaper, trie_regex
+from hyserve.prompt.tokens import PrefixEncoder
+from hyserve.testing.tiny import train_tokenizer
 
 from .test_engine_cache import run_chat
 

@@ -7,9 +7,9 @@ import pytest
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hyserve import prompt_tokens
-from hyserve.prompt_tokens import PrefixEncoder
-from hyserve.tiny import CHATML_TEMPLATE, train_tokenizer
+from hyserve.prompt import tokens as prompt_tokens
+from hyserve.prompt.tokens import PrefixEncoder
+from hyserve.testing.tiny import CHATML_TEMPLATE, train_tokenizer
 
 QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"

@@ -11,12 +11,13 @@ import struct
 import pytest
 import torch
 
-from hyserve import model_thread, quant
+from hyserve import quant
+from hyserve.models import model_thread
+from hyserve.models.runtime import ModelRuntime
 from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
-from hyserve.runtime import ModelRuntime
-from hyserve.tiny import ARCHS
+from hyserve.testing.tiny import ARCHS
 
 from .conftest import FAMILIES
 from .test_engine_cache import run_chat
@@ -339,7 +340,7 @@ def test_hyserve_env_reports_the_quantization_and_its_check(model_dirs, capsys):
 def test_speculation_equals_plain_decode_with_quantized_weights(make_service, arch, scheme):
     """A verification pass (a few rows: the C product, each row as it would be alone) accepts exactly what
     plain decoding makes."""
-    from hyserve.speculative import SpeculativeConfig
+    from hyserve.engine.speculative import SpeculativeConfig
 
     from .test_speculative import OracleProposer, generate
 

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from hyserve.runtime import ModelRuntime
-from hyserve.tiny import _TINY, train_tokenizer
+from hyserve.models.runtime import ModelRuntime
+from hyserve.testing.tiny import _TINY, train_tokenizer
 
 
 def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path):

@@ -3,8 +3,8 @@
 import pytest
 
 from hyserve.engine import GenerationRequest
-from hyserve.sampling import SamplingParams
-from hyserve.speculative import PromptLookup, SpeculativeConfig
+from hyserve.engine.sampling import SamplingParams
+from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
 
 from .conftest import FAMILIES
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hyserve.engine import GenerationRequest
-from hyserve.grammar import Constraint, Grammars, Spec
-from hyserve.sampling import SamplingParams
-from hyserve.speculative import SpeculativeConfig
+from hyserve.engine.grammar import Constraint, Grammars, Spec
+from hyserve.engine.sampling import SamplingParams
+from hyserve.engine.speculative import SpeculativeConfig
 
 from .test_speculative import OracleProposer
 

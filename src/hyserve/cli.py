@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .cache.policy import DEFER_TAIL, CheckpointPolicy
 
 if TYPE_CHECKING:
-    from .service import ServiceConfig
+    from .models.service import ServiceConfig
 
 log = logging.getLogger("hyserve")
 
@@ -223,8 +223,8 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
 
 
 def service_config_from_args(args) -> ServiceConfig:
-    from .service import ServiceConfig
-    from .speculative import SpeculativeConfig
+    from .engine.speculative import SpeculativeConfig
+    from .models.service import ServiceConfig
 
     policy = CheckpointPolicy(
         history_boundary=not args.no_history_checkpoint,
@@ -269,7 +269,7 @@ def service_config_from_args(args) -> ServiceConfig:
 def cmd_serve(args) -> int:
     """Check everything that can be checked cheaply, take the port, then load the weights and serve."""
     from .gguf import is_gguf
-    from .preflight import StartupError, bind, check_device, check_model_dir
+    from .models.preflight import StartupError, bind, check_device, check_model_dir
 
     try:
         for warning in check_model_dir(args.model_dir):
@@ -323,7 +323,7 @@ def _serve_on_ray(args) -> int:
 
 def _load(args):
     """The service, or None after saying why it could not be built (a Ctrl-C meanwhile: see `main`)."""
-    from .service import build_service
+    from .models.service import build_service
 
     try:
         return build_service(service_config_from_args(args))
@@ -336,7 +336,7 @@ def _load(args):
 
 
 def cmd_make_tiny_model(args) -> int:
-    from .tiny import FolderNotEmpty, default_arch, make_tiny_model
+    from .testing.tiny import FolderNotEmpty, default_arch, make_tiny_model
 
     try:
         out = make_tiny_model(
@@ -357,7 +357,7 @@ def cmd_demo(args) -> int:
 
 def cmd_env(args) -> int:
     from .env import report
-    from .preflight import StartupError, check_model_dir
+    from .models.preflight import StartupError, check_model_dir
 
     try:
         if args.model_dir is not None:
@@ -387,7 +387,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .logs import FORMATS, LEVELS
-    from .tiny import ARCHS, SIZES
+    from .testing.tiny import ARCHS, SIZES
 
     common = argparse.ArgumentParser(add_help=False)
     logging_options = common.add_argument_group("logging")

@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
+from .models.service import ServiceConfig, build_service
 from .server.run import BackgroundServer
-from .service import ServiceConfig, build_service
-from .tiny import make_tiny_model
+from .testing.tiny import make_tiny_model
 
 
 def _default_cache_dir() -> Path:

@@ -24,7 +24,7 @@ def versions() -> dict[str, str]:
 def report(model_dir: str | None = None, dtype: str = "float32", quantization: str | None = None) -> str:
     lines = [f"{k}: {v}" for k, v in versions().items()]
     if model_dir is not None:
-        from .runtime import ModelRuntime
+        from .models.runtime import ModelRuntime
 
         info = gguf.inspect(model_dir) if gguf.is_gguf(model_dir) else None  # parsed once, before loading
         rt = ModelRuntime.load(model_dir, dtype=dtype, device="cpu", quantization=quantization)
@@ -42,7 +42,7 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
             isa = next((m.native.isa for m in rt.model.modules() if isinstance(m, QuantLinear) and m.native), None)
             lines.append(f"quantized products: {isa or 'dequantized, then the dtype product'}")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
-        from .experts import current
+        from .models.experts import current
 
         if impl := current(rt.model):
             lines.append(f"experts: {impl}")

@@ -7,7 +7,7 @@ from hyserve.chat import ChatTurn
 from hyserve.chat.call_limit import renders_parallel_calls
 from hyserve.parsers import Parsers
 from hyserve.parsers.llama3_json import Llama3JsonParser
-from hyserve.tiny import train_tokenizer, use_template
+from hyserve.testing.tiny import train_tokenizer, use_template
 
 from ..conftest import TEMPLATES_DIR, real_template
 from ..parsers.helpers import TOOLS, parsed

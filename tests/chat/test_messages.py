@@ -7,7 +7,7 @@ import pytest
 
 from hyserve.chat import ChatTurn, template_message
 from hyserve.parsers import choose_parsers
-from hyserve.tiny import train_tokenizer, use_template
+from hyserve.testing.tiny import train_tokenizer, use_template
 
 from ..conftest import LLAMA3_TEMPLATE, QWEN3_TEMPLATE, QWEN35_TEMPLATE, real_template
 from ..parsers.helpers import TOOLS

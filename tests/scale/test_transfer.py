@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hyserve.engine import GenerationRequest
-from hyserve.sampling import SamplingParams
+from hyserve.engine.sampling import SamplingParams
 from hyserve.scale.transfer import Transfers, worth_fetching
 
 from ..conftest import wait_idle

@@ -48,8 +48,8 @@ def template_servers(request):
 def force(make_service):
     """force(runtime, text) -> seed: a request with that seed to the engine of `runtime` (a `make_service`
     service) generates exactly `text`'s tokens, then end of turn, through the real engine
-    (`hyserve.testing.ForcedReplies`). Requests with other seeds sample as usual."""
-    from hyserve.testing import ForcedReplies
+    (`hyserve.testing.forced.ForcedReplies`). Requests with other seeds sample as usual."""
+    from hyserve.testing.forced import ForcedReplies
 
     forced = ForcedReplies()
 

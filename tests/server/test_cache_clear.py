@@ -183,8 +183,8 @@ def test_jobs_of_the_tenant_are_cancelled_or_record_nothing(make_service):
 def test_the_tokenizer_forgets_the_tenants_texts():
     """The tokenizer's reuse of earlier prompt texts keeps them (`prompt_tokens`): a clear drops the tenant's."""
     from hyserve.cache.namespace import make_salt
-    from hyserve.prompt_tokens import PrefixEncoder
-    from hyserve.tiny import train_tokenizer
+    from hyserve.prompt.tokens import PrefixEncoder
+    from hyserve.testing.tiny import train_tokenizer
 
     tok = train_tokenizer()
     encoder = PrefixEncoder(tok)

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from hyserve.server.response_store import ResponseStore
-from hyserve.tiny import ARCHS
+from hyserve.testing.tiny import ARCHS
 
 from ..conftest import QWEN35_TEMPLATE
 from ..parsers.helpers import TOOLS
@@ -182,8 +182,8 @@ def test_continuation_is_exact_on_every_family(servers, make_service, arch):
 def test_continuation_after_speculative_decoding(make_service):
     """Prompt-lookup speculation leaves the state at prompt + output[:-1] too: the final token is fed and the
     continued turn still reads everything (a repetitive input, so proposals are made and verified)."""
+    from hyserve.engine.speculative import SpeculativeConfig
     from hyserve.server.run import BackgroundServer
-    from hyserve.speculative import SpeculativeConfig
 
     with BackgroundServer(make_service("qwen3_5", speculative=SpeculativeConfig(4, 2))) as srv:
         kw = {"model": srv.service.model_name, "temperature": 0, "max_output_tokens": 24}

@@ -6,8 +6,8 @@ import torch
 from openai import BadRequestError, OpenAI
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from hyserve.engine.speculative import SpeculativeConfig
 from hyserve.server.run import BackgroundServer
-from hyserve.speculative import SpeculativeConfig
 
 from ..conftest import wait_idle
 

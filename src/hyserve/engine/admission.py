@@ -10,17 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .. import logits, next_turn
 from ..cache.manager import PrefixCache, Restored
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..sampling import Sampler
-from ..scheduler import Scheduler
-from ..sequence import OutputSequence
+from ..models.runtime import ModelRuntime
+from ..prompt import next_turn
+from . import logits
 from .api import Delta, Finished, GenerationRequest, expired
 from .phase import Phase
 from .run import Run
+from .sampling import Sampler
+from .scheduler import Scheduler
+from .sequence import OutputSequence
 
 
 class Admission(Phase):
@@ -35,7 +36,7 @@ class Admission(Phase):
         super().__init__(runtime, cache, policy, metrics, scheduler)
         # Builds a proposer (extend(tokens), propose() -> ids) per request, or None: no speculation.
         self.make_proposer = None
-        # Builds a request's sampler (logits -> token id) from its SamplingParams (a hook: hyserve.testing
+        # Builds a request's sampler (logits -> token id) from its SamplingParams (a hook: hyserve.testing.forced
         # forces scripted replies through it).
         self.make_sampler: Callable = Sampler
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cache.policy import Boundary
-from ..sampling import SamplingParams
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -29,7 +29,7 @@ class GenerationRequest:
     # n > 1: a sibling request with the same prompt, submitted first; this one decodes from a copy of its
     # state once it has prefilled (when it is still running then; else it restores and prefills as usual)
     prefill_from: GenerationRequest | None = None
-    grammar: object | None = None  # hyserve.grammar.Compiled: structured output, masks every sampled token
+    grammar: object | None = None  # hyserve.engine.grammar.Compiled: structured output, masks every sampled token
     # record the state after *every* generated token (prompt + output, the last token fed too) in place of the
     # usual post-decode checkpoint: /v1/responses continues a stored response from exactly there
     keep_final: bool = False

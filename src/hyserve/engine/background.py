@@ -16,10 +16,10 @@ import logging
 from ..cache.manager import PrefixCache, Restored
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..scheduler import Scheduler
+from ..models.runtime import ModelRuntime
 from .phase import Phase
 from .run import Job, Run
+from .scheduler import Scheduler
 
 log = logging.getLogger("hyserve.engine")
 

@@ -26,15 +26,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from .. import model_thread
 from ..allocator import Trimmer
 from ..cache.manager import PrefixCache
 from ..cache.namespace import tenant_of
 from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..scheduler import Scheduler
-from ..speculative import PromptLookup, SpeculativeConfig
+from ..models import model_thread
+from ..models.runtime import ModelRuntime
 from ..state.caches import cache_nbytes
 from ..state.snapshot_blocks import BLOCKS
 from .admission import Admission
@@ -45,6 +43,8 @@ from .finishing import Finishing
 from .outbox import Outbox
 from .prefill import Prefill
 from .run import Run
+from .scheduler import Scheduler
+from .speculative import PromptLookup, SpeculativeConfig
 from .watchdog import Watchdog
 
 log = logging.getLogger("hyserve.engine")

@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 
 from ..cache.manager import PrefixCache
-from ..logits import token_logprobs
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..speculative import accepted_prefix
+from ..models.runtime import ModelRuntime
+from .logits import token_logprobs
 from .outbox import Outbox
 from .run import Run
+from .speculative import accepted_prefix
 
 log = logging.getLogger("hyserve.engine")
 

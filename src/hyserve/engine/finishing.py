@@ -22,13 +22,13 @@ from ..cache.manager import PrefixCache
 from ..cache.policy import CheckpointPolicy
 from ..chat.messages import reasoning_of, sends_reasoning, without_reasoning
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..scheduler import Scheduler
+from ..models.runtime import ModelRuntime
 from .api import Failed, Finished, expired
 from .background import Background
 from .outbox import Outbox
 from .phase import Phase
 from .run import Run
+from .scheduler import Scheduler
 
 log = logging.getLogger("hyserve.engine")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from ..cache.manager import PrefixCache
 from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..scheduler import Scheduler
+from ..models.runtime import ModelRuntime
+from .scheduler import Scheduler
 
 
 class Phase:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from ..cache.manager import PrefixCache
 from ..cache.policy import Boundary, CheckpointPolicy
 from ..metrics import Metrics
-from ..runtime import ModelRuntime
-from ..scheduler import Scheduler
+from ..models.runtime import ModelRuntime
 from .phase import Phase
 from .run import Run
+from .scheduler import Scheduler
 
 log = logging.getLogger("hyserve.engine")
 

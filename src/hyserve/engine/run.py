@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from ..cache.manager import Restored
 from ..cache.policy import Boundary
-from ..logits import Pipeline
-from ..sampling import Sampler
-from ..sequence import OutputSequence
 from .api import Emit, GenerationRequest
+from .logits import Pipeline
+from .sampling import Sampler
+from .sequence import OutputSequence
 
 log = logging.getLogger("hyserve.engine")
 _ending = threading.Lock()  # a run can be ended by the model thread and by the watchdog's
@@ -32,7 +32,7 @@ class Run:
     sampler: Sampler | None = None
     pipeline: Pipeline | None = None  # logits processors applied before the sampler
     proposer: object | None = None
-    constraint: object | None = None  # hyserve.grammar.Constraint of a structured-output request
+    constraint: object | None = None  # hyserve.engine.grammar.Constraint of a structured-output request
     logits: object | None = None  # next-token logits once prefill is done
     snapshots: int = 0  # checkpoints this request recorded (at most one per distinct boundary)
     spec_misses: int = 0  # verify passes in a row that accepted nothing

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import model_thread
+from ..models import model_thread
 
 _LOCAL = threading.local()
 

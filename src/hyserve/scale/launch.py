@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from ..service import ServiceConfig
+from ..models.service import ServiceConfig
 
 log = logging.getLogger("hyserve.scale")
 

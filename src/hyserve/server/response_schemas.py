@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..grammar import Spec
+from ..engine.grammar import Spec
 from .errors import APIError
 from .schemas import Effort, SamplingFields, thinking_options
 from .structured import format_spec

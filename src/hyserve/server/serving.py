@@ -13,10 +13,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ..chat import ChatRequestError, ChatTurn
 from ..engine import ChatPrompt, GenerationRequest
-from ..grammar import GrammarError, Grammars
-from ..prompt_bound import PromptTooLong
-from ..sampling import SamplingParams
-from ..service import Service
+from ..engine.grammar import GrammarError, Grammars
+from ..engine.sampling import SamplingParams
+from ..models.service import Service
+from ..prompt.bound import PromptTooLong
 from .errors import APIError
 from .generation import Generation
 from .guards import API_KEY, key_tenant, tenant_salt

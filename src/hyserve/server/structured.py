@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..grammar import Spec
+from ..engine.grammar import Spec
 from .errors import APIError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from ...prompt_bound import PromptTooLong
+from ...prompt.bound import PromptTooLong
 from ..errors import APIError
 from ..formats import CompletionFormat
 from ..schemas import CompletionRequest

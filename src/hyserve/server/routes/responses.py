@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from ...chat import ChatTurn, template_message
 from ...chat.continuation import ContinuationError, continuation_ids
 from ...engine import Finished
-from ...prompt_bound import PromptTooLong
+from ...prompt.bound import PromptTooLong
 from ..errors import APIError
 from ..response_format import ResponsesFormat
 from ..response_schemas import ResponsesRequest, input_messages

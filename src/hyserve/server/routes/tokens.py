@@ -7,7 +7,7 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from ...chat import ChatRequestError, ChatTurn, template_message
-from ...prompt_bound import PromptTooLong, check_length
+from ...prompt.bound import PromptTooLong, check_length
 from ..errors import APIError
 from ..schemas import DetokenizeRequest, TokenizeRequest
 from ..serving import Serving, serving_of

@@ -39,8 +39,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .cache.namespace import tenant_of
-from .prompt_escape import MARK, ContentEscaper
+from ..cache.namespace import tenant_of
+from .escape import MARK, ContentEscaper
 
 log = logging.getLogger("hyserve.prompt_tokens")
 

@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from .gguf import is_gguf
+from ..gguf import is_gguf
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -24,7 +24,7 @@ class StartupError(Exception):
 def read_model_type(model_dir: str | Path) -> str:
     """The folder's `config.json` model_type, if hyserve serves it. Raises FileNotFoundError (no config),
     ValueError (unreadable JSON) or UnsupportedModelError (with the supported list)."""
-    from .families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+    from ..families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
@@ -70,7 +70,7 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
         read_model_type(path)
     except (FileNotFoundError, ValueError) as exc:  # UnsupportedModelError is a ValueError
         raise StartupError(str(exc)) from exc
-    from .quant.checkpoint import refusal
+    from ..quant.checkpoint import refusal
 
     if why := refusal(path):
         raise StartupError(why)
@@ -96,7 +96,7 @@ def check_model_dir(model_dir: str | Path) -> list[str]:
 
 def check_gguf(path: Path) -> list[str]:
     """A GGUF file (or a folder holding one): its header parsed and checked (`gguf.inspect`)."""
-    from .gguf import GGUFError, gguf_path, inspect
+    from ..gguf import GGUFError, gguf_path, inspect
 
     try:
         if not os.access(gguf_path(path), os.R_OK):

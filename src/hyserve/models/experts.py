@@ -43,7 +43,7 @@ def choose(model, adapter, vocab: int) -> str | None:
     differs from eager on this model."""
     if not is_moe(model):
         return None
-    from .kernels import verify
+    from ..kernels import verify
 
     wanted = os.environ.get("HYSERVE_EXPERTS", PREFERRED)
     if wanted == REFERENCE:

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
-from . import experts, gguf, kernels, model_thread, next_turn, quant
-from .allocator import huge_page_bytes, keep_freed_memory
-from .families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
-from .logs import human_bytes, human_count
+from .. import gguf, kernels, quant
+from ..allocator import huge_page_bytes, keep_freed_memory
+from ..families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
+from ..logs import human_bytes, human_count
+from ..prompt import next_turn
+from ..prompt.bound import check_length, max_chars_per_token
+from ..prompt.escape import MARK, ContentEscaper
+from ..prompt.tokens import PrefixEncoder
+from . import experts, model_thread
 from .preflight import WEIGHT_GLOBS, read_model_type
-from .prompt_bound import check_length, max_chars_per_token
-from .prompt_escape import MARK, ContentEscaper
-from .prompt_tokens import PrefixEncoder
 
 log = logging.getLogger("hyserve.runtime")
 
@@ -279,7 +281,7 @@ def _install_quantized_products(model, adapter, dtype) -> None:
     """The quantized weights' C products (`native_int8`, `native_int4` in the kernel report, so that the disk
     cache's fingerprint tells quantized states from others), or why each is off: then its products
     dequantize first."""
-    from .quant import native
+    from ..quant import native
 
     if not kernels.enabled():
         found = {

@@ -17,7 +17,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
-    # Logits processors (`hyserve.logits`), applied to a request's logits row before sampling:
+    # Logits processors (`hyserve.engine.logits`), applied to a request's logits row before sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     presence_penalty: float = 0.0  # subtracted once from each token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens

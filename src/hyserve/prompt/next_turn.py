@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .cache.policy import first_difference
+from ..cache.policy import first_difference
 
 RenderMany = Callable[[Sequence[tuple[list[dict], bool]]], list]
 
