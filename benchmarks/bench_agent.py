@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     forced = ForcedReplies(7_000_000)
 
     from hyserve.chat import template_message
-    from hyserve.models.service import ServiceConfig, build_service
     from hyserve.server.run import BackgroundServer
+    from hyserve.service import ServiceConfig, build_service
 
     services = {
         name: build_service(

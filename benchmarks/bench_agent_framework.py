@@ -188,8 +188,8 @@ def main(argv=None) -> int:
     turns = args.turns or (2 if args.quick else 4)
     result_tokens = args.result_tokens or (60 if args.quick else 300)
     model_dir = C.ensure_model("qwen3_5", size, TEMPLATE)
-    from hyserve.models.service import ServiceConfig, build_service
     from hyserve.server.run import BackgroundServer
+    from hyserve.service import ServiceConfig, build_service
     from hyserve.testing.forced import ForcedReplies
 
     svc = build_service(

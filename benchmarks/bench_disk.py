@@ -54,7 +54,7 @@ def round_robin(service, chats: int, turns: int, words: int, seed: int = 0):
 
 
 def hit_rates(model_dir, chats: int, turns: int, words: int) -> list[dict]:
-    from hyserve.models.service import ServiceConfig, build_service
+    from hyserve.service import ServiceConfig, build_service
 
     probe = build_service(ServiceConfig(model_dir=model_dir, device="cpu"))
     round_robin(probe, 1, 2, words)

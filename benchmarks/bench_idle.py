@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     C.setup_torch(args.threads)
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.models.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "bench"

@@ -5,7 +5,7 @@ thread's first PyTorch operation), alternated round by round so that drift hits 
 
 - `reference`: transformers' own functions, denormal floats left on (HYSERVE_FLUSH_DENORMAL=0
   HYSERVE_KERNELS=0);
-- `+ flush denormals`: the model thread flushes denormals to zero (hyserve.models.model_thread);
+- `+ flush denormals`: the model thread flushes denormals to zero (hyserve.model_thread);
 - `+ kernels` (hyserve's default): also GQA attention without KV copies and the batched Gated
   DeltaNet decode step (hyserve.kernels).
 
@@ -58,7 +58,7 @@ def child(size: str, threads: int) -> dict:
     import random
 
     C.setup_torch(threads)
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.models.runtime import ModelRuntime
 
     rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), device="cpu")
@@ -121,8 +121,7 @@ def micro(rounds: int = 30) -> list[dict]:
     import torch.nn.functional as F
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from hyserve import kernels
-    from hyserve.models import model_thread
+    from hyserve import kernels, model_thread
     from hyserve.state.caches import packed_clones
     from hyserve.state.snapshot_blocks import BLOCKS
 

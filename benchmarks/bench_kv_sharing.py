@@ -112,7 +112,7 @@ def warm_turn(service, messages: list, new_tokens: int, reps: int) -> dict:
 
 
 def measure(model_dir, turns: int, user_tokens: int, reply_tokens: int, reps: int) -> dict:
-    from hyserve.models.service import ServiceConfig, build_service
+    from hyserve.service import ServiceConfig, build_service
 
     out, replies = {"modes": {}}, None
     for name, share in MODES:

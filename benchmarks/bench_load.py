@@ -183,7 +183,7 @@ def decode_tokens_between(results: list[dict], start: float, end: float) -> floa
 def service_config(args, model_dir: Path):
     """The server's settings: passed to `hyserve serve` as flags (`serve_flags`) and used as they are by the
     in-process service of the decode-step probe."""
-    from hyserve.models.service import ServiceConfig
+    from hyserve.service import ServiceConfig
 
     return ServiceConfig(
         model_dir=model_dir,
@@ -572,8 +572,8 @@ async def soak_phase(client, http, model, tokenizer, system: str, args, server_p
 def decode_probe(cfg, sizes: list[int], ctx: int, reps: int = 6) -> list[dict]:
     """Load the model into an in-process service of `cfg` (never while the server process runs: the two
     would share the cores), run the probe on its model thread, and stop the service."""
-    from hyserve.models import model_thread  # where the server's own model work runs
-    from hyserve.models.service import build_service
+    from hyserve import model_thread  # where the server's own model work runs
+    from hyserve.service import build_service
 
     service = build_service(cfg)
     try:

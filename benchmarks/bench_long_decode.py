@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     import torch
 
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.models.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "bench"

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     sessions = args.sessions or (4 if args.quick else 16)
     C.setup_torch(args.threads)
     from hyserve.engine import GenerationRequest
-    from hyserve.models.service import ServiceConfig, build_service
+    from hyserve.service import ServiceConfig, build_service
 
     model_dir = C.ensure_model("qwen3_5", "tiny" if args.quick else "bench")
     service = build_service(

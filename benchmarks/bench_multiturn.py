@@ -241,8 +241,8 @@ def history_snapshot(rt, prompt: list[int], cached: int, chunk: int, memo: dict)
 
 def bare_loop(rt, prompt: list[int], cached: int, chunk: int = 512, memo: dict | None = None) -> float:
     """Seconds for restore(history snapshot) + prefill of prompt[cached:] + argmax: the floor for a warm TTFT.
-    Runs on hyserve's model thread, as a server's own model work does (see hyserve.models.model_thread)."""
-    from hyserve.models import model_thread
+    Runs on hyserve's model thread, as a server's own model work does (see hyserve.model_thread)."""
+    from hyserve import model_thread
 
     return model_thread.run(_bare_loop, rt, prompt, cached, chunk, {} if memo is None else memo)
 

@@ -77,7 +77,7 @@ def measure(runtimes: dict, ids: list[int], windows: int, window: int, chunk: in
     """Every runtime on the same windows, piece by piece in lockstep (only one piece's logits held at a time)."""
     import torch
 
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     def run():
         nll = {name: [] for name in runtimes}

@@ -48,7 +48,7 @@ def held_bytes(model) -> int:
 
 def step_times(runtimes: dict, prompt: int, batch: int, blocks: int, steps: int) -> dict:
     """Seconds per decode step of `batch` requests for each runtime, alternating block by block."""
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     def run():
         sides = {}

@@ -207,7 +207,8 @@ def run(args) -> dict:
     decode = args.decode or (4 if args.quick else 32)
     d = model_dir(args.model, args.quick)
 
-    from hyserve.models import experts, model_thread
+    from hyserve import model_thread
+    from hyserve.models import experts
     from hyserve.models.runtime import ModelRuntime
 
     rows = {}

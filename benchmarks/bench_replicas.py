@@ -149,9 +149,9 @@ def live(
     import ray
 
     from hyserve.cache.policy import CheckpointPolicy
-    from hyserve.models.service import ServiceConfig
     from hyserve.scale import launch
     from hyserve.server.run import free_port
+    from hyserve.service import ServiceConfig
 
     found, notes = routers()
     for note in notes:

@@ -173,7 +173,7 @@ def wait_idle(engine, limit: float = 30.0) -> float:
 class HyserveSystem:
     def __init__(self, name: str, model_dir: Path, cache_enabled: bool, block_size: int | None, cache_bytes: int):
         from hyserve.cache.policy import CheckpointPolicy
-        from hyserve.models.service import ServiceConfig, build_service
+        from hyserve.service import ServiceConfig, build_service
 
         self.name = name
         policy = CheckpointPolicy(block_size=block_size) if block_size else CheckpointPolicy()

@@ -77,7 +77,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     C.setup_torch(args.threads)
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.models.runtime import ModelRuntime
 
     size = "tiny" if args.quick else "real-0.8b"

@@ -278,7 +278,7 @@ def run_trained(args, log) -> dict:
     """Prompt lookup against none on SmolLM2-135M-Instruct (see the module docstring): per workload, the
     acceptance rate and the decode speed of interleaved spec-off / spec-on runs, outputs compared token by token."""
     from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
-    from hyserve.models.service import ServiceConfig, build_service
+    from hyserve.service import ServiceConfig, build_service
 
     path = smollm2_gguf()
     cfg = SpeculativeConfig(num_tokens=args.lookup_k, ngram=args.ngram)
@@ -648,7 +648,7 @@ def summarize(off_runs, on_runs, sim: dict) -> dict:
 def verify_cost(svc, prompt, ks, iters: int) -> list[dict]:
     """Time the pieces of a verify pass on the adapter directly, on the model thread the engine uses (a
     second torch thread would run slower: see benchmarks/bench_threads.py), with the engine idle."""
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     return model_thread.run(_verify_cost, svc, prompt, ks, iters)
 
@@ -908,7 +908,7 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     from hyserve.engine.speculative import PromptLookup, SpeculativeConfig
-    from hyserve.models.service import ServiceConfig, build_service
+    from hyserve.service import ServiceConfig, build_service
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

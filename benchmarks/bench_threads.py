@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     C.warn_if_busy()
     import torch
 
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.models.runtime import ModelRuntime
 
     size, context, new, reps = ("tiny", 400, 20, 3) if args.quick else ("bench", 4182, 79, 7)

@@ -13,7 +13,7 @@ process_settings.apply()  # before torch, as `hyserve serve` runs: huge pages, t
 
 from hyserve.cache.policy import CheckpointPolicy  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
-from hyserve.models.service import ServiceConfig, build_service  # noqa: E402
+from hyserve.service import ServiceConfig, build_service  # noqa: E402
 from hyserve.testing.tiny import ARCHS, make_tiny_model  # noqa: E402
 
 FAMILIES = ("qwen3_5", "qwen3_next", "mamba2", "qwen3")

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
+from hyserve import model_thread
 from hyserve.engine import GenerationRequest
 from hyserve.engine.grammar import Spec
 from hyserve.engine.sampling import SamplingParams
 from hyserve.engine.speculative import SpeculativeConfig
-from hyserve.models import model_thread
 
 from .cache.test_disk import PROMPT, state_after, tier, written
 from .test_engine_cache import run_chat

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyserve import model_thread
 from hyserve.kernels import decode_layer
-from hyserve.models import model_thread
 from hyserve.models.runtime import ModelRuntime
 
 

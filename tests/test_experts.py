@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from hyserve.models import experts, model_thread
+from hyserve import model_thread
+from hyserve.models import experts
 from hyserve.models.runtime import ModelRuntime
 
 MOE = ("qwen3_5_moe", "qwen3_next")

@@ -65,7 +65,7 @@ def test_split_prefill_through_snapshot_equals_one_prefill(runtimes, arch):
 def test_a_checkpoint_inside_a_piece_is_captured_or_the_prefill_split(runtimes, arch):
     """Qwen3.5-MoE's Gated DeltaNet layers hand out states inside a piece (hyserve's kernels); the others
     split the prefill at a checkpoint."""
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     if arch == "qwen3_5_moe":
         test_state.test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, 17, [5, 21, 29])
@@ -117,7 +117,7 @@ def templated_dirs(model_dirs, tmp_path_factory):
     match."""
     import shutil
 
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     from .test_next_turn import _tokenizer
 

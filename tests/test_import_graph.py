@@ -26,9 +26,34 @@ def import_cycle(package: str) -> list[str] | None:
     return None
 
 
+def package_cycle(package: str) -> list[str] | None:
+    """One cycle among `package`'s subpackages and top-level modules, each taken whole (`server`, `engine`,
+    `cache`, `models`, `model_thread`, ...), or None: the layers import in one direction."""
+    graph = grimp.build_graph(package, cache_dir=None, exclude_type_checking_imports=False)
+
+    def part(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    needs: dict[str, set[str]] = {}
+    for module in graph.modules:
+        needs.setdefault(part(module), set()).update(
+            part(m) for m in graph.find_modules_directly_imported_by(module) if part(m) != part(module)
+        )
+    try:
+        graphlib.TopologicalSorter(needs).prepare()
+    except graphlib.CycleError as e:
+        return list(reversed(e.args[1]))
+    return None
+
+
 def test_hyserve_has_no_import_cycle():
     cycle = import_cycle("hyserve")
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_hyserve_packages_import_in_one_direction():
+    cycle = package_cycle("hyserve")
+    assert cycle is None, "packages that import each other: " + " -> ".join(cycle)
 
 
 @pytest.mark.parametrize("how", ["top", "function", "type_checking", "package"])

@@ -6,9 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from hyserve import kernels
+from hyserve import kernels, model_thread
 from hyserve.kernels import conv, delta_rule
-from hyserve.models import model_thread
 from hyserve.models.runtime import ModelRuntime
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 3, 77, 14]

@@ -7,8 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from hyserve import kernels
-from hyserve.models import model_thread
+from hyserve import kernels, model_thread
 
 
 class _Attn(torch.nn.Module):

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
+from hyserve import model_thread
 from hyserve.engine import GenerationRequest
 from hyserve.engine.sampling import SamplingParams
-from hyserve.models import model_thread
 
 
 def test_run_returns_results_and_raises_errors_of_the_call():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyserve import model_thread
 from hyserve.kernels import attention, decode_layer, linear, native
-from hyserve.models import model_thread
 from hyserve.models.runtime import ModelRuntime
 
 

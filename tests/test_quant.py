@@ -11,8 +11,7 @@ import struct
 import pytest
 import torch
 
-from hyserve import quant
-from hyserve.models import model_thread
+from hyserve import model_thread, quant
 from hyserve.models.runtime import ModelRuntime
 from hyserve.quant import experts as qexperts
 from hyserve.quant import layout

@@ -4,8 +4,8 @@ and reverting puts each one back to the original, so the model is plain transfor
 import pytest
 import torch
 
+from hyserve import model_thread
 from hyserve.kernels import seam
-from hyserve.models import model_thread
 from hyserve.models.runtime import ModelRuntime
 
 from .test_kernel_check import _greedy, _transformers

@@ -61,7 +61,7 @@ def test_snapshot_is_a_copy_not_a_view(runtimes, arch):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_a_restored_state_never_writes_into_its_snapshot(runtimes, arch):
     """restore shares the snapshot's attention KV; nothing a live state goes through may write into it."""
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     rt = runtimes(arch)
     ad = rt.adapter
@@ -209,7 +209,7 @@ def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, sta
     """A checkpoint inside a prefill piece (hyserve's kernels hand out the state there) equals the state of a
     prefill split at that token, and continues exactly like it; the piece itself runs as without capture.
     Offset 2 is shorter than the conv kernel (4): its conv state is zero-padded, as transformers pads it."""
-    from hyserve.models import model_thread
+    from hyserve import model_thread
     from hyserve.state.kv_chain import standalone
 
     rt = runtimes(arch)
@@ -248,6 +248,6 @@ def test_states_captured_inside_a_piece_equal_split_prefills(runtimes, arch, sta
 
 @pytest.mark.parametrize("arch", ["mamba2", "qwen3"])
 def test_other_families_split_the_prefill_instead(runtimes, arch):
-    from hyserve.models import model_thread
+    from hyserve import model_thread
 
     assert not model_thread.run(runtimes(arch).adapter.can_capture)

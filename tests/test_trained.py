@@ -21,8 +21,8 @@ from hyserve.engine import GenerationRequest  # noqa: E402
 from hyserve.engine.sampling import SamplingParams  # noqa: E402
 from hyserve.engine.speculative import SpeculativeConfig  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
-from hyserve.models.service import ServiceConfig, build_service  # noqa: E402
 from hyserve.server.run import BackgroundServer  # noqa: E402
+from hyserve.service import ServiceConfig, build_service  # noqa: E402
 
 from .conftest import wait_idle  # noqa: E402
 

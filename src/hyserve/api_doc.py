@@ -49,8 +49,8 @@ ROUTES: dict[str, str] = {
 
 def openapi() -> dict:
     """The document of the app as `hyserve serve` builds it, on a tiny model (the routes do not depend on it)."""
-    from .models.service import ServiceConfig, build_service
     from .server.app import create_app
+    from .service import ServiceConfig, build_service
     from .testing.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .cache.policy import DEFER_TAIL, CheckpointPolicy
 
 if TYPE_CHECKING:
-    from .models.service import ServiceConfig
+    from .service import ServiceConfig
 
 log = logging.getLogger("hyserve")
 
@@ -224,7 +224,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
 
 def service_config_from_args(args) -> ServiceConfig:
     from .engine.speculative import SpeculativeConfig
-    from .models.service import ServiceConfig
+    from .service import ServiceConfig
 
     policy = CheckpointPolicy(
         history_boundary=not args.no_history_checkpoint,
@@ -323,7 +323,7 @@ def _serve_on_ray(args) -> int:
 
 def _load(args):
     """The service, or None after saying why it could not be built (a Ctrl-C meanwhile: see `main`)."""
-    from .models.service import build_service
+    from .service import build_service
 
     try:
         return build_service(service_config_from_args(args))

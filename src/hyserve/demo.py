@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from .models.service import ServiceConfig, build_service
 from .server.run import BackgroundServer
+from .service import ServiceConfig, build_service
 from .testing.tiny import make_tiny_model
 
 

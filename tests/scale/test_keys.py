@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from hyserve.models.service import ServiceConfig
 from hyserve.scale.keys import PromptKeys
+from hyserve.service import ServiceConfig
 
 HUGE = "word " * ((7 << 20) // 5)  # ~7 MB: millions of tokens, far over the tiny model's 4096
 

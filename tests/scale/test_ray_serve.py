@@ -16,9 +16,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from hyserve.cache.policy import CheckpointPolicy  # noqa: E402
-from hyserve.models.service import ServiceConfig, build_service  # noqa: E402
 from hyserve.scale import launch  # noqa: E402
 from hyserve.server.run import BackgroundServer, free_port  # noqa: E402
+from hyserve.service import ServiceConfig, build_service  # noqa: E402
 
 from ..server.test_errors import CASES  # noqa: E402
 

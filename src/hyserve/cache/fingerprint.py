@@ -15,7 +15,7 @@ from pathlib import Path
 import transformers
 
 from ..gguf import gguf_path, is_gguf, split_parts
-from ..models.preflight import TOKENIZER_FILES, WEIGHT_GLOBS
+from ..model_files import TOKENIZER_FILES, WEIGHT_GLOBS
 
 FORMAT = "hyserve-disk-1"  # bump when the file layout or what a snapshot holds changes
 _EDGE = 1 << 20

@@ -26,12 +26,12 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from .. import model_thread
 from ..allocator import Trimmer
 from ..cache.manager import PrefixCache
 from ..cache.namespace import tenant_of
 from ..cache.policy import CheckpointPolicy
 from ..metrics import Metrics
-from ..models import model_thread
 from ..models.runtime import ModelRuntime
 from ..state.caches import cache_nbytes
 from ..state.snapshot_blocks import BLOCKS

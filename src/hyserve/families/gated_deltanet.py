@@ -32,7 +32,7 @@ class HybridLinearAttentionAdapter(FamilyAdapter):
     captures_with_kernels = True
 
     def can_capture(self) -> bool:
-        from ..models import model_thread
+        from .. import model_thread
 
         return self.kernels.on("capture") and model_thread.on_model_thread()
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import model_thread
+from .. import model_thread
 
 _LOCAL = threading.local()
 

@@ -12,9 +12,7 @@ import socket
 from pathlib import Path
 
 from ..gguf import is_gguf
-
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from ..model_files import TOKENIZER_FILES, WEIGHT_GLOBS
 
 
 class StartupError(Exception):

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from .. import gguf, kernels, quant
+from .. import gguf, kernels, model_thread, quant
 from ..allocator import huge_page_bytes, keep_freed_memory
 from ..families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 from ..logs import human_bytes, human_count
+from ..model_files import WEIGHT_GLOBS
 from ..prompt import next_turn
 from ..prompt.bound import check_length, max_chars_per_token
 from ..prompt.escape import MARK, ContentEscaper
 from ..prompt.tokens import PrefixEncoder
-from . import experts, model_thread
-from .preflight import WEIGHT_GLOBS, read_model_type
+from . import experts
+from .preflight import read_model_type
 
 log = logging.getLogger("hyserve.runtime")
 

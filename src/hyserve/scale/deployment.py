@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..models.service import ServiceConfig
+from ..service import ServiceConfig
 from .bridge import HTTPRequest
 from .routed import PLACED, TELEMETRY, Routed, replica_ids
 from .transfer import Transfers, worth_fetching
@@ -50,8 +50,8 @@ class EngineReplica:
         import torch
         from sse_starlette.sse import AppStatus
 
-        from ..models.service import build_service
         from ..server.app import create_app
+        from ..service import build_service
         from .publish import Published
 
         torch.set_num_threads(threads)

@@ -14,10 +14,10 @@ import threading
 
 from ..chat import template_message
 from ..models.runtime import ModelRuntime, context_length
-from ..models.service import ServiceConfig
 from ..prompt.tokens import PrefixEncoder
 from ..server.guards import bearer, matching_key, tenant_salt
 from ..server.schemas import ChatCompletionRequest, CompletionRequest
+from ..service import ServiceConfig
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 KEPT_TEXTS, KEPT_BYTES = 64, 64 << 20  # the texts (and their ids) kept for prefix reuse in the routing process

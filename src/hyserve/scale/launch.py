@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from ..models.service import ServiceConfig
+from ..service import ServiceConfig
 
 log = logging.getLogger("hyserve.scale")
 

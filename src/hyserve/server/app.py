@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from ..models.service import Service
+from ..service import Service
 from .access import AccessLogMiddleware
 from .errors import install_handlers
 from .guards import GuardMiddleware

@@ -13,7 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..cache.namespace import tenant_of
 from ..engine import SHUTTING_DOWN, Delta, Failed, Finished, GenerationRequest, QueueFull
-from ..models.service import Service
+from ..service import Service
 from .access import track
 from .choices import merged, siblings
 from .errors import APIError

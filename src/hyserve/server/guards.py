@@ -10,7 +10,7 @@ import hmac
 import json
 
 from ..cache.namespace import make_salt
-from ..models.service import Service, ServiceConfig
+from ..service import Service, ServiceConfig
 from .errors import ANTHROPIC_PATH, BodyTooLarge, anthropic_body
 
 OPEN_PATHS = ("/health", "/metrics")

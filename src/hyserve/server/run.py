@@ -14,7 +14,7 @@ import time
 import uvicorn
 
 from ..engine import SHUTTING_DOWN
-from ..models.service import Service
+from ..service import Service
 from .app import create_app
 from .errors import ANTHROPIC_PATH, anthropic_body, error_body
 from .guards import send_error

@@ -15,8 +15,8 @@ from ..chat import ChatRequestError, ChatTurn
 from ..engine import ChatPrompt, GenerationRequest
 from ..engine.grammar import GrammarError, Grammars
 from ..engine.sampling import SamplingParams
-from ..models.service import Service
 from ..prompt.bound import PromptTooLong
+from ..service import Service
 from .errors import APIError
 from .generation import Generation
 from .guards import API_KEY, key_tenant, tenant_salt

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import model_thread
 from ..logs import human_count
-from ..models import model_thread
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import torch
 
-from ..cache.disk import DiskTier
-from ..cache.fingerprint import fingerprint
-from ..cache.manager import PrefixCache
-from ..cache.policy import CheckpointPolicy
-from ..cache.telemetry import CacheTelemetry
-from ..chat.call_limit import renders_parallel_calls
-from ..engine import Engine
-from ..engine.speculative import SpeculativeConfig
-from ..metrics import Metrics
-from ..parsers import Parsers, choose_parsers
-from ..parsers.registry import template_text
-from .runtime import ModelRuntime
+from .cache.disk import DiskTier
+from .cache.fingerprint import fingerprint
+from .cache.manager import PrefixCache
+from .cache.policy import CheckpointPolicy
+from .cache.telemetry import CacheTelemetry
+from .chat.call_limit import renders_parallel_calls
+from .engine import Engine
+from .engine.speculative import SpeculativeConfig
+from .metrics import Metrics
+from .models.runtime import ModelRuntime
+from .parsers import Parsers, choose_parsers
+from .parsers.registry import template_text
 
 
 def default_cache_bytes(fraction: float = 0.25, device=None) -> int:
