@@ -157,7 +157,12 @@ def test_a_bamba_file_is_told_from_a_granite_one(converted):
 
     meta = file_metadata([GGUFReader(converted("bamba"))])
     assert granite_hybrid.config(meta)["model_type"] == "bamba"
-    assert granite_hybrid.config(meta | {"granitehybrid.attention.scale": 0.1})["model_type"] == "granitemoehybrid"
+    granite = meta | {"granitehybrid.attention.scale": 0.1}
+    with pytest.raises(GGUFError, match="rotary embedding over 8 of the 16 head dimensions in a Granite 4.0-H"):
+        granite_hybrid.config(granite)
+    assert granite_hybrid.config(granite | {"granitehybrid.rope.dimension_count": 16})["model_type"] == (
+        "granitemoehybrid"
+    )
     with pytest.raises(GGUFError, match="rotary embedding over 4 of the 16 head dimensions"):
         granite_hybrid.config(meta | {"granitehybrid.rope.dimension_count": 4})
 
