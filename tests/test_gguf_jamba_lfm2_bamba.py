@@ -19,6 +19,7 @@ from hyserve.runtime import ModelRuntime  # noqa: E402
 
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
+from .test_gguf_hybrid import _blocks  # noqa: E402
 
 # Each folder as the real models are made, where the tiny default is not:
 VARIANTS = {
@@ -105,19 +106,19 @@ def folders(model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(llama_cpp_converter, folders, tmp_path_factory):  # noqa: F811 (the imported fixture)
-    """arch -> the folder converted by llama.cpp's convert_hf_to_gguf.py with --outtype f32 (once)."""
+    """(arch, outtype) -> the folder converted by llama.cpp's convert_hf_to_gguf.py (once)."""
     done = {}
 
-    def get(arch):
-        if arch not in done:
-            out = tmp_path_factory.mktemp("gguf") / f"{arch}-f32.gguf"
+    def get(arch, outtype="f32"):
+        if (arch, outtype) not in done:
+            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
             r = subprocess.run(
                 [
                     sys.executable,
                     "convert_hf_to_gguf.py",
                     str(folders(arch)),
                     "--outtype",
-                    "f32",
+                    outtype,
                     "--outfile",
                     str(out),
                 ],
@@ -127,8 +128,8 @@ def converted(llama_cpp_converter, folders, tmp_path_factory):  # noqa: F811 (th
                 timeout=600,
             )
             assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
-            done[arch] = out
-        return done[arch]
+            done[arch, outtype] = out
+        return done[arch, outtype]
 
     return get
 
@@ -148,6 +149,19 @@ def test_llama_cpp_converted_files_serve_as_their_folder(converted, folders, mak
     on = run_chat(make_service(arch, model_dir=path), SCRIPT[:2])
     off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:2])
     assert [t[0] for t in on] == [t[0] for t in off] and on[1][1] > 0 and all(t[1] == 0 for t in off)
+
+
+@pytest.mark.parametrize("arch", list(VARIANTS))
+def test_a_q8_0_file_keeps_its_blocks(converted, folders, arch):
+    """The Q8_0 linear weights stay the file's blocks, which are hyserve's int8 of the folder's weights."""
+    rt = ModelRuntime.load(converted(arch, "q8_0"), device="cpu")
+    int8 = ModelRuntime.load(folders(arch), device="cpu", quantization="int8")
+    kept, ours = _blocks(rt.model), _blocks(int8.model)
+    assert len(kept) >= 8 and "model.layers.2.self_attn.q_proj" in kept
+    for name, (qs, d) in kept.items():
+        assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
+    want, got = _logits(int8), _logits(rt)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # (Q8_0 experts: float under int8)
 
 
 def test_a_bamba_file_is_told_from_a_granite_one(converted):
