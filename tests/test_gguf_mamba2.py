@@ -196,7 +196,8 @@ def test_what_the_modules_cannot_load_is_refused_with_one_line():
 
 
 def test_rotary_over_part_of_the_head_is_refused(converted):
-    """A Bamba file (granitehybrid with RoPE) rotates part of each head, which Granite's HF model cannot."""
+    """A Granite 4.0-H file (its multipliers in the metadata) with RoPE over part of each head, which Granite's HF
+    model cannot do (a Bamba file, without them, loads as Bamba: tests/test_gguf_jamba_lfm2_bamba.py)."""
     from gguf import GGUFReader
 
     meta = file_metadata([GGUFReader(converted("granitemoehybrid"))])

@@ -85,6 +85,9 @@ def load(path: Path, dtype: torch.dtype, device: str):
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    # buffers the model makes in float32 whatever its dtype (LFM2-MoE's expert_bias, Nemotron-H's router
+    # correction bias), as loading its folder keeps them
+    dtypes = {name: b.dtype for name, b in model.named_buffers() if b.dtype.is_floating_point}
     modules = dict(model.named_modules())
     done = Loaded(dtype)
     pieces: dict[str, list[tuple[Part | None, object]]] = {}  # HF name -> (where, Blocks or float tensor)
@@ -125,7 +128,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
                     f"file's metadata makes {shapes[hf]}"
                 )
             if value[0] is None and isinstance(value[1], torch.Tensor):
-                value = (None, value[1].to(dtype))  # now: no float32 copy of the whole model at once
+                value = (None, value[1].to(dtypes.get(hf, dtype)))  # now: no float32 copy of the whole model
             pieces.setdefault(hf, []).append(value)
 
     state: dict[str, torch.Tensor] = {}
@@ -135,7 +138,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
             _install(model, modules, hf, value, dtype)
             done.kept[value.kind] += 1
         else:
-            state[hf] = value.to(dtype)
+            state[hf] = value.to(dtypes.get(hf, dtype))
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         _tie(model)

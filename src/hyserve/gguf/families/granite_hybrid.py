@@ -7,6 +7,12 @@ along its rows, and the shared MLP's likewise (into `ffn_*_shexp`, or `ffn_gate`
 model): those go back as `Part`s of the fused HF tensor. Granite's µP multipliers are kept as
 metadata (attention.scale, embedding_scale, residual_scale, logit_scale) and go back into the config; whether
 attention uses RoPE is `rope.scaling.finetuned` (what llama.cpp's granite-hybrid graph reads).
+
+Bamba folders (BambaForCausalLM) are written by the same converter class as `granitehybrid` too, and are the only
+ones it writes with `rope.scaling.finetuned` true (it writes a Granite 4.0-H without RoPE): such a file loads as
+transformers' `bamba` model, which rotates the first half of each head (as every Bamba folder does; the
+converter permuted q/k over the whole head, which is undone exactly). Its MLP (`ffn_gate`, `ffn_up`, `ffn_down`)
+is Bamba's `feed_forward`, not Granite's fused shared MLP.
 """
 
 from __future__ import annotations
@@ -59,6 +65,69 @@ _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (H
 }
 
 
+_BAMBA_TOP = _TOP | {"output_norm.weight": "model.final_layernorm.weight"}
+_BAMBA_LAYER = {
+    **{k: v for k, v in _LAYER.items() if k.startswith(("attn_", "ffn_norm"))},
+    "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
+    "ffn_down.weight": "feed_forward.down_proj.weight",
+}
+# in every Granite 4.0-H file (the converter writes each multiplier the config has), in no Bamba file
+_GRANITE_ONLY = ("attention.scale", "embedding_scale", "residual_scale", "logit_scale", "expert_count")
+
+
+def bamba_config(meta: dict, types: list[str], kv: list[int]) -> dict:
+    """The config of a granitehybrid file with RoPE: a Bamba folder's (see the module docstring)."""
+    n_layers = len(types)
+    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+    head_dim = hidden // heads
+    if int(arch_value(meta, "attention.key_length") or head_dim) != head_dim:
+        raise GGUFError(f"a Bamba file whose head width is not hidden size / heads ({head_dim})")
+    # the converter writes the whole head unless the folder's config names attn_rotary_emb (real Bamba configs
+    # do: half); transformers' Bamba rotates half of each head whatever its config says
+    rotary = int(arch_value(meta, "rope.dimension_count", head_dim))
+    if rotary not in (head_dim // 2, head_dim):
+        raise GGUFError(
+            f"rotary embedding over {rotary} of the {head_dim} head dimensions: transformers' Bamba rotates "
+            f"{head_dim // 2} (half of each head)"
+        )
+    ssm = _mamba2.dims(meta)
+    if ssm["inner"] % hidden:
+        raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
+    first_ssm = types.index("linear_attention")
+    attention = [i for i, t in enumerate(types) if t == "full_attention"]
+    return {
+        "architectures": ["BambaForCausalLM"],
+        "model_type": "bamba",
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "attn_layer_indices": attention,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(kv),
+        "intermediate_size": int(per_layer(required(meta, "feed_forward_length"), n_layers)[0]),
+        "max_position_embeddings": int(required(meta, "context_length")),
+        "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0)),
+            "partial_rotary_factor": 0.5,
+        },
+        "attention_bias": has(meta, f"blk.{attention[0]}.attn_q.bias", False) if attention else False,
+        "mlp_bias": False,
+        "mamba_n_heads": ssm["heads"],
+        "mamba_d_head": ssm["head_dim"],
+        "mamba_d_state": ssm["state"],
+        "mamba_n_groups": ssm["groups"],
+        "mamba_d_conv": ssm["conv"],
+        "mamba_expand": ssm["inner"] // hidden,
+        "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
+        "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        **token_ids(meta),
+    }
+
+
 def config(meta: dict) -> dict:
     n_layers = int(required(meta, "block_count"))
     kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
@@ -78,10 +147,12 @@ def config(meta: dict) -> dict:
     first_ssm = types.index("linear_attention")
     head_dim = int(arch_value(meta, "attention.key_length") or hidden // heads)
     rope = bool(arch_value(meta, "rope.scaling.finetuned", True))
+    if rope and not any(arch_value(meta, key) for key in _GRANITE_ONLY):  # as the converter writes a Bamba
+        return bamba_config(meta, types, kv)
     if rope and int(arch_value(meta, "rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(
-            f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} "
-            "head dimensions (a partial-rotary Bamba file) is not supported"
+            f"rotary embedding over {arch_value(meta, 'rope.dimension_count')} of the {head_dim} head "
+            "dimensions in a Granite 4.0-H file (with Granite's multipliers or experts) is not supported"
         )
     experts = int(arch_value(meta, "expert_count", 0) or 0)
     ff = int(per_layer(required(meta, "feed_forward_length"), n_layers)[0])
@@ -101,7 +172,7 @@ def config(meta: dict) -> dict:
         "attention_bias": has(meta, f"blk.{types.index('full_attention')}.attn_q.bias", False)
         if "full_attention" in types
         else False,
-        # absent (a Bamba file, whose config has no multipliers): llama.cpp scales scores by 1/sqrt(head_dim)
+        # absent: llama.cpp scales scores by 1/sqrt(head_dim)
         "attention_multiplier": float(arch_value(meta, "attention.scale") or head_dim**-0.5),
         "embedding_multiplier": float(arch_value(meta, "embedding_scale", 1.0)),
         "residual_multiplier": float(arch_value(meta, "residual_scale", 1.0)),
@@ -127,11 +198,11 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
     data = as_tensor(array)
     bid, rest = block(name)
     if bid is None:
-        return [(_TOP[name], data)]
+        return [((_BAMBA_TOP if cfg["model_type"] == "bamba" else _TOP)[name], data)]
     prefix = f"model.layers.{bid}."
     if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
         return [(prefix + "mamba." + mixer[0], mixer[1])]
-    target = _LAYER[rest]
+    target = (_BAMBA_LAYER if cfg["model_type"] == "bamba" else _LAYER)[rest]
     if rest in ("attn_q.weight", "attn_q.bias"):
         data = unpermute(data, cfg["num_attention_heads"])
     elif rest in ("attn_k.weight", "attn_k.bias"):
