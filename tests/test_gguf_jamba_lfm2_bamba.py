@@ -15,7 +15,7 @@ pytest.importorskip("gguf")
 from hyserve.gguf.families import granite_hybrid, jamba  # noqa: E402
 from hyserve.gguf.file import GGUFError  # noqa: E402
 from hyserve.gguf.loader import file_metadata  # noqa: E402
-from hyserve.runtime import ModelRuntime  # noqa: E402
+from hyserve.models.runtime import ModelRuntime  # noqa: E402
 
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
@@ -36,7 +36,7 @@ def _sentencepiece_tokenizer(out) -> dict:
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    from hyserve.tiny import _TRAINING_TEXT, CHATML_TEMPLATE, SPECIAL_TOKENS
+    from hyserve.testing.tiny import _TRAINING_TEXT, CHATML_TEMPLATE, SPECIAL_TOKENS
 
     model = io.BytesIO()
     lines = [line for line in _TRAINING_TEXT.splitlines() if line.strip()]
