@@ -160,7 +160,8 @@ def test_another_threads_allocations_come_from_the_main_arena(keep):
 
 
 _HUGE_SCRIPT = """
-from hyserve import allocator
+from hyserve import allocator, process_settings
+process_settings.apply()  # as hyserve's commands do first
 import torch
 t = torch.empty(64 << 20, dtype=torch.uint8)
 t.fill_(1)  # faulted in: on huge pages where PyTorch asked for them
@@ -177,16 +178,16 @@ def _thp_mode() -> str | None:
 
 
 @pytest.mark.parametrize("asked", [True, False])
-def test_importing_hyserve_puts_torchs_large_allocations_on_huge_pages(asked):
-    """hyserve asks PyTorch for transparent huge pages before torch is imported: a 64 MiB tensor then lies on
-    them; with HYSERVE_HUGE_PAGES=0 (and the kernel giving huge pages only to who asks) it does not."""
+def test_the_process_settings_put_torchs_large_allocations_on_huge_pages(asked):
+    """hyserve's commands ask PyTorch for transparent huge pages before torch is imported: a 64 MiB tensor then
+    lies on them; with HYSERVE_HUGE_PAGES=0 (and the kernel giving huge pages only to who asks) it does not."""
     import os
     import subprocess
 
     mode = _thp_mode()
     if mode not in ("always", "madvise") or (not asked and mode != "madvise"):
         pytest.skip(f"transparent huge pages are {mode!r} here")
-    env = {**os.environ, allocator.THP_ENV: "1"}  # as a child of a process that imported hyserve inherits it
+    env = {**os.environ, allocator.THP_ENV: "1"}  # as a child of a hyserve command inherits it
     env["HYSERVE_HUGE_PAGES"] = "1" if asked else "0"
     huge = int(
         subprocess.run(
