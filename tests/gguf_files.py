@@ -5,6 +5,8 @@ with chosen tensors in Q8_0, and arbitrary headers for the bad-input checks."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +153,21 @@ def requantize(
     w.write_tensors_to_file()
     w.close()
     return out if not split_max_tensors else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")
+
+
+def convert(converter: Path, model_dir: Path, out: Path, outtype: str, *extra: str) -> Path:
+    """`model_dir` written to `out` by llama.cpp's convert_hf_to_gguf.py in the folder `converter` (the test fails
+    with the converter's stderr when it does)."""
+    args = [
+        sys.executable,
+        "convert_hf_to_gguf.py",
+        str(model_dir),
+        "--outtype",
+        outtype,
+        *extra,
+        "--outfile",
+        str(out),
+    ]
+    r = subprocess.run(args, cwd=converter, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
+    return out

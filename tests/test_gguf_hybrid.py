@@ -15,6 +15,7 @@ from hyserve.models.preflight import check_model_dir  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
 from hyserve.quant.layout import QuantEmbedding, QuantLinear  # noqa: E402
 
+from .gguf_files import convert as run_converter  # noqa: E402
 from .gguf_files import requantize, write_header_only  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _cli, _logits, _refused, llama_cpp_converter  # noqa: E402,F401
@@ -30,23 +31,7 @@ def converted(llama_cpp_converter, model_dirs, tmp_path_factory):  # noqa: F811 
     def convert(arch: str, outtype: str):
         if (arch, outtype) not in made:
             out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            r = subprocess.run(
-                [
-                    sys.executable,
-                    "convert_hf_to_gguf.py",
-                    str(model_dirs[arch]),
-                    "--outtype",
-                    outtype,
-                    "--no-mtp",
-                    "--outfile",
-                    str(out),
-                ],
-                cwd=llama_cpp_converter,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
+            run_converter(llama_cpp_converter, model_dirs[arch], out, outtype, "--no-mtp")
             made[arch, outtype] = out
         return made[arch, outtype]
 

@@ -3,8 +3,6 @@ own converter from a tiny HF folder, serve as that folder: same logits, and the 
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from hyserve.gguf.file import GGUFError  # noqa: E402
 from hyserve.gguf.loader import file_metadata  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
 
-from .gguf_files import _permute  # noqa: E402
+from .gguf_files import _permute, convert  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
 from .test_gguf_hybrid import _blocks  # noqa: E402
@@ -100,22 +98,7 @@ def converted(converter, folders, tmp_path_factory):
     def get(arch, outtype="f32"):
         if (arch, outtype) not in done:
             out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            r = subprocess.run(
-                [
-                    sys.executable,
-                    "convert_hf_to_gguf.py",
-                    str(folders(arch)),
-                    "--outtype",
-                    outtype,
-                    "--outfile",
-                    str(out),
-                ],
-                cwd=converter,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
+            convert(converter, folders(arch), out, outtype)
             done[arch, outtype] = out
         return done[arch, outtype]
 
