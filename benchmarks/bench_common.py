@@ -125,10 +125,34 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
+        "isa": vector_isa(),
         "loadavg_start": _loadavg(),
         **provenance(),
         **{k: STARTED[k] for k in ("commit", "dirty")},  # the code the run loaded, not what git holds at its end
     }
+
+
+def vector_isa() -> str | None:
+    """The widest vector instructions the CPU has, as kernels choose by them (from /proc/cpuinfo's flags): "AMX",
+    "AVX512-BF16", "AVX512", "AVX2" or "older"; None off Linux. Tables name it: bfloat16 products run natively
+    only with AVX512-BF16 or AMX, so results from two CPUs of one model name can differ by several times."""
+    try:
+        flags = next(
+            set(line.split(":", 1)[1].split())
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return None
+    return isa_of(flags) or "older"
+
+
+def isa_of(flags) -> str | None:
+    """The widest of AMX, AVX512-BF16, AVX512, AVX2 among /proc/cpuinfo `flags` (None when none is there)."""
+    for isa, flag in (("AMX", "amx_bf16"), ("AVX512-BF16", "avx512_bf16"), ("AVX512", "avx512f"), ("AVX2", "avx2")):
+        if flag in flags:
+            return isa
+    return None
 
 
 def _started() -> dict:

@@ -114,6 +114,13 @@ def parse_args(argv=None):
     p.add_argument("--no-chat", action="store_true", help="skip the multi-turn chat (with --throughput)")
     p.add_argument("--cold-tokens", type=int, default=1024, help="prompt tokens of the cold prefill (throughput)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request (throughput)")
+    p.add_argument(
+        "--decode-prompt-tokens",
+        type=int,
+        default=16,
+        help="prompt tokens of each decode request (throughput): short, so that the prefill's spread between "
+        "requests, which the 1-token request subtracts, stays small against the decode time",
+    )
     p.add_argument("--concurrent", type=int, default=8, help="concurrent decode requests (throughput)")
     p.add_argument("--throughput-repeats", type=int, default=3, help="medians of this many rounds (throughput)")
     p.add_argument("--turns", type=int, default=None)
@@ -610,7 +617,8 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
 
     rng = random.Random(args.seed + 1)
     prompts = [
-        f"Request {i}. " + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else 120)
+        f"Request {i}. "
+        + C.text_of_tokens(rt.tokenizer, rng, args.cold_tokens if i == 0 else args.decode_prompt_tokens)
         for i in range(3 + 2 * args.concurrent)
     ]
 

@@ -532,6 +532,11 @@ def summary_rows(results: Path) -> list[list[str]]:
     return rows
 
 
+def _isa(machine: dict) -> str | None:
+    """The CPU's widest vector instructions: recorded since bench_common.vector_isa, else from `cpu_flags`."""
+    return machine.get("isa") or C.isa_of(set(machine.get("cpu_flags") or ()))
+
+
 def _machines(results: Path) -> str:
     """The machines the summary's files were measured on, as `2 cores (AMD EPYC)`."""
     seen = []
@@ -591,7 +596,7 @@ def provenance(result: dict, path: Path) -> str:
         f"on {date[:10]}" if date else "on an unknown date",
     ]
     machine = [
-        m.get("cpu") or "CPU unknown",
+        (m.get("cpu") or "CPU unknown") + (f" ({_isa(m)})" if _isa(m) else ""),
         f"{m['cores']} cores" if m.get("cores") else None,
         f"{m['mem_gib']} GiB RAM" if m.get("mem_gib") else None,
         f"torch {m['torch']}" if m.get("torch") else None,
