@@ -593,3 +593,12 @@ def test_a_guards_refusal_comes_in_its_routes_shape(template_servers, check_shap
         big = httpx.post(url, headers={"authorization": "Bearer key-a"}, json={"prompt": "x" * 8192}, timeout=60)
         assert big.status_code == 413, big.text
         check_shape(path, big)
+
+
+def test_the_api_document_gives_each_route_its_error_shape(srv):
+    doc = httpx.get(f"{srv.base_url}/openapi.json", timeout=60).json()
+    for method, path in app_routes():
+        responses = doc["paths"][path.replace(":path", "")][method.lower()]["responses"]
+        expected = "AnthropicErrorResponse" if path in ANTHROPIC_ROUTES else "ErrorResponse"
+        assert responses["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + expected)
+    assert doc["components"]["schemas"]["AnthropicErrorResponse"]["required"] == ["type", "error"]

@@ -69,7 +69,9 @@ def anthropic_body(status: int, message: str) -> dict:
 class ErrorFormat:
     """How one API surface reports an error: as a body (with its status) and as the last event of a stream
     cut off at shutdown (`run.CutOffQuietly`). OpenAI's: the error body, and in a stream a `data:` line
-    holding it (the openai SDK raises on it)."""
+    holding it (the openai SDK raises on it). `schema`: its body's name in the OpenAPI document (`openapi_doc`)."""
+
+    schema = "ErrorResponse"
 
     def body(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
         return error_body(message, type_, param, code)
@@ -88,6 +90,8 @@ class ResponsesErrors(ErrorFormat):
 
 class AnthropicErrors(ErrorFormat):
     """Anthropic's Messages API's: the type follows the status (`ANTHROPIC_TYPES`), in a stream its `error` event."""
+
+    schema = "AnthropicErrorResponse"
 
     def body(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
         return anthropic_body(status, message)
