@@ -174,17 +174,23 @@ def srv(template_servers):
     return template_servers(*QWEN35)
 
 
-@pytest.fixture
-def openai_client(srv):
+def recording_openai(server) -> OpenAI:
+    """The openai client on `server`, strict, its raw responses kept (`last`)."""
     http = recording(httpx)
     client = OpenAI(
-        base_url=f"{srv.base_url}/v1",
+        base_url=f"{server.base_url}/v1",
         api_key="unused",
         max_retries=0,
         http_client=http,
         _strict_response_validation=True,
     )
     client.recorded = http
+    return client
+
+
+@pytest.fixture
+def openai_client(srv):
+    client = recording_openai(srv)
     yield client
     client.close()
 
@@ -376,16 +382,7 @@ def test_a_responses_stream_asked_for_usage_ends_as_any_other(openai_client, spe
 def test_a_failed_responses_stream_ends_with_response_failed(template_servers, spec):
     """A generation that fails (here: times out) ends the stream with `response.failed`, whose response says
     why, holds what was streamed, and is not stored."""
-    slow = template_servers(*QWEN35, request_timeout=0.05)
-    http = recording(httpx)
-    client = OpenAI(
-        base_url=f"{slow.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=http,
-        _strict_response_validation=True,
-    )
-    client.recorded = http
+    client = recording_openai(template_servers(*QWEN35, request_timeout=0.05))
     # min_tokens: the random model cannot end its turn before the timeout does
     got = [
         e
