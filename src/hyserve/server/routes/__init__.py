@@ -1,7 +1,8 @@
 """One FastAPI router per API surface; `app.create_app` includes them all. Each route reads the app's
-`Serving` (`serving.serving_of`), checks and renders the request, and leaves the model to the engine."""
+`Serving` (`serving.serving_of`), checks and renders the request, and leaves the model to the engine.
+(`functools.cache` is not imported by name here: `cache` is one of the router modules.)"""
 
-from functools import cache
+import functools
 
 from fastapi import APIRouter
 
@@ -9,7 +10,7 @@ from ..errors import ErrorFormat
 from ..strict_json import StrictJSONRoute
 
 
-@cache
+@functools.cache
 def route_class(errors: ErrorFormat) -> type[StrictJSONRoute]:
     """The route class of a surface: its routes carry `errors`, which `errors.RouteErrors` reads (a class,
     so that it holds however FastAPI includes the route)."""
