@@ -15,7 +15,6 @@ and what a warm turn costs when its checkpoint comes from disk.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -182,19 +181,7 @@ def main() -> None:
     warm = warm_turns(model_dir, 300 if args.quick else 4096, 3 if args.quick else 7)
     print(tables({"hit_rates": rates, "warm_turns": warm}))
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "command": "python " + " ".join(["benchmarks/bench_disk.py"] + sys.argv[1:]),
-                    "machine": C.machine_info(),
-                    "hit_rates": rates,
-                    "warm_turns": warm,
-                },
-                indent=2,
-            )
-        )
+        C.write_result(args.json_out, "bench_disk.py", {"hit_rates": rates, "warm_turns": warm})
 
 
 if __name__ == "__main__":

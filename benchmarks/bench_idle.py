@@ -16,7 +16,6 @@ two plain PyTorch operations without the model, the same way: the machine alone.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -131,19 +130,7 @@ def main(argv=None) -> int:
     print(f"warm turn: restore {total - new} tokens, prefill {new}, argmax; medians of {reps}")
     print(table)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "command": "python " + " ".join(["benchmarks/bench_idle.py"] + sys.argv[1:]),
-                    "machine": C.machine_info(),
-                    "rows": rows,
-                    "table": table,
-                },
-                indent=1,
-            )
-        )
+        C.write_result(args.json_out, "bench_idle.py", {"rows": rows, "table": table})
     return 0
 
 

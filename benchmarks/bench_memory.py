@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
@@ -187,20 +186,7 @@ def main(argv=None) -> int:
     )
     print(table)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "command": "python " + " ".join(["benchmarks/bench_memory.py"] + sys.argv[1:]),
-                    "machine": C.machine_info(),
-                    "rows": rows,
-                    "failures": failures,
-                    "table": table,
-                },
-                indent=1,
-            )
-        )
+        C.write_result(args.json_out, "bench_memory.py", {"rows": rows, "failures": failures, "table": table})
     return 1 if failures else 0
 
 

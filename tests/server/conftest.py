@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from hyserve.server.run import BackgroundServer
@@ -62,6 +64,12 @@ def force(make_service):
 
     yield seed
     forced.detach()
+
+
+def serve_command(model_dir, port: int, *flags: str) -> list[str]:
+    """The command line of a `hyserve serve` process on `port`, its model served as "m", on the CPU."""
+    cmd = [sys.executable, "-m", "hyserve.cli", "serve", str(model_dir), "--port", str(port)]
+    return [*cmd, "--served-model-name", "m", "--device", "cpu", *flags]
 
 
 def wait_healthy(base: str, proc, output=lambda: "", limit: float = 120) -> None:

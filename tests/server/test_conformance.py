@@ -3,7 +3,8 @@ routes validates against OpenAI's OpenAPI document (../shared/fixtures/specs, se
 `jsonschema`, and every `/v1/messages` body and event against the `anthropic` SDK's own types in strict mode.
 Requests go through the official clients with strict response validation on; a recording transport keeps
 the raw bytes they read, which are what is validated. One real server on a tiny Qwen3.5 model with its real
-template; tool calls and reasoning are forced (`force`)."""
+template; tool calls and reasoning are forced (`force`). An error from every route, refused by the route or by the
+guards ahead of it, comes in that route's API's shape."""
 
 from __future__ import annotations
 
@@ -173,17 +174,23 @@ def srv(template_servers):
     return template_servers(*QWEN35)
 
 
-@pytest.fixture
-def openai_client(srv):
+def recording_openai(server) -> OpenAI:
+    """The openai client on `server`, strict, its raw responses kept (`last`)."""
     http = recording(httpx)
     client = OpenAI(
-        base_url=f"{srv.base_url}/v1",
+        base_url=f"{server.base_url}/v1",
         api_key="unused",
         max_retries=0,
         http_client=http,
         _strict_response_validation=True,
     )
     client.recorded = http
+    return client
+
+
+@pytest.fixture
+def openai_client(srv):
+    client = recording_openai(srv)
     yield client
     client.close()
 
@@ -375,16 +382,7 @@ def test_a_responses_stream_asked_for_usage_ends_as_any_other(openai_client, spe
 def test_a_failed_responses_stream_ends_with_response_failed(template_servers, spec):
     """A generation that fails (here: times out) ends the stream with `response.failed`, whose response says
     why, holds what was streamed, and is not stored."""
-    slow = template_servers(*QWEN35, request_timeout=0.05)
-    http = recording(httpx)
-    client = OpenAI(
-        base_url=f"{slow.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=http,
-        _strict_response_validation=True,
-    )
-    client.recorded = http
+    client = recording_openai(template_servers(*QWEN35, request_timeout=0.05))
     # min_tokens: the random model cannot end its turn before the timeout does
     got = [
         e
@@ -496,3 +494,118 @@ def test_messages_error_body(anthropic_client):
     status, raw = last(anthropic_client)
     assert status == 400
     anthropic.types.ErrorResponse.model_validate_json(raw, strict=True)
+
+
+# -- every route's errors in its own API's shape --------------------------------------------------------------
+ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}  # every other route answers in OpenAI's shape
+ANTHROPIC_TYPES = {  # status -> error type, as Anthropic documents them (405: no such route is documented)
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+}
+URLS = {"/v1/models/{model:path}": "/v1/models/no-such-model", "/v1/responses/{rid}": "/v1/responses/resp_none"}
+LONG = "lorem ipsum dolor " * (3_000_000 // 18)  # far over the tiny model's context, refused from its length
+BODIES = {  # a request each POST route serves, and the field its prompt goes in (None: it has none)
+    "/v1/chat/completions": ({"messages": ASK, "max_tokens": 2}, "messages"),
+    "/v1/completions": ({"prompt": "hi", "max_tokens": 2}, "prompt"),
+    "/tokenize": ({"prompt": "hi"}, "prompt"),
+    "/detokenize": ({"tokens": [1]}, None),
+    "/v1/responses": ({"input": "hi", "max_output_tokens": 2}, "input"),
+    "/v1/messages": ({"messages": ASK, "max_tokens": 2}, "messages"),
+    "/v1/messages/count_tokens": ({"messages": ASK}, "messages"),
+}
+
+
+def app_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves, from its routers."""
+    from hyserve.server.app import ROUTERS
+
+    return sorted((m, r.path) for s in ROUTERS for r in s.router.routes for m in r.methods)
+
+
+def with_prompt(body: dict, field: str, text: str) -> dict:
+    return {**body, field: [{"role": "user", "content": text}] if field == "messages" else text}
+
+
+def error_cases() -> list:
+    """(what, method, path as requested, route path, request kwargs, status): a malformed JSON body, an unknown
+    model and an over-long prompt on every route that reads them, a method no route serves on every route."""
+    cases = []
+
+    def case(what: str, method: str, url: str, path: str, kw: dict, status: int) -> None:
+        cases.append(pytest.param(what, method, url, path, kw, status, id=f"{method}-{url}-{what}"))
+
+    for method, path in app_routes():
+        url = URLS.get(path, path)
+        case("method", "PATCH", url, path, {}, 405)
+        if method == "POST":
+            body, field = BODIES[path]
+            case("bad-json", method, url, path, {"content": b"{", "headers": {"content-type": "application/json"}}, 400)
+            case("unknown-model", method, url, path, {"json": {**body, "model": "x"}}, 404)
+            if field is not None:
+                case("over-long", method, url, path, {"json": with_prompt({**body, "model": "tpl"}, field, LONG)}, 400)
+        elif url != path:  # a route naming an object (the model, a stored response) that does not exist
+            case("unknown", method, url, path, {}, 404)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def check_shape(spec):
+    """check(route path, response): the response is an error body in the shape of that route's API."""
+
+    def check(path: str, resp: httpx.Response) -> None:
+        if path in ANTHROPIC_ROUTES:
+            body = resp.json()
+            assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}, resp.text
+            assert body["error"]["type"] == ANTHROPIC_TYPES[resp.status_code] and body["error"]["message"]
+            if body["error"]["type"] != "request_too_large":  # documented, but not among the SDK's types
+                anthropic.types.ErrorResponse.model_validate_json(resp.content, strict=True)
+        else:
+            spec("ErrorResponse", resp.json())
+        assert "Traceback" not in resp.text
+
+    return check
+
+
+def test_every_post_route_has_a_request_to_fail():
+    """A new route joins the error-shape tests below: a POST route needs its body in BODIES."""
+    posts = {p for m, p in app_routes() if m == "POST"}
+    assert posts == set(BODIES)
+    assert {p for _, p in app_routes()} >= ANTHROPIC_ROUTES | set(URLS)
+
+
+@pytest.mark.parametrize("what,method,url,path,kw,status", error_cases())
+def test_an_error_comes_in_its_routes_shape(srv, check_shape, what, method, url, path, kw, status):
+    rt = srv.service.runtime
+    assert rt.chars_per_token and len(LONG) > rt.chars_per_token * rt.max_model_len  # "refused from its length"
+    resp = httpx.request(method, f"{srv.base_url}{url}", timeout=60, **kw)
+    assert resp.status_code == status, resp.text
+    check_shape(path, resp)
+    if what == "over-long" and path not in ANTHROPIC_ROUTES:
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("method,path", [r for r in app_routes() if r[1] not in ("/health", "/metrics")])
+def test_a_guards_refusal_comes_in_its_routes_shape(template_servers, check_shape, method, path):
+    """The guards answer before any route runs (no key: 401; a body over the limit: 413), in the shape of the
+    route the request was for."""
+    srv = template_servers(*QWEN35, api_keys=("key-a",), max_body_bytes=4096)
+    url = f"{srv.base_url}{URLS.get(path, path)}"
+    no_key = httpx.request(method, url, timeout=60)
+    assert no_key.status_code == 401, no_key.text
+    check_shape(path, no_key)
+    if method == "POST":
+        big = httpx.post(url, headers={"authorization": "Bearer key-a"}, json={"prompt": "x" * 8192}, timeout=60)
+        assert big.status_code == 413, big.text
+        check_shape(path, big)
+
+
+def test_the_api_document_gives_each_route_its_error_shape(srv):
+    doc = httpx.get(f"{srv.base_url}/openapi.json", timeout=60).json()
+    for method, path in app_routes():
+        responses = doc["paths"][path.replace(":path", "")][method.lower()]["responses"]
+        expected = "AnthropicErrorResponse" if path in ANTHROPIC_ROUTES else "ErrorResponse"
+        assert responses["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + expected)
+    assert doc["components"]["schemas"]["AnthropicErrorResponse"]["required"] == ["type", "error"]

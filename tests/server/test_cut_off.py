@@ -1,6 +1,7 @@
 """A reply cut at the `--graceful-shutdown` limit says so (issue 36): each route's stream ends with an explicit
 error in its own format, which the real openai and anthropic clients raise or report, never a clean end that
-looks like a complete reply."""
+looks like a complete reply; a whole reply cancelled before its response started gets a 503 in its route's
+shape."""
 
 import contextlib
 import signal
@@ -8,6 +9,7 @@ import threading
 import time
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -106,3 +108,32 @@ def test_a_messages_stream_cut_at_shutdown_raises_in_the_anthropic_client(make_s
                         stop()
         assert err.value.body["error"] == {"type": "overloaded_error", "message": CUT_OFF}
         assert "message_stop" not in seen
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_whole_reply_cancelled_at_shutdown_is_a_503_in_its_routes_shape(make_service, path):
+    """A reply that has not started its response when uvicorn cancels it (the engine cuts nothing here) gets
+    the 503 a draining request gets, in its route's shape: Anthropic's on /v1/messages."""
+    result = {}
+    with stopping_server(make_service, engine_cuts=False) as (base, stop):
+        body = {"model": MODEL, "messages": ASK, "min_tokens": 400, **LONG}
+        sender = threading.Thread(target=lambda: result.update(resp=httpx.post(f"{base}{path}", json=body, timeout=60)))
+        sender.start()
+        deadline = time.time() + 30
+        while httpx.get(f"{base}/health", timeout=10).json()["idle"]:  # until the engine has the request
+            assert time.time() < deadline and sender.is_alive(), "the request never reached the engine"
+            time.sleep(0.02)
+        stop()
+        sender.join(timeout=60)
+    resp = result["resp"]
+    assert resp.status_code == 503, resp.text
+    if path == "/v1/messages":
+        error = {"type": "overloaded_error", "message": "server is shutting down"}
+        assert resp.json() == {"type": "error", "error": error}
+    else:
+        assert resp.json()["error"] == {
+            "message": "server is shutting down",
+            "type": "server_error",
+            "param": None,
+            "code": "shutting_down",
+        }

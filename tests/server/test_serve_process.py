@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +17,7 @@ from openai import OpenAI
 
 from hyserve.server.run import free_port
 
-from .conftest import wait_healthy
+from .conftest import serve_command, wait_healthy
 
 ACCESS = re.compile(r'(?P<client>\S+) - "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d+)(?P<kv>.*)')
 
@@ -30,20 +29,7 @@ class Served:
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hyserve.cli",
-                "serve",
-                str(model_dir),
-                "--port",
-                str(self.port),
-                "--served-model-name",
-                "m",
-                "--device",
-                "cpu",
-                *flags,
-            ],
+            serve_command(model_dir, self.port, *flags),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

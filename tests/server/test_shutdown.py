@@ -6,14 +6,13 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
 
 from hyserve.server.run import free_port
 
-from .conftest import wait_healthy
+from .conftest import serve_command, wait_healthy
 
 
 def _read_response(sock) -> tuple[int, bytes]:
@@ -30,21 +29,7 @@ def serving(model_dir):
     """A `hyserve serve` process on a free port, once /health answers 200: yields (process, base URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hyserve.cli",
-            "serve",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "m",
-            "--device",
-            "cpu",
-            "--graceful-shutdown",
-            "60",
-        ],
+        serve_command(model_dir, port, "--graceful-shutdown", "60"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

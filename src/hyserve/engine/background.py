@@ -23,8 +23,8 @@ from .scheduler import Scheduler
 
 log = logging.getLogger("hyserve.engine")
 
-# Tokens per piece of work nobody waits for: a request that arrives meanwhile waits for at most one piece
-# (at 0.75B parameters on 2 CPU cores a 512-token piece took over a second and a half).
+# Tokens per piece of work nobody waits for: a request that arrives meanwhile waits for at most one piece,
+# and a full prefill chunk at a real size takes well over a second on a CPU (docs/benchmarks.md, bench_real.py).
 PIECE = 128
 
 

@@ -32,7 +32,8 @@ def fill_bitmask(matcher, bitmask: torch.Tensor) -> None:
 
 def apply_bitmask(row: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf, in place, at every token id whose bit is clear in the bitmask (ids past it too). Plain torch,
-    not llguidance.torch: that module scripts a TorchScript kernel (~2 s on first use, deprecated API)."""
+    not llguidance.torch: that module compiles a TorchScript kernel on first use (a deprecated API; its time:
+    bench_grammar.py)."""
     allowed = ((bitmask.reshape(-1, 1) >> _BITS) & 1).bool().reshape(-1)
     n = min(row.shape[-1], allowed.numel())
     row[n:] = float("-inf")
@@ -81,8 +82,9 @@ def grammar_text(spec: Spec) -> str:
 
 
 class Grammars:
-    """The service's grammar side: llguidance's view of the tokenizer (built on first use: ~0.25 s for 40k
-    tokens) and a bounded cache of checked grammars, keyed by spec."""
+    """The service's grammar side: llguidance's view of the tokenizer (built on first use, which takes a
+    while for a large vocabulary: docs/benchmarks.md, bench_grammar.py) and a bounded cache of checked
+    grammars, keyed by spec."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, limit: int = 256):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_token_ids)

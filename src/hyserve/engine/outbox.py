@@ -1,8 +1,8 @@
 """Delivery of `stream` items from the model thread to the consumers' event loops.
 
 Items are collected and delivered in one wake-up per event loop (`flush`): a wake-up per token per request
-cost the model thread ~3 % at 16 streams. The engine flushes before each forward pass that follows emits
-and at the end of every step.
+costs the model thread time with every stream (docs/design.md, "Figures behind some constants"). The
+engine flushes before each forward pass that follows emits and at the end of every step.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from .scheduler import Scheduler
 log = logging.getLogger("hyserve.engine")
 
 # What one more prefill piece in a step costs beyond its tokens, in tokens: its forward pass's fixed cost
-# (~9 ms, a decode step) and a checkpoint snapshot (5-10 ms at 2-4k tokens) take together about as long
-# as prefilling 40-60 tokens of the bench model here.
+# (about a decode step) and a checkpoint snapshot take together about as long as prefilling a few dozen
+# tokens of the bench model (docs/design.md, "Figures behind some constants").
 PIECE_COST = 64
 
 

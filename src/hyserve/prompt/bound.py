@@ -1,12 +1,13 @@
 """Refuse a prompt that cannot fit the context from its length alone, before tokenizing it.
 
-Tokenizing costs time and memory in proportion to the text (a 7 MB prompt took seconds and gigabytes just
-to be refused). For a byte-level BPE no token covers more characters than the longest entry of its
-vocabulary has bytes, so a text of L characters has at least L / N tokens, N = `max_chars_per_token`, found
-once per model at load. A unicode normalizer that composes (NFC, NFKC) can fold up to 4 code points into
-one character, so N is multiplied by 4 then. Pipelines that can drop characters (whitespace-removing
-pre-tokenizers, Strip/Replace normalizers, added tokens that strip whitespace, an unknown token that can
-swallow any run) have no such bound: `max_chars_per_token` returns None and nothing is refused early.
+Tokenizing costs time and memory in proportion to the text, all of it spent just to refuse a prompt of
+megabytes (docs/design.md, "Figures behind some constants"). For a byte-level BPE no token covers more
+characters than the longest entry of its vocabulary has bytes, so a text of L characters has at least L / N
+tokens, N = `max_chars_per_token`, found once per model at load. A unicode normalizer that composes (NFC,
+NFKC) can fold up to 4 code points into one character, so N is multiplied by 4 then. Pipelines that can drop
+characters (whitespace-removing pre-tokenizers, Strip/Replace normalizers, added tokens that strip
+whitespace, an unknown token that can swallow any run) have no such bound: `max_chars_per_token` returns
+None and nothing is refused early.
 """
 
 from __future__ import annotations

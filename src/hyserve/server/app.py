@@ -8,7 +8,7 @@ from fastapi import FastAPI
 
 from ..service import Service
 from .access import AccessLogMiddleware
-from .errors import install_handlers
+from .errors import RouteErrors, install_handlers
 from .guards import GuardMiddleware
 from .openapi_doc import install_openapi
 from .routes import cache, chat, completions, messages, models, responses, tokens
@@ -22,8 +22,9 @@ def create_app(service: Service) -> FastAPI:
     app.state.serving = Serving(service)
     for surface in ROUTERS:
         app.include_router(surface.router)
-    install_handlers(app)
+    app.state.route_errors = errors = RouteErrors(route for surface in ROUTERS for route in surface.router.routes)
+    install_handlers(app, errors)
     install_openapi(app)
-    app.add_middleware(GuardMiddleware, service=service)
+    app.add_middleware(GuardMiddleware, service=service, route_errors=errors)
     app.add_middleware(AccessLogMiddleware)  # added last: outermost, it logs the guards' refusals too
     return app

@@ -11,7 +11,7 @@ import json
 
 from ..cache.namespace import make_salt
 from ..service import Service, ServiceConfig
-from .errors import ANTHROPIC_PATH, BodyTooLarge, anthropic_body
+from .errors import BodyTooLarge, ErrorFormat, RouteErrors
 
 OPEN_PATHS = ("/health", "/metrics")
 API_KEY = "hyserve.api_key"  # scope entry: the configured key (API or admin) the request presented
@@ -62,14 +62,10 @@ def cache_scope(scope, cfg: ServiceConfig) -> str | None:
 
 
 async def send_error(
-    send, status: int, message: str, type_: str, code: str | None, close: bool = False, path: str = ""
+    send, errors: ErrorFormat, status: int, message: str, type_: str, code: str | None, close: bool = False
 ) -> None:
-    shaped = (
-        anthropic_body(status, message)
-        if path.startswith(ANTHROPIC_PATH)
-        else {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    )
-    body = json.dumps(shaped).encode()
+    """An error answered outside the app (no route has run), in the shape of the route it was meant for."""
+    body = json.dumps(errors.body(status, message, type_, None, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -80,37 +76,35 @@ async def send_error(
 
 
 class GuardMiddleware:
-    def __init__(self, app, service: Service):
+    def __init__(self, app, service: Service, route_errors: RouteErrors):
         self.app = app
         self.service = service
+        self.route_errors = route_errors
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cfg = self.service.config
-        path = scope.get("path", "")
-        if path in OPEN_PATHS:
+        if scope.get("path", "") in OPEN_PATHS:
             return await self.app(scope, receive, send)
+
+        def refuse(status: int, message: str, type_: str, code: str, close: bool = False):
+            return send_error(send, self.route_errors.of(scope), status, message, type_, code, close)
+
         if self.service.draining:
-            return await send_error(
-                send, 503, "server is shutting down", "server_error", "shutting_down", close=True, path=path
-            )
+            return await refuse(503, "server is shutting down", "server_error", "shutting_down", close=True)
         scope[API_KEY] = key = matching_key(bearer(scope), cfg)
         if cfg.api_keys and key is None:  # every route but the probes, /openapi.json too
-            return await send_error(
-                send,
+            return await refuse(
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                 "invalid_request_error",
                 "invalid_api_key",
-                path=path,
             )
         limit = cfg.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await send_error(
-                    send, 413, f"request body over {limit} bytes", "invalid_request_error", BodyTooLarge.code, path=path
-                )
+                return await refuse(413, f"request body over {limit} bytes", "invalid_request_error", BodyTooLarge.code)
         seen = 0
 
         async def limited_receive():
@@ -126,6 +120,6 @@ class GuardMiddleware:
         try:
             await self.app(scope, limited_receive, send)
         except BodyTooLarge as exc:  # raised outside a route (none read bodies there today)
-            await send_error(send, 413, exc.detail, "invalid_request_error", exc.code, path=path)
+            await refuse(413, exc.detail, "invalid_request_error", exc.code)
         finally:
             self.service.inflight -= 1

@@ -2,7 +2,7 @@
 reply is read by the request's `ChatTurn` into `thinking`, `text` and `tool_use` blocks, streamed as
 Anthropic's named events. `usage.input_tokens` counts the prompt tokens not read from the prefix cache,
 `cache_read_input_tokens` the ones that were (Anthropic's split, the same in message_start, which therefore
-waits for the first token); errors come in Anthropic's shape (`errors.anthropic_body`)."""
+waits for the first token); errors come in Anthropic's shape (`errors.ANTHROPIC`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import uuid
 from ..chat import ChatTurn
 from ..chat.reply import CallEvent, ParsedReply
 from ..engine import SHUTTING_DOWN, Delta, Finished
-from .errors import anthropic_body
+from .errors import ANTHROPIC
 from .formats import Format
 from .message_schemas import MessagesRequest
 
@@ -59,7 +59,8 @@ class MessagesFormat(Format):
 
     def failure(self, message: str, type_: str, code: str | None) -> list[dict]:
         """Anthropic's `error` event, its type from the status a request failing so would get."""
-        return [anthropic_body(408 if type_ == "timeout" else 503 if code == SHUTTING_DOWN else 500, message)]
+        status = 408 if type_ == "timeout" else 503 if code == SHUTTING_DOWN else 500
+        return [ANTHROPIC.body(status, message, type_)]
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
         return {

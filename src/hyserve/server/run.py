@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -16,7 +15,6 @@ import uvicorn
 from ..engine import SHUTTING_DOWN
 from ..service import Service
 from .app import create_app
-from .errors import ANTHROPIC_PATH, anthropic_body, error_body
 from .guards import send_error
 
 log = logging.getLogger("hyserve.server")
@@ -103,6 +101,7 @@ class CutOffQuietly:
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
+        self.route_errors = app.state.route_errors
 
     async def __call__(self, scope, receive, send):
         started = complete = False
@@ -123,23 +122,12 @@ class CutOffQuietly:
         except asyncio.CancelledError:
             if not self.service.draining or scope["type"] != "http":
                 raise
+            errors = self.route_errors.of(scope)
             if not started:
-                await send_error(send, 503, "server is shutting down", "server_error", "shutting_down", close=True)
-            elif not complete:
-                body = cut_off_event(scope.get("path", "")) if events else b""
+                await send_error(send, errors, 503, "server is shutting down", "server_error", SHUTTING_DOWN, True)
+            elif not complete:  # a stream ends with its route's error event
+                body = errors.stream_error(503, CUT_OFF, SHUTTING_DOWN) if events else b""
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def cut_off_event(path: str) -> bytes:
-    """The last event of a stream cut off at shutdown, in its route's format: Anthropic's `error` event, the
-    Responses API's `error` event, else an OpenAI `data: {"error": ...}` line (the openai SDK raises on it)."""
-    if path.startswith(ANTHROPIC_PATH):
-        return b"event: error\r\ndata: " + json.dumps(anthropic_body(503, CUT_OFF)).encode() + b"\r\n\r\n"
-    if path.startswith("/v1/responses"):
-        data = {"type": "error", "code": SHUTTING_DOWN, "message": CUT_OFF, "param": None}
-        return b"event: error\r\ndata: " + json.dumps(data).encode() + b"\r\n\r\n"
-    body = error_body(CUT_OFF, "server_error", None, SHUTTING_DOWN)
-    return b"data: " + json.dumps(body).encode() + b"\r\n\r\n"
 
 
 def exit_now(sig: int, inflight: int) -> None:

@@ -54,12 +54,11 @@ Unicode: café naïve über 東京 😀 — “quotes” and ‘apostrophes’.
 """
 
 # Family -> config overrides. Sizes follow the guide: hidden 64-128, 2-4 layers for tests.
+_ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 _GATED_DELTANET = dict(
-    hidden_size=64,
+    **_ATTENTION,
     intermediate_size=128,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     linear_conv_kernel_dim=4,
     linear_key_head_dim=16,
@@ -67,22 +66,16 @@ _GATED_DELTANET = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     layer_types=["linear_attention"] * 3 + ["full_attention"],
-    max_position_embeddings=4096,
 )
-_ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 _MAMBA2_IBM = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=32)
 _MAMBA2_NEMOTRON = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=32, head_dim=16)
+_LFM2 = dict(
+    **_ATTENTION, num_hidden_layers=4, intermediate_size=128, layer_types=["conv", "conv", "full_attention", "conv"]
+)
 _TINY = {
     "qwen3_5": dict(model_type="qwen3_5_text", **_GATED_DELTANET),
-    "qwen3_next": dict(
-        model_type="qwen3_next",
-        **_GATED_DELTANET,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        decoder_sparse_step=1,
-    ),
+    "qwen3_next": dict(model_type="qwen3_next", **_GATED_DELTANET, **_QWEN_MOE, decoder_sparse_step=1),
     "mamba2": dict(
         model_type="mamba2",
         hidden_size=64,
@@ -95,25 +88,9 @@ _TINY = {
         conv_kernel=4,
         chunk_size=32,
     ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    ),
+    "qwen3": dict(model_type="qwen3", **_ATTENTION, intermediate_size=128, num_hidden_layers=2, head_dim=16),
     # The hybrid families of issue 21, each from its transformers config class.
-    "qwen3_5_moe": dict(
-        model_type="qwen3_5_moe_text",
-        **_GATED_DELTANET,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    ),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", **_GATED_DELTANET, **_QWEN_MOE),
     "nemotron_h": dict(
         model_type="nemotron_h",
         **_ATTENTION,
@@ -152,20 +129,10 @@ _TINY = {
         intermediate_size=128,
         mamba_d_ssm=128,
     ),
-    "lfm2": dict(
-        model_type="lfm2",
-        **_ATTENTION,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        layer_types=["conv", "conv", "full_attention", "conv"],
-        block_auto_adjust_ff_dim=False,
-    ),
+    "lfm2": dict(model_type="lfm2", **_LFM2, block_auto_adjust_ff_dim=False),
     "lfm2_moe": dict(
         model_type="lfm2_moe",
-        **_ATTENTION,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        layer_types=["conv", "conv", "full_attention", "conv"],
+        **_LFM2,
         num_dense_layers=1,
         num_experts=4,
         num_experts_per_tok=2,
@@ -199,46 +166,32 @@ _TINY = {
     ),
 }
 
-# A bench-sized variant (~tens of millions of parameters) for benchmarks/, never for unit tests.
+# A bench-sized variant (~tens of millions of parameters) for benchmarks/, never for unit tests: overrides of the
+# tiny sizes above.
 _BENCH_ATTENTION = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768)
+_BENCH_GATED_DELTANET = dict(
+    **_BENCH_ATTENTION,
+    num_hidden_layers=8,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+)
 _BENCH_MAMBA2_IBM = dict(mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=128)
+_BENCH_LFM2 = dict(
+    **_BENCH_ATTENTION,
+    num_hidden_layers=8,
+    intermediate_size=1536,
+    layer_types=["conv", "conv", "full_attention", "conv"] * 2,
+)
 _BENCH = {
-    "qwen3_5": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        max_position_embeddings=32768,
-    ),
+    "qwen3_5": dict(**_BENCH_GATED_DELTANET, intermediate_size=1536),
     "mamba2": dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, chunk_size=128),
-    "qwen3": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=32768,
-    ),
+    "qwen3": dict(**_BENCH_ATTENTION, intermediate_size=1536, num_hidden_layers=8, head_dim=64),
     "qwen3_5_moe": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        max_position_embeddings=32768,
+        **_BENCH_GATED_DELTANET,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=512,
@@ -277,21 +230,8 @@ _BENCH = {
         intermediate_size=1536,
         mamba_d_ssm=1024,
     ),
-    "lfm2": dict(
-        **_BENCH_ATTENTION,
-        num_hidden_layers=8,
-        intermediate_size=1536,
-        layer_types=["conv", "conv", "full_attention", "conv"] * 2,
-    ),
-    "lfm2_moe": dict(
-        **_BENCH_ATTENTION,
-        num_hidden_layers=8,
-        intermediate_size=1536,
-        layer_types=["conv", "conv", "full_attention", "conv"] * 2,
-        num_dense_layers=2,
-        num_experts=8,
-        moe_intermediate_size=512,
-    ),
+    "lfm2": dict(_BENCH_LFM2),
+    "lfm2_moe": dict(**_BENCH_LFM2, num_dense_layers=2, num_experts=8, moe_intermediate_size=512),
     "jamba": dict(**_BENCH_ATTENTION, num_hidden_layers=8, intermediate_size=1024, num_experts=4),
     "zamba2": dict(
         hidden_size=512,
@@ -320,63 +260,54 @@ _BENCH = {
 #   instead of 256 and 4 layers (3 Gated DeltaNet + 1 full attention) instead of 40, and tied embeddings (the head's
 #   work is the same; its copy is not): 1.46B parameters, saved in bfloat16 like the real checkpoint (~2.9 GB).
 #   Per token it does the real layer's work; 256 experts would be 0.8B parameters a layer.
+_REAL_QWEN35 = dict(  # what every real size shares: Qwen3.5's head widths, linear-attention key heads, vocabulary
+    head_dim=256,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    max_position_embeddings=32768,
+    vocab_size=248320,
+    tie_word_embeddings=True,
+)
 _REAL = {
     "real-0.8b": {
         "qwen3_5": dict(
+            **_REAL_QWEN35,
             hidden_size=1024,
             intermediate_size=3584,
             num_hidden_layers=24,
             num_attention_heads=8,
             num_key_value_heads=2,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
             linear_num_value_heads=16,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-            max_position_embeddings=32768,
-            vocab_size=248320,
-            tie_word_embeddings=True,
         ),
     },
     "real-4b": {
         "qwen3_5": dict(
+            **_REAL_QWEN35,
             hidden_size=2560,
             intermediate_size=9216,
             num_hidden_layers=32,
             num_attention_heads=16,
             num_key_value_heads=4,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
             linear_num_value_heads=32,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
-            max_position_embeddings=32768,
-            vocab_size=248320,
-            tie_word_embeddings=True,
             save_dtype="bfloat16",
         ),
     },
     "real-moe": {
         "qwen3_5_moe": dict(
+            **_REAL_QWEN35,
             hidden_size=2048,
             num_hidden_layers=4,
             num_attention_heads=16,
             num_key_value_heads=2,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
             linear_num_value_heads=32,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
             num_experts=64,
             num_experts_per_tok=8,
             moe_intermediate_size=512,
             shared_expert_intermediate_size=512,
-            max_position_embeddings=32768,
-            vocab_size=248320,
-            tie_word_embeddings=True,
             save_dtype="bfloat16",
         ),
     },

@@ -1,11 +1,15 @@
-"""What several family modules read and undo alike: the file's metadata and tensor shapes, and llama.cpp's
-rotary permutation of q/k rows. Not a family module (no ARCHITECTURES): the registry skips it."""
+"""What several family modules read and undo alike: the file's metadata and tensor shapes, the names of the
+tensors outside the blocks, llama.cpp's rotary permutation of q/k rows and its split of fused gate/up tensors.
+Not a family module (no ARCHITECTURES): the registry skips it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from ..architectures import Part
 from ..file import GGUFError
 
 
@@ -24,6 +28,28 @@ def required(meta: dict, key: str):
 def per_layer(value, n_layers: int) -> list:
     """A per-layer metadata value: llama.cpp writes one number for all layers or an array of one per layer."""
     return list(value) if isinstance(value, (list, tuple)) else [value] * n_layers
+
+
+def hidden_and_heads(meta: dict) -> tuple[int, int]:
+    """(hidden size, attention heads)."""
+    return int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+
+
+def kv_heads(meta: dict, n_layers: int) -> list[int]:
+    """Each block's key/value heads: 0 in a block without attention (how llama.cpp tells the kinds apart)."""
+    return [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
+
+
+def rope_parameters(meta: dict, **extra) -> dict:
+    """The config's plain rotary embedding, from the file's base frequency."""
+    return {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0)), **extra}
+
+
+def expand(inner: int, hidden: int) -> int:
+    """A Mamba config's `expand`: the mixer's inner size over the hidden size, which must divide it."""
+    if inner % hidden:
+        raise GGUFError(f"Mamba inner size {inner} is not a multiple of the hidden size {hidden}")
+    return inner // hidden
 
 
 def has(meta: dict, name: str, default: bool) -> bool:
@@ -47,6 +73,45 @@ def block(name: str) -> tuple[int | None, str]:
     return None, name
 
 
+def ssm_biases(meta: dict, bid: int) -> tuple[bool, bool]:
+    """(conv1d bias, in/out projection bias) of a Mamba mixer, as block `bid` holds them."""
+    return has(meta, f"blk.{bid}.ssm_conv1d.bias", True), has(meta, f"blk.{bid}.ssm_in.bias", False)
+
+
+def top_names(embed: str, final_norm: str, root: str = "model") -> dict[str, str]:
+    """GGUF name -> HF name of the tensors outside the blocks (the embedding, the final norm, the output head):
+    each family names its embedding and final norm its own way."""
+    return {
+        "token_embd.weight": f"{root}.{embed}.weight",
+        "output_norm.weight": f"{root}.{final_norm}.weight",
+        "output.weight": "lm_head.weight",
+    }
+
+
+InBlock = Callable[[str, str, torch.Tensor, dict], list]  # (HF prefix of the block, GGUF name in it, tensor, cfg)
+
+
+def tensors_by_block(top: dict[str, str], in_block: InBlock, layers: str = "model.layers"):
+    """A family's `tensors`: a tensor outside the blocks renamed by `top`, one of block N handed to `in_block`
+    with the prefix `{layers}.N.` and its name within the block."""
+
+    def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor | Part]]:
+        data = as_tensor(array)
+        bid, rest = block(name)
+        if bid is None:
+            return [(top[name], data)]
+        return in_block(f"{layers}.{bid}.", rest, data, cfg)
+
+    return tensors
+
+
+def half_of(half: int, dim: int, data: torch.Tensor) -> Part:
+    """One half (0: the gate's rows, 1: the up projection's) of a fused HF tensor along `dim`, which the
+    converter wrote as two tensors."""
+    size = data.shape[dim]
+    return Part(torch.arange(half * size, (half + 1) * size), dim, data)
+
+
 def token_ids(meta: dict) -> dict:
     """The special token ids the file names, as HF config keys."""
     ids = {}
@@ -63,6 +128,16 @@ def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def unpermute_qk(rest: str, data: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """A block's tensor `rest` with q/k rows (weights and biases) back from llama.cpp's rotary layout; the
+    others as they are."""
+    if rest in ("attn_q.weight", "attn_q.bias"):
+        return unpermute(data, cfg["num_attention_heads"])
+    if rest in ("attn_k.weight", "attn_k.bias"):
+        return unpermute(data, cfg["num_key_value_heads"])
+    return data
 
 
 def as_tensor(array) -> torch.Tensor:

@@ -36,6 +36,17 @@ def dims(meta: dict) -> dict:
     }
 
 
+def mamba_sizes(ssm: dict) -> dict:
+    """The mixer's sizes (`dims`) under the config keys Bamba, GraniteMoeHybrid and Falcon-H1 share."""
+    return {
+        "mamba_n_heads": ssm["heads"],
+        "mamba_d_head": ssm["head_dim"],
+        "mamba_d_state": ssm["state"],
+        "mamba_n_groups": ssm["groups"],
+        "mamba_d_conv": ssm["conv"],
+    }
+
+
 def mixer_tensor(rest: str, array: torch.Tensor) -> tuple[str, torch.Tensor] | None:
     """One GGUF mixer tensor (`rest`: its name within the block) -> (HF name within the mixer, tensor), or None
     for a tensor that is not the mixer's."""

@@ -14,15 +14,21 @@ import torch
 
 from ..file import GGUFError
 from . import _mamba2
-from ._common import arch_value, as_tensor, block, has, required, token_ids, vocab_size
+from ._common import (
+    arch_value,
+    has,
+    hidden_and_heads,
+    required,
+    rope_parameters,
+    tensors_by_block,
+    token_ids,
+    top_names,
+    vocab_size,
+)
 
 ARCHITECTURES = {"falcon-h1": "falcon_h1"}
 
-_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.final_layernorm.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP = top_names("embed_tokens", "final_layernorm")
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "pre_ff_layernorm.weight",
@@ -56,7 +62,7 @@ def config(meta: dict) -> dict:
             "converter folds the µP multipliers into weights, not into biases"
         )
     n_layers = int(required(meta, "block_count"))
-    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+    hidden, heads = hidden_and_heads(meta)
     ssm = _mamba2.dims(meta)
     return {
         "architectures": ["FalconH1ForCausalLM"],
@@ -70,13 +76,9 @@ def config(meta: dict) -> dict:
         "head_dim": int(arch_value(meta, "attention.key_length") or hidden // heads),
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
+        "rope_parameters": rope_parameters(meta),
         "mamba_d_ssm": ssm["inner"],
-        "mamba_n_heads": ssm["heads"],
-        "mamba_d_head": ssm["head_dim"],
-        "mamba_d_state": ssm["state"],
-        "mamba_n_groups": ssm["groups"],
-        "mamba_d_conv": ssm["conv"],
+        **_mamba2.mamba_sizes(ssm),
         "mamba_expand": max(1, ssm["inner"] // hidden),
         "mamba_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True),
         "mamba_proj_bias": False,
@@ -99,12 +101,10 @@ def config(meta: dict) -> dict:
     }
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [(_TOP[name], data)]
-    prefix = f"model.layers.{bid}."
+def _in_block(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
     if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
         return [(prefix + "mamba." + mixer[0], mixer[1])]
     return [(prefix + _LAYER[rest], data)]
+
+
+tensors = tensors_by_block(_TOP, _in_block)

@@ -24,23 +24,25 @@ from ..file import GGUFError
 from . import _mamba2
 from ._common import (
     arch_value,
-    as_tensor,
-    block,
+    expand,
+    half_of,
     has,
+    hidden_and_heads,
+    kv_heads,
     per_layer,
     required,
+    rope_parameters,
+    ssm_biases,
+    tensors_by_block,
     token_ids,
-    unpermute,
+    top_names,
+    unpermute_qk,
     vocab_size,
 )
 
 ARCHITECTURES = {"granitehybrid": "granitemoehybrid"}
 
-_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP = top_names("embed_tokens", "norm")
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim)
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -65,7 +67,7 @@ _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (H
 }
 
 
-_BAMBA_TOP = _TOP | {"output_norm.weight": "model.final_layernorm.weight"}
+_BAMBA_TOP = top_names("embed_tokens", "final_layernorm")
 _BAMBA_LAYER = {
     **{k: v for k, v in _LAYER.items() if k.startswith(("attn_", "ffn_norm"))},
     "ffn_norm.weight": "pre_ff_layernorm.weight",
@@ -80,7 +82,7 @@ _GRANITE_ONLY = ("attention.scale", "embedding_scale", "residual_scale", "logit_
 def bamba_config(meta: dict, types: list[str], kv: list[int]) -> dict:
     """The config of a granitehybrid file with RoPE: a Bamba folder's (see the module docstring)."""
     n_layers = len(types)
-    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+    hidden, heads = hidden_and_heads(meta)
     head_dim = hidden // heads
     if int(arch_value(meta, "attention.key_length") or head_dim) != head_dim:
         raise GGUFError(f"a Bamba file whose head width is not hidden size / heads ({head_dim})")
@@ -93,9 +95,7 @@ def bamba_config(meta: dict, types: list[str], kv: list[int]) -> dict:
             f"{head_dim // 2} (half of each head)"
         )
     ssm = _mamba2.dims(meta)
-    if ssm["inner"] % hidden:
-        raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
-    first_ssm = types.index("linear_attention")
+    conv_bias, proj_bias = ssm_biases(meta, types.index("linear_attention"))
     attention = [i for i, t in enumerate(types) if t == "full_attention"]
     return {
         "architectures": ["BambaForCausalLM"],
@@ -109,28 +109,20 @@ def bamba_config(meta: dict, types: list[str], kv: list[int]) -> dict:
         "intermediate_size": int(per_layer(required(meta, "feed_forward_length"), n_layers)[0]),
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0)),
-            "partial_rotary_factor": 0.5,
-        },
+        "rope_parameters": rope_parameters(meta, partial_rotary_factor=0.5),
         "attention_bias": has(meta, f"blk.{attention[0]}.attn_q.bias", False) if attention else False,
         "mlp_bias": False,
-        "mamba_n_heads": ssm["heads"],
-        "mamba_d_head": ssm["head_dim"],
-        "mamba_d_state": ssm["state"],
-        "mamba_n_groups": ssm["groups"],
-        "mamba_d_conv": ssm["conv"],
-        "mamba_expand": ssm["inner"] // hidden,
-        "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
-        "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        **_mamba2.mamba_sizes(ssm),
+        "mamba_expand": expand(ssm["inner"], hidden),
+        "mamba_conv_bias": conv_bias,
+        "mamba_proj_bias": proj_bias,
         **token_ids(meta),
     }
 
 
 def config(meta: dict) -> dict:
     n_layers = int(required(meta, "block_count"))
-    kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
+    kv = kv_heads(meta, n_layers)
     types = ["full_attention" if k else "linear_attention" for k in kv]
     for i, t in enumerate(types):  # a folder whose layer_types the converter misread makes such a file
         if has(meta, f"blk.{i}.attn_q.weight", t == "full_attention") != (t == "full_attention"):
@@ -140,11 +132,10 @@ def config(meta: dict) -> dict:
             )
     if "linear_attention" not in types:
         raise GGUFError("a granitehybrid file without Mamba layers")
-    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
+    hidden, heads = hidden_and_heads(meta)
     ssm = _mamba2.dims(meta)
-    if ssm["inner"] % hidden:
-        raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
-    first_ssm = types.index("linear_attention")
+    mamba_expand = expand(ssm["inner"], hidden)
+    conv_bias, proj_bias = ssm_biases(meta, types.index("linear_attention"))
     head_dim = int(arch_value(meta, "attention.key_length") or hidden // heads)
     rope = bool(arch_value(meta, "rope.scaling.finetuned", True))
     if rope and not any(arch_value(meta, key) for key in _GRANITE_ONLY):  # as the converter writes a Bamba
@@ -167,7 +158,7 @@ def config(meta: dict) -> dict:
         "num_key_value_heads": max(kv),
         "max_position_embeddings": int(required(meta, "context_length")),
         "rms_norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
+        "rope_parameters": rope_parameters(meta),
         "position_embedding_type": "rope" if rope else "nope",
         "attention_bias": has(meta, f"blk.{types.index('full_attention')}.attn_q.bias", False)
         if "full_attention" in types
@@ -182,33 +173,32 @@ def config(meta: dict) -> dict:
         "intermediate_size": ff,
         # a dense model's shared MLP is written as the plain FFN, of feed_forward_length
         "shared_intermediate_size": int(arch_value(meta, "expert_shared_feed_forward_length", 0) or 0) or ff,
-        "mamba_n_heads": ssm["heads"],
-        "mamba_d_head": ssm["head_dim"],
-        "mamba_d_state": ssm["state"],
-        "mamba_n_groups": ssm["groups"],
-        "mamba_d_conv": ssm["conv"],
-        "mamba_expand": ssm["inner"] // hidden,
-        "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
-        "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        **_mamba2.mamba_sizes(ssm),
+        "mamba_expand": mamba_expand,
+        "mamba_conv_bias": conv_bias,
+        "mamba_proj_bias": proj_bias,
         **token_ids(meta),
     }
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [((_BAMBA_TOP if cfg["model_type"] == "bamba" else _TOP)[name], data)]
-    prefix = f"model.layers.{bid}."
-    if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
-        return [(prefix + "mamba." + mixer[0], mixer[1])]
-    target = (_BAMBA_LAYER if cfg["model_type"] == "bamba" else _LAYER)[rest]
-    if rest in ("attn_q.weight", "attn_q.bias"):
-        data = unpermute(data, cfg["num_attention_heads"])
-    elif rest in ("attn_k.weight", "attn_k.bias"):
-        data = unpermute(data, cfg["num_key_value_heads"])
-    if isinstance(target, tuple):  # gate rows first, then up
-        hf, half, dim = target
-        size = data.shape[dim]
-        return [(prefix + hf, Part(torch.arange(half * size, (half + 1) * size), dim, data))]
-    return [(prefix + target, data)]
+def _in_block(layer: dict):
+    """A block's tensors, named by `layer` (Granite's or Bamba's)."""
+
+    def place(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
+        if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
+            return [(prefix + "mamba." + mixer[0], mixer[1])]
+        target, data = layer[rest], unpermute_qk(rest, data, cfg)
+        if isinstance(target, tuple):  # gate rows first, then up
+            hf, half, dim = target
+            return [(prefix + hf, half_of(half, dim, data))]
+        return [(prefix + target, data)]
+
+    return place
+
+
+_GRANITE_TENSORS = tensors_by_block(_TOP, _in_block(_LAYER))
+_BAMBA_TENSORS = tensors_by_block(_BAMBA_TOP, _in_block(_BAMBA_LAYER))
+
+
+def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor | Part]]:
+    return (_BAMBA_TENSORS if cfg["model_type"] == "bamba" else _GRANITE_TENSORS)(name, array, meta, cfg)

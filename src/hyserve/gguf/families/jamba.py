@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import torch
 
-from ..architectures import Part
 from ..file import GGUFError
-from ._common import arch_value, as_tensor, block, has, per_layer, required, token_ids, vocab_size
+from ._common import (
+    arch_value,
+    expand,
+    half_of,
+    has,
+    hidden_and_heads,
+    kv_heads,
+    per_layer,
+    required,
+    ssm_biases,
+    tensors_by_block,
+    token_ids,
+    top_names,
+    vocab_size,
+)
 
 ARCHITECTURES = {"jamba": "jamba"}
 
-_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.final_layernorm.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP = top_names("embed_tokens", "final_layernorm")
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim 1)
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "pre_ff_layernorm.weight",
@@ -69,7 +78,7 @@ def _offset_period(found: list[int], n_layers: int, what: str) -> tuple[int, int
 
 def config(meta: dict) -> dict:
     n_layers = int(required(meta, "block_count"))
-    kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
+    kv = kv_heads(meta, n_layers)
     attention = [i for i, k in enumerate(kv) if k]
     if not attention:
         raise GGUFError("a jamba file without attention layers")
@@ -83,13 +92,11 @@ def config(meta: dict) -> dict:
         expert_offset, expert_period = _offset_period(moe, n_layers, "MoE")
     else:  # no routed experts: every layer a plain MLP
         experts, expert_offset, expert_period = 1, 0, 1
-    hidden, heads = int(required(meta, "embedding_length")), int(required(meta, "attention.head_count"))
-    inner = int(required(meta, "ssm.inner_size"))
-    if inner % hidden:
-        raise GGUFError(f"Mamba inner size {inner} is not a multiple of the hidden size {hidden}")
+    hidden, heads = hidden_and_heads(meta)
+    mamba_expand = expand(int(required(meta, "ssm.inner_size")), hidden)
     if len(attention) == n_layers:
         raise GGUFError("a jamba file without Mamba layers")
-    first_ssm = kv.index(0)
+    conv_bias, proj_bias = ssm_biases(meta, kv.index(0))
     return {
         "architectures": ["JambaForCausalLM"],
         "model_type": "jamba",
@@ -109,20 +116,15 @@ def config(meta: dict) -> dict:
         "num_experts_per_tok": int(arch_value(meta, "expert_used_count", 1) or 1) if experts > 1 else 1,
         "mamba_d_state": int(required(meta, "ssm.state_size")),
         "mamba_d_conv": int(required(meta, "ssm.conv_kernel")),
-        "mamba_expand": inner // hidden,
+        "mamba_expand": mamba_expand,
         "mamba_dt_rank": int(required(meta, "ssm.time_step_rank")),
-        "mamba_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
-        "mamba_proj_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        "mamba_conv_bias": conv_bias,
+        "mamba_proj_bias": proj_bias,
         **token_ids(meta),
     }
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [(_TOP[name], data)]
-    prefix = f"model.layers.{bid}."
+def _in_block(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
     target = _LAYER[rest]
     if rest == "ssm_a":  # A = -exp(A_log), (inner, state) as in HF
         data = torch.log(-data)
@@ -130,6 +132,8 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
         data = data.unsqueeze(1)
     if isinstance(target, tuple):  # the experts' gate rows first, then up, along dim 1
         hf, half = target
-        size = data.shape[1]
-        return [(prefix + hf, Part(torch.arange(half * size, (half + 1) * size), 1, data))]
+        return [(prefix + hf, half_of(half, 1, data))]
     return [(prefix + target, data)]
+
+
+tensors = tensors_by_block(_TOP, _in_block)

@@ -15,9 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from ..architectures import Part
 from ..file import GGUFError
-from ._common import arch_value, as_tensor, block, has, per_layer, required, token_ids, vocab_size
+from ._common import (
+    arch_value,
+    half_of,
+    has,
+    kv_heads,
+    per_layer,
+    required,
+    rope_parameters,
+    tensors_by_block,
+    token_ids,
+    vocab_size,
+)
 
 ARCHITECTURES = {"lfm2moe": "lfm2_moe"}
 
@@ -25,7 +35,7 @@ _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "token_embd_norm.weight": "model.embedding_norm.weight",  # LFM2's final norm, whatever its name
     "output.weight": "lm_head.weight",
-}
+}  # (not `top_names`: the final norm's GGUF name is LFM2's own)
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim 1)
     "attn_norm.weight": "operator_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
@@ -54,7 +64,7 @@ _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (H
 
 def config(meta: dict) -> dict:
     n_layers = int(required(meta, "block_count"))
-    kv = [int(n) for n in per_layer(required(meta, "attention.head_count_kv"), n_layers)]
+    kv = kv_heads(meta, n_layers)
     types = ["full_attention" if k else "conv" for k in kv]
     if "conv" not in types:
         raise GGUFError("an lfm2moe file without convolution layers")
@@ -75,7 +85,7 @@ def config(meta: dict) -> dict:
         "num_key_value_heads": max(kv),
         "max_position_embeddings": int(required(meta, "context_length")),
         "norm_eps": float(required(meta, "attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(arch_value(meta, "rope.freq_base", 10000.0))},
+        "rope_parameters": rope_parameters(meta),
         "conv_L_cache": int(required(meta, "shortconv.l_cache")),
         "conv_bias": has(meta, f"blk.{first_conv}.shortconv.in_proj.bias", False),
         "num_dense_layers": dense,
@@ -88,17 +98,14 @@ def config(meta: dict) -> dict:
     }
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [(_TOP[name], data)]
-    prefix = f"model.layers.{bid}."
+def _in_block(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
     target = _LAYER[rest]
     if rest == "shortconv.conv.weight":  # HF (channels, 1, kernel), squeezed to (channels, kernel)
         data = data.unsqueeze(1)
     if isinstance(target, tuple):  # the experts' w1 (gate) rows first, then w3 (up), along dim 1
         hf, half = target
-        size = data.shape[1]
-        return [(prefix + hf, Part(torch.arange(half * size, (half + 1) * size), 1, data))]
+        return [(prefix + hf, half_of(half, 1, data))]
     return [(prefix + target, data)]
+
+
+tensors = tensors_by_block(_TOP, _in_block)

@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import torch
 
-from ..file import GGUFError
 from . import _mamba2
-from ._common import as_tensor, block, has, required, token_ids, vocab_size
+from ._common import expand, required, ssm_biases, tensors_by_block, token_ids, top_names, vocab_size
 
 ARCHITECTURES = {"mamba2": "mamba2"}
 
-_TOP = {
-    "token_embd.weight": "backbone.embeddings.weight",
-    "output_norm.weight": "backbone.norm_f.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP = top_names("embeddings", "norm_f", root="backbone")
 
 
 def config(meta: dict) -> dict:
     hidden = int(required(meta, "embedding_length"))
     ssm = _mamba2.dims(meta)
-    if ssm["inner"] % hidden:
-        raise GGUFError(f"Mamba inner size {ssm['inner']} is not a multiple of the hidden size {hidden}")
+    conv_bias, proj_bias = ssm_biases(meta, 0)
     return {
         "architectures": ["Mamba2ForCausalLM"],
         "model_type": "mamba2",
@@ -36,21 +30,19 @@ def config(meta: dict) -> dict:
         "state_size": ssm["state"],
         "n_groups": ssm["groups"],
         "conv_kernel": ssm["conv"],
-        "expand": ssm["inner"] // hidden,
-        "use_conv_bias": has(meta, "blk.0.ssm_conv1d.bias", True),
-        "use_bias": has(meta, "blk.0.ssm_in.bias", False),
+        "expand": expand(ssm["inner"], hidden),
+        "use_conv_bias": conv_bias,
+        "use_bias": proj_bias,
         **token_ids(meta),
     }
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [(_TOP[name], data)]
-    prefix = f"backbone.layers.{bid}."
+def _in_block(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
     if rest == "attn_norm.weight":
         return [(prefix + "norm.weight", data)]
     if (mixer := _mamba2.mixer_tensor(rest, data)) is None:
-        raise KeyError(name)  # the loader's "has no place in the model"
+        raise KeyError(rest)  # the loader's "has no place in the model"
     return [(prefix + "mixer." + mixer[0], mixer[1])]
+
+
+tensors = tensors_by_block(_TOP, _in_block, layers="backbone.layers")

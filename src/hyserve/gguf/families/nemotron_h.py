@@ -18,23 +18,21 @@ from ..file import GGUFError
 from . import _mamba2
 from ._common import (
     arch_value,
-    as_tensor,
-    block,
     has,
+    kv_heads,
     per_layer,
     required,
+    ssm_biases,
+    tensors_by_block,
     token_ids,
-    unpermute,
+    top_names,
+    unpermute_qk,
     vocab_size,
 )
 
 ARCHITECTURES = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 
-_TOP = {
-    "token_embd.weight": "model.embeddings.weight",
-    "output_norm.weight": "model.norm_f.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP = top_names("embeddings", "norm_f")
 _PROOF = {
     "linear_attention": "ssm_in.weight",
     "full_attention": "attn_q.weight",
@@ -94,7 +92,7 @@ def config(meta: dict) -> dict:
     )
     ff = per_layer(arch_value(meta, "feed_forward_length", 0), n)
     ssm = _mamba2.dims(meta)
-    first_ssm = types.index("linear_attention") if "linear_attention" in types else 0
+    conv_bias, proj_bias = ssm_biases(meta, types.index("linear_attention") if "linear_attention" in types else 0)
     cfg = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -103,7 +101,7 @@ def config(meta: dict) -> dict:
         "num_hidden_layers": n,
         "layers_block_type": types,
         "num_attention_heads": heads,
-        "num_key_value_heads": max(int(k) for k in per_layer(required(meta, "attention.head_count_kv"), n)) or 1,
+        "num_key_value_heads": max(kv_heads(meta, n)) or 1,
         "head_dim": int(arch_value(meta, "attention.key_length") or hidden // heads),
         "max_position_embeddings": int(required(meta, "context_length")),
         "layer_norm_epsilon": float(
@@ -114,8 +112,8 @@ def config(meta: dict) -> dict:
         "ssm_state_size": ssm["state"],
         "n_groups": ssm["groups"],
         "conv_kernel": ssm["conv"],
-        "use_conv_bias": has(meta, f"blk.{first_ssm}.ssm_conv1d.bias", True),
-        "use_bias": has(meta, f"blk.{first_ssm}.ssm_in.bias", False),
+        "use_conv_bias": conv_bias,
+        "use_bias": proj_bias,
         "attention_bias": any(has(meta, f"blk.{i}.attn_q.bias", False) for i in range(n)),
         "mlp_bias": any(has(meta, f"blk.{i}.ffn_up.bias", False) for i in range(n)),
         "num_nextn_predict_layers": 0,
@@ -140,16 +138,10 @@ def config(meta: dict) -> dict:
     return cfg
 
 
-def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Tensor]]:
-    data = as_tensor(array)
-    bid, rest = block(name)
-    if bid is None:
-        return [(_TOP[name], data)]
-    prefix = f"model.layers.{bid}."
+def _in_block(prefix: str, rest: str, data: torch.Tensor, cfg: dict) -> list:
     if (mixer := _mamba2.mixer_tensor(rest, data)) is not None:
         return [(prefix + "mixer." + mixer[0], mixer[1])]
-    if rest in ("attn_q.weight", "attn_q.bias"):
-        data = unpermute(data, cfg["num_attention_heads"])
-    elif rest in ("attn_k.weight", "attn_k.bias"):
-        data = unpermute(data, cfg["num_key_value_heads"])
-    return [(prefix + _LAYER[rest], data)]
+    return [(prefix + _LAYER[rest], unpermute_qk(rest, data, cfg))]
+
+
+tensors = tensors_by_block(_TOP, _in_block)

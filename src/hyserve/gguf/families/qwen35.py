@@ -24,6 +24,7 @@ import re
 import torch
 
 from ..architectures import Part
+from ._common import as_tensor, half_of, token_ids
 
 ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 _CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
@@ -118,13 +119,7 @@ def config(meta: dict) -> dict:
         "rope_parameters": rope,
         "hidden_act": "silu",
     }
-    for key, name in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("pad_token_id", "padding_token_id"),
-    ):
-        if (value := meta.get(f"tokenizer.ggml.{name}")) is not None:
-            cfg[key] = int(value)
+    cfg.update(token_ids(meta))
     if arch in ("qwen3next", "qwen35moe"):
         cfg.update(
             num_experts=int(get("expert_count")),
@@ -148,7 +143,7 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
         local, hf = m.group(2), f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
     else:
         raise KeyError(name)
-    w = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors: the file's read-only pages
+    w = as_tensor(array)
     if local in _NORMS_PLUS_ONE:
         w = w - 1
     elif local == "ssm_a":
@@ -164,10 +159,8 @@ def tensors(name: str, array, meta: dict, cfg: dict) -> list[tuple[str, torch.Te
                 Part(_qkvz_rows(local, cfg), 0, w),
             )
         ]
-    if local in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
-        n_ff = w.shape[1]
-        start = 0 if local == "ffn_gate_exps.weight" else n_ff
-        return [(hf, Part(torch.arange(start, start + n_ff), 1, w))]
+    if local in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):  # gate rows first, then up, along dim 1
+        return [(hf, half_of(0 if local == "ffn_gate_exps.weight" else 1, 1, w))]
     return [(hf, w)]
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from ..errors import OPENAI
 from ..guards import cache_scope
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(OPENAI)
 
 
 def under_lock(serving: Serving, fn, *args):

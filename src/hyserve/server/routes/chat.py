@@ -7,13 +7,14 @@ from __future__ import annotations
 from fastapi import Depends, Request
 
 from ...chat import template_message
+from ..errors import OPENAI
 from ..formats import ChatFormat
 from ..legacy import LegacyFunctionsFormat
 from ..schemas import ChatCompletionRequest
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(OPENAI)
 
 
 @router.post("/v1/chat/completions")

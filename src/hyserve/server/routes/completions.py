@@ -7,13 +7,13 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from ...prompt.bound import PromptTooLong
-from ..errors import APIError
+from ..errors import OPENAI, APIError
 from ..formats import CompletionFormat
 from ..schemas import CompletionRequest
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(OPENAI)
 
 
 async def prompt_ids(serving: Serving, body: CompletionRequest, request: Request) -> list[int]:

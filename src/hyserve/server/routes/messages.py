@@ -1,5 +1,5 @@
 """`POST /v1/messages` (Anthropic's Messages API) on the chat machinery, so agents that speak it work against
-hyserve (the reply's shape: `message_format`); errors come in Anthropic's shape (`errors.anthropic_body`).
+hyserve (the reply's shape: `message_format`); errors come in Anthropic's shape (its router's `errors.ANTHROPIC`).
 `POST /v1/messages/count_tokens` renders without generating."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from fastapi.responses import JSONResponse
 
 from ...chat import template_message
 from ...engine import Finished
+from ..errors import ANTHROPIC
 from ..ignored import ignored_headers
 from ..message_format import MessagesFormat
 from ..message_schemas import CountTokensRequest, MessagesRequest, chat_messages
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(ANTHROPIC)
 
 
 def stop_finder(serving: Serving, body: MessagesRequest):

@@ -6,10 +6,11 @@ from __future__ import annotations
 from fastapi import Depends
 from fastapi.responses import JSONResponse, Response
 
+from ..errors import OPENAI
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(OPENAI)
 
 
 def model_object(serving: Serving) -> dict:

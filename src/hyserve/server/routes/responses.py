@@ -18,13 +18,13 @@ from ...chat import ChatTurn, template_message
 from ...chat.continuation import ContinuationError, continuation_ids
 from ...engine import Finished
 from ...prompt.bound import PromptTooLong
-from ..errors import APIError
+from ..errors import RESPONSES, APIError
 from ..response_format import ResponsesFormat
 from ..response_schemas import ResponsesRequest, input_messages
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(RESPONSES)
 
 
 def stored(serving: Serving, request: Request, rid: str, param: str | None = None):

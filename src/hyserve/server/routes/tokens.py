@@ -8,12 +8,12 @@ from starlette.concurrency import run_in_threadpool
 
 from ...chat import ChatRequestError, ChatTurn, template_message
 from ...prompt.bound import PromptTooLong, check_length
-from ..errors import APIError
+from ..errors import OPENAI, APIError
 from ..schemas import DetokenizeRequest, TokenizeRequest
 from ..serving import Serving, serving_of
 from . import api_router
 
-router = api_router()
+router = api_router(OPENAI)
 
 
 def tokenize(serving: Serving, body: TokenizeRequest, salt: str) -> list[int]:
