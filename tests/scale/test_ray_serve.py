@@ -325,3 +325,28 @@ def test_replicas_that_cannot_fit_the_cluster_are_refused_before_deploying(clust
     with pytest.raises(RuntimeError, match="need 3 CPUs"):
         launch.start(config(model_dirs["qwen3_5"]), 3, "127.0.0.1", free_port(), replica_cpus=1.0, threads=1)
     assert cluster.get("/health").status_code == 200  # the running deployment is untouched
+
+
+@pytest.mark.parametrize(
+    "path,anthropic", [("/v1/messages", True), ("/v1/messages/count_tokens", True), ("/v1/chat/completions", False)]
+)
+def test_the_ingress_own_errors_take_the_route_shape(path, anthropic):
+    """What the ingress answers itself (no replica could take the request, or the replica died mid-stream) is
+    in the shape of the route the request was for, as a replica's own errors are."""
+    from ray.serve.exceptions import BackPressureError
+
+    from hyserve.scale import deployment
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": [], "query_string": b""}
+    errors = deployment._route_errors().of(scope)
+    for exc, status in ((BackPressureError(num_queued_requests=1, max_queued_requests=1), 429), (RuntimeError(), 503)):
+        resp = deployment._unavailable(exc, errors)
+        body = json.loads(resp.body)
+        assert resp.status_code == status
+        if anthropic:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            assert body["error"]["type"] == {429: "rate_limit_error", 503: "overloaded_error"}[status]
+        else:
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+    tail = errors.stream_error(503, "the replica serving this request stopped", "replica_unavailable")
+    assert tail.startswith(b"event: error\r\n") == anthropic

@@ -11,6 +11,7 @@ else it ends with a 503 / an error event), and for /metrics (its routing metrics
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import uuid
@@ -151,29 +152,29 @@ def _died(exc: BaseException) -> bool:
     return isinstance(exc, RETRYABLE) or "ActorDiedError" in type(exc).__name__
 
 
-def _unavailable(exc: BaseException):
+def _unavailable(exc: BaseException, errors):
     """Ray could not take or run the request (not a replica's death): 429 when every replica's queue is full,
-    else 503, in the API's error shape."""
+    else 503, in the route's error shape."""
     from ray.serve.exceptions import BackPressureError
 
     log.warning("request not served: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, BackPressureError):
-        return Response(
-            _error_body("every replica's queue is full; try again later", "rate_limit_exceeded", "rate_limit_error"),
-            status_code=429,
-            media_type="application/json",
+        return _error(
+            errors, 429, "every replica's queue is full; try again later", "rate_limit_exceeded", "rate_limit_error"
         )
-    return Response(
-        _error_body(f"no replica could serve this request ({type(exc).__name__})", "replica_unavailable"),
-        status_code=503,
-        media_type="application/json",
-    )
+    return _error(errors, 503, f"no replica could serve this request ({type(exc).__name__})", "replica_unavailable")
 
 
-def _error_body(message: str, code: str | None, kind: str = "server_error") -> bytes:
-    from ..server.errors import error_body
+def _error(errors, status: int, message: str, code: str | None, kind: str = "server_error") -> Response:
+    """An error the ingress answers itself, in the shape of the route the request was for (`server.errors`)."""
+    return JSONResponse(errors.body(status, message, kind, None, code), status_code=status)
 
-    return json.dumps(error_body(message, kind, None, code)).encode()
+
+@functools.cache
+def _route_errors():
+    from ..server.app import route_errors  # the server's routes: imported once, when the first error needs them
+
+    return route_errors()
 
 
 class Ingress:
@@ -197,6 +198,7 @@ class Ingress:
         if path in ("/v1/cache", "/v1/cache/events"):  # every replica's cache, not one's
             return await self.every_cache(request)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+        errors = _route_errors().of(request.scope)
         limit = self.config.max_body_bytes
         if not self.keys.admitted(request.scope["headers"])[0]:
             # the API key first: the replica refuses this one from its headers (401), so its body is never read,
@@ -225,21 +227,17 @@ class Ingress:
                     return _response(held)
             except Exception as exc:
                 if not _died(exc):
-                    return _unavailable(exc)
+                    return _unavailable(exc, errors)
                 replica = PLACED.pop(routed.request_id, "")
                 if attempt == 0:
                     TELEMETRY.failed(replica, "retried", routed.request_id)
                     routed.avoid = replica or None
                     continue
                 TELEMETRY.failed(replica, "failed", routed.request_id)
-                return Response(
-                    _error_body("the replica serving this request stopped; try again", "replica_unavailable"),
-                    status_code=503,
-                    media_type="application/json",
-                )
+                return _error(errors, 503, "the replica serving this request stopped; try again", "replica_unavailable")
             head = held[0]
             return StreamingResponse(
-                _rest(held[1:], stream, routed, head), status_code=head["status"], headers=_headers(head)
+                _rest(held[1:], stream, routed, head, errors), status_code=head["status"], headers=_headers(head)
             )
 
     def routing_events(self, request):
@@ -255,11 +253,7 @@ class Ingress:
                     if key is None
                     else (403, "routing events need the admin API key", "admin_key_required")
                 )
-                return Response(
-                    _error_body(message, code, "invalid_request_error"),
-                    status_code=status,
-                    media_type="application/json",
-                )
+                return _error(_route_errors().of(request.scope), status, message, code, "invalid_request_error")
         try:
             limit = int(request.query_params.get("limit", 100))
         except ValueError:
@@ -285,11 +279,7 @@ class Ingress:
                 continue
             answers[rid] = items
         if not answers:
-            return Response(
-                _error_body("no replica is running", "replica_unavailable"),
-                status_code=503,
-                media_type="application/json",
-            )
+            return _error(_route_errors().of(request.scope), 503, "no replica is running", "replica_unavailable")
         for items in answers.values():
             if items[0]["status"] != 200:
                 return _response(items)
@@ -402,7 +392,7 @@ def _response(held: list):
     return resp
 
 
-async def _rest(held: list, stream, routed: Routed, head: dict):
+async def _rest(held: list, stream, routed: Routed, head: dict, errors):
     for chunk in held:
         yield chunk
     try:
@@ -413,7 +403,7 @@ async def _rest(held: list, stream, routed: Routed, head: dict):
             raise
         TELEMETRY.failed(PLACED.pop(routed.request_id, ""), "failed", routed.request_id)
         if "text/event-stream" in dict((k.lower(), v) for k, v in head["headers"]).get("content-type", ""):
-            yield b"data: " + _error_body("the replica serving this request stopped", "replica_unavailable") + b"\n\n"
+            yield errors.stream_error(503, "the replica serving this request stopped", "replica_unavailable")
 
 
 def _merged(expositions: dict[str, str]) -> bytes:

@@ -17,12 +17,17 @@ from .serving import Serving
 ROUTERS = (chat, completions, tokens, models, cache, responses, messages)  # (the order of the OpenAPI document)
 
 
+def route_errors() -> RouteErrors:
+    """Which error shape each route answers in (the Ray ingress, which answers for the replicas, reads it too)."""
+    return RouteErrors(route for surface in ROUTERS for route in surface.router.routes)
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="hyserve", docs_url=None, redoc_url=None)
     app.state.serving = Serving(service)
     for surface in ROUTERS:
         app.include_router(surface.router)
-    app.state.route_errors = errors = RouteErrors(route for surface in ROUTERS for route in surface.router.routes)
+    app.state.route_errors = errors = route_errors()
     install_handlers(app, errors)
     install_openapi(app)
     app.add_middleware(GuardMiddleware, service=service, route_errors=errors)
