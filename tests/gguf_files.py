@@ -58,7 +58,7 @@ def write_from_folder(model_dir: Path, out: Path, quantize: str | None = None) -
 
 
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """What convert_hf_to_gguf.py's LlamaModel.permute does (transformers' GGUF loader undoes it)."""
+    """What convert_hf_to_gguf.py's LlamaModel.permute does (hyserve's loader undoes it: gguf/families/attention.py)."""
     return (
         weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
         .swapaxes(1, 2)

@@ -1,12 +1,11 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): `hyserve serve FILE.gguf`.
 
 - `file`: find the file, check its header before any weight is read (`inspect`), and read it once.
-- `families/`: one module per architecture family that hyserve loads itself (the hybrid ones: Qwen3.5,
-  Qwen3-Next, ...), each undoing what llama.cpp's converter did to the HF checkpoint (see `architectures`).
-- `dispatch`: `load`, by hyserve's loader or transformers'.
+- `families/`: one module per architecture family (the hybrids: Qwen3.5, Qwen3-Next, ...; the plain attention
+  ones: llama, qwen2, qwen3; LFM2), each undoing what llama.cpp's converter did to the HF checkpoint (see
+  `architectures`).
+- `loader`: hyserve's loader, which keeps Q8_0 / Q4_0 weights as the file's blocks; `dispatch`: `load`.
 - `architectures`: the registry of those modules, and the interface each exposes.
-
-Architectures no family module covers (llama, qwen2, qwen3, lfm2) load through transformers' GGUF loader.
 """
 
 from .dispatch import load

@@ -1,16 +1,12 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): find the file, check it before any weight is read, and load it.
 
-The architectures a module of `families` covers (the hybrid ones) load through hyserve's own loader (`loader`),
-which keeps Q8_0 / Q4_0 weights quantized. The others load through transformers' GGUF loader, which builds the
-config, tokenizer and chat template from the file's metadata and dequantizes every tensor to float. Only
-architectures one of the two reads and hyserve's families serve are accepted, so a file either loads as the
-model it is or is refused at start with one line. The file is parsed once per load (`parsed_once`).
+Every architecture a module of `families` covers loads through hyserve's own loader (`loader`), which keeps
+Q8_0 / Q4_0 weights quantized; only those whose model hyserve's families serve are accepted, so a file either loads
+as the model it is or is refused at start with one line. The file is parsed once per load (`reader`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import re
 from collections import Counter
@@ -78,34 +74,24 @@ def split_parts(path: Path) -> list[Path]:
 
 
 def supported_architectures() -> dict[str, str]:
-    """GGUF architecture -> model_type, for those hyserve's loader (`architectures`) or transformers' reads and
-    hyserve serves."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
+    """GGUF architecture -> model_type, for those hyserve's loader (`architectures`) reads and hyserve serves."""
     from ..families import SUPPORTED_MODEL_TYPES
     from .architectures import model_types
 
-    ours = {a: t for a, t in model_types().items() if t in SUPPORTED_MODEL_TYPES}
-    return {**{a: a for a in GGUF_SUPPORTED_ARCHITECTURES if a in SUPPORTED_MODEL_TYPES}, **ours}
-
-
-def hyserve_loads(arch: str) -> bool:
-    """Whether hyserve's own loader (`loader`) reads this architecture, not transformers'."""
-    from .architectures import module_for
-
-    return module_for(arch) is not None
+    return {a: t for a, t in model_types().items() if t in SUPPORTED_MODEL_TYPES}
 
 
 _readers: dict[tuple, object] = {}
 
 
 def reader(path: Path):
-    """A parsed `gguf.GGUFReader` of `path`, kept until the file changes (see `parsed_once`)."""
+    """A parsed `gguf.GGUFReader` of `path`, kept until the file changes or is loaded (`dispatch.load`), so that
+    checking a file and loading it parse it once."""
     try:
         from gguf import GGUFReader
     except ImportError as exc:
         raise GGUFError(f"serving a GGUF file needs the gguf and accelerate packages: {INSTALL_HINT}") from exc
-    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader refuses to run without it
+    if importlib.util.find_spec("accelerate") is None:  # the loader builds the model empty with it
         raise GGUFError(f"serving a GGUF file needs the accelerate package: {INSTALL_HINT}")
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
@@ -147,19 +133,9 @@ def inspect(path: str | Path) -> GGUFInfo:
         if any(int(t.data_offset) + int(t.n_bytes) > size for t in pr.tensors):
             raise GGUFError(f"{part} is truncated: its tensors need more bytes than the file's {size}")
     arch = _field(r, "general.architecture")
-    # as transformers' loader reads it: a llama file named exactly "mistral" loads as Mistral (not served)
-    model_type = "mistral" if "llama" in arch and _field(r, "general.name") == "mistral" else arch
     supported = supported_architectures()
-    model_type = supported.get(model_type, model_type)
-    if model_type not in supported.values():
-        raise GGUFError(
-            f"{path.name}: GGUF architecture {model_type!r} is not supported; supported: {', '.join(supported)}"
-        )
-    if len(parts) > 1 and not hyserve_loads(arch):
-        raise GGUFError(
-            f"{path.name} is part 1 of a GGUF split in {len(parts)} files, which transformers' loader "
-            f"(the one for {arch}) cannot read: merge them first (llama.cpp's `llama-gguf-split --merge`)"
-        )
+    if arch not in supported:
+        raise GGUFError(f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(supported)}")
     if _field(r, "tokenizer.ggml.model") is None:
         raise GGUFError(f"{path.name} has no tokenizer in its metadata (tokenizer.ggml.*)")
     from gguf import GGMLQuantizationType
@@ -172,7 +148,7 @@ def inspect(path: str | Path) -> GGUFInfo:
     return GGUFInfo(
         path,
         arch,
-        model_type,
+        supported[arch],
         {t.name: n for t, n in types.most_common()},
         _field(r, "tokenizer.chat_template") is not None,
     )
@@ -181,54 +157,3 @@ def inspect(path: str | Path) -> GGUFInfo:
 def _field(r, key: str):
     field = r.fields.get(key)
     return None if field is None else field.contents()
-
-
-@contextlib.contextmanager
-def parsed_once(path: Path):
-    """Within: transformers' GGUF loader reuses what it (or `inspect`) already parsed of `path`: the reader, the
-    metadata it reads for the config and again for the tokenizer, and gguf's tensor-name map, which it builds
-    anew for every module of the model (most of the load time of a small model otherwise)."""
-    import copy
-
-    import gguf
-    import transformers.modeling_gguf_pytorch_utils as hf_gguf
-
-    parsed, metadata = reader(path), {}
-    patched = {
-        (gguf, "GGUFReader"): gguf.GGUFReader,
-        (gguf, "get_tensor_name_map"): gguf.get_tensor_name_map,
-        (hf_gguf, "load_gguf_checkpoint"): hf_gguf.load_gguf_checkpoint,
-        (hf_gguf, "tqdm"): hf_gguf.tqdm,
-    }
-    same = functools.partial(_same_file, path)
-
-    def read(p, *args, **kwargs):
-        return parsed if same(p) and not args and not kwargs else patched[gguf, "GGUFReader"](p, *args, **kwargs)
-
-    def checkpoint(p, return_tensors=False, **kwargs):
-        load = patched[hf_gguf, "load_gguf_checkpoint"]
-        if return_tensors or kwargs or not same(p):
-            return load(p, return_tensors=return_tensors, **kwargs)
-        if not metadata:
-            metadata.update(load(p))
-            arch = _field(parsed, "general.architecture")
-            if (head_dim := _field(parsed, f"{arch}.attention.key_length")) is not None:  # transformers skips it:
-                metadata["config"].setdefault("head_dim", int(head_dim))  # Qwen3's default (128) would be wrong
-        return copy.deepcopy(metadata)  # the callers may edit what they get
-
-    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = read, checkpoint
-    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
-    hf_gguf.tqdm = lambda items, **_: items  # its progress bar, which ignores transformers' own switch; we log
-    try:
-        yield
-    finally:
-        for (module, name), original in patched.items():
-            setattr(module, name, original)
-        _readers.clear()  # its parsed metadata is not needed once loaded
-
-
-def _same_file(path: Path, other) -> bool:
-    try:
-        return Path(other).resolve() == path.resolve()
-    except (TypeError, OSError):
-        return False

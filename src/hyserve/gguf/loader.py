@@ -53,9 +53,14 @@ def metadata(r) -> dict:
 
 def file_metadata(parts) -> dict:
     """What a family's `config` reads: the metadata, and under "tensor_shapes" every tensor's shape (numpy order),
-    since some of a config is only in which tensors there are (an optional norm or bias, the embedding's rows)."""
+    since some of a config is only in which tensors there are (an optional norm or bias, the embedding's rows), and
+    under "rope_freqs" the values of that tensor where there is one (Llama 3's rope scaling: config, not weight)."""
     meta = metadata(parts[0])
     meta["tensor_shapes"] = {t.name: tuple(int(n) for n in reversed(t.shape)) for r in parts for t in r.tensors}
+    for t in (t for r in parts for t in r.tensors if t.name == "rope_freqs.weight"):
+        from gguf.quants import dequantize
+
+        meta["rope_freqs"] = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
     return meta
 
 
