@@ -171,3 +171,17 @@ def convert(converter: Path, model_dir: Path, out: Path, outtype: str, *extra: s
     r = subprocess.run(args, cwd=converter, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and out.is_file(), r.stderr[-2000:]
     return out
+
+
+def converted_once(converter: Path, folders, tmp_path_factory):
+    """(arch, outtype="f32") -> the folder `folders(arch)` converted by llama.cpp's converter, once per
+    (arch, outtype): the body of the test modules' `converted` fixtures."""
+    done = {}
+
+    def get(arch, outtype="f32"):
+        if (arch, outtype) not in done:
+            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
+            done[arch, outtype] = convert(converter, folders(arch), out, outtype)
+        return done[arch, outtype]
+
+    return get

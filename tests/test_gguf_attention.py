@@ -19,7 +19,7 @@ from hyserve.gguf.loader import file_metadata  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
 from hyserve.quant.layout import QuantLinear  # noqa: E402
 
-from .gguf_files import convert, requantize  # noqa: E402
+from .gguf_files import converted_once, requantize  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, _refused, llama_cpp_converter  # noqa: E402, F401
 from .test_gguf_hybrid import _blocks  # noqa: E402
@@ -91,16 +91,7 @@ def folders(model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(llama_cpp_converter, folders, tmp_path_factory):  # noqa: F811 (the imported fixture)
     """(arch, outtype) -> the folder converted by llama.cpp's convert_hf_to_gguf.py (once)."""
-    done = {}
-
-    def get(arch, outtype="f32"):
-        if (arch, outtype) not in done:
-            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            convert(llama_cpp_converter, folders(arch), out, outtype)
-            done[arch, outtype] = out
-        return done[arch, outtype]
-
-    return get
+    return converted_once(llama_cpp_converter, folders, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

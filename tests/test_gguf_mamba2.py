@@ -15,7 +15,7 @@ from hyserve.gguf.file import GGUFError  # noqa: E402
 from hyserve.gguf.loader import file_metadata  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
 
-from .gguf_files import _permute, convert  # noqa: E402
+from .gguf_files import _permute, converted_once  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
 from .test_gguf_hybrid import _blocks  # noqa: E402
@@ -93,16 +93,7 @@ def folders(model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(converter, folders, tmp_path_factory):
     """(arch, outtype) -> the folder converted by llama.cpp's convert_hf_to_gguf.py (once)."""
-    done = {}
-
-    def get(arch, outtype="f32"):
-        if (arch, outtype) not in done:
-            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{outtype}.gguf"
-            convert(converter, folders(arch), out, outtype)
-            done[arch, outtype] = out
-        return done[arch, outtype]
-
-    return get
+    return converted_once(converter, folders, tmp_path_factory)
 
 
 @pytest.mark.parametrize(

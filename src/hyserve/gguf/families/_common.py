@@ -13,6 +13,13 @@ from ..architectures import Part
 from ..file import GGUFError
 
 
+def attention_names(module: str) -> dict[str, str]:
+    """llama.cpp's attention tensors within a block -> the HF names under `module` (`self_attn`, `mixer`): q, k, v
+    and output projections, weights and biases."""
+    hf = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "output": "o_proj"}
+    return {f"attn_{g}.{kind}": f"{module}.{h}.{kind}" for kind in ("weight", "bias") for g, h in hf.items()}
+
+
 def arch_value(meta: dict, key: str, default=None):
     """`{general.architecture}.{key}`, or `default` when the file has no such key."""
     return meta.get(f"{meta['general.architecture']}.{key}", default)

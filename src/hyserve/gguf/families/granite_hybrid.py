@@ -24,6 +24,7 @@ from ..file import GGUFError
 from . import _mamba2
 from ._common import (
     arch_value,
+    attention_names,
     expand,
     half_of,
     has,
@@ -46,14 +47,7 @@ _TOP = top_names("embed_tokens", "norm")
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`, or (HF name, which half along dim)
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
+    **attention_names("self_attn"),
     "ffn_gate_inp.weight": "block_sparse_moe.router.weight",
     "ffn_gate_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 0, 1),
     "ffn_up_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 1, 1),

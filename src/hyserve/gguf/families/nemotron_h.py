@@ -18,6 +18,7 @@ from ..file import GGUFError
 from . import _mamba2
 from ._common import (
     arch_value,
+    attention_names,
     has,
     kv_heads,
     per_layer,
@@ -41,14 +42,7 @@ _PROOF = {
 }  # a tensor each kind of block has
 _LAYER = {  # GGUF name within a block -> HF name within `model.layers.N`
     "attn_norm.weight": "norm.weight",
-    "attn_q.weight": "mixer.q_proj.weight",
-    "attn_k.weight": "mixer.k_proj.weight",
-    "attn_v.weight": "mixer.v_proj.weight",
-    "attn_output.weight": "mixer.o_proj.weight",
-    "attn_q.bias": "mixer.q_proj.bias",
-    "attn_k.bias": "mixer.k_proj.bias",
-    "attn_v.bias": "mixer.v_proj.bias",
-    "attn_output.bias": "mixer.o_proj.bias",
+    **attention_names("mixer"),
     "ffn_up.weight": "mixer.up_proj.weight",
     "ffn_down.weight": "mixer.down_proj.weight",
     "ffn_up.bias": "mixer.up_proj.bias",
