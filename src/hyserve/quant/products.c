@@ -279,7 +279,13 @@ INLINE void tile(const int four_bit, const int J, const int R, const void *q, co
     for (int jj = 0; jj < J; jj++)
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) acc[jj][r] = vzero();
+    /* The next tile's weights (the rows after these, contiguous) fetched ahead, a block's share per block: the
+     * hardware prefetchers do not keep J interleaved rows streaming from memory. */
+    const int block_bytes = four_bit ? BLOCK / 2 : BLOCK;
+    const char *next = (const char *)q + (j0 + J) * (long)blocks * block_bytes;
     for (int b = 0; b < blocks; b++) {
+        for (int line = 0; line < J * block_bytes; line += 64)
+            __builtin_prefetch(next + (long)b * J * block_bytes + line, 0, 3);
 #pragma GCC unroll 4
         for (int jj = 0; jj < J; jj++) {
             vec w[CHUNKS];
