@@ -19,8 +19,9 @@ import torch
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
 
-# (n, k): odd n and n below a tile's 4 weight rows (the one-by-one tail), k from one block to real widths
-SHAPES = [(37, 160), (5, 32), (1, 96), (11, 1024)]
+# (n, k): odd n and n below a tile's 4 weight rows (the one-by-one tail), k from one block to real widths; at
+# k 1024 more than 4 rows take k in chunks (products.c's X_FLOATS), 21 weight rows a group of 16 and the rest
+SHAPES = [(37, 160), (5, 32), (1, 96), (21, 1024)]
 ROW_COUNTS = [*range(1, 9), 13]  # 13: more than one tile of 8 input rows
 
 

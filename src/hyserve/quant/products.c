@@ -270,20 +270,22 @@ static inline float block_q4(const uint8_t *q, const uint16_t *d, long j, int b,
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* y[r, j0 .. j0 + J) for input rows r < R (R <= TILE_ROWS, J <= 4, both constants once inlined): each weight
- * block is widened once for the R rows; J * R accumulators in registers. `four_bit`: Q4_0, else Q8_0. */
+/* Blocks [b0, b1) of y[r, j0 .. j0 + J) for input rows r < R (R <= TILE_ROWS, J <= 4, both constants once
+ * inlined): each weight block is widened once for the R rows; J * R accumulators in registers, taken from and
+ * left in `saved` [J][R] between the chunks of a row (a stored float is the same float), summed into y after the
+ * last block. `four_bit`: Q4_0, else Q8_0. */
 INLINE void tile(const int four_bit, const int J, const int R, const void *q, const uint16_t *d, long j0, int blocks,
-                 const float *x, long x_stride, float *y, long n) {
+                 int b0, int b1, const float *x, long x_stride, vec *saved, float *y, long n) {
     vec acc[4][TILE_ROWS];
 #pragma GCC unroll 4
     for (int jj = 0; jj < J; jj++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[jj][r] = vzero();
+        for (int r = 0; r < R; r++) acc[jj][r] = b0 ? saved[jj * R + r] : vzero();
     /* The next tile's weights (the rows after these, contiguous) fetched ahead, a block's share per block: the
      * hardware prefetchers do not keep J interleaved rows streaming from memory. */
     const int block_bytes = four_bit ? BLOCK / 2 : BLOCK;
     const char *next = (const char *)q + (j0 + J) * (long)blocks * block_bytes;
-    for (int b = 0; b < blocks; b++) {
+    for (int b = b0; b < b1; b++) {
         for (int line = 0; line < J * block_bytes; line += 64)
             __builtin_prefetch(next + (long)b * J * block_bytes + line, 0, 3);
 #pragma GCC unroll 4
@@ -299,16 +301,33 @@ INLINE void tile(const int four_bit, const int J, const int R, const void *q, co
 #pragma GCC unroll 4
     for (int jj = 0; jj < J; jj++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[r * n + j0 + jj] = lanes_sum(acc[jj][r]);
+        for (int r = 0; r < R; r++) {
+            if (b1 < blocks) saved[jj * R + r] = acc[jj][r];
+            else y[r * n + j0 + jj] = lanes_sum(acc[jj][r]);
+        }
 }
 
-/* Weight rows [first, last) for R input rows: WEIGHT_ROWS(R) at a time, then the rest one by one. */
+#define X_FLOATS 4096 /* of the input rows kept in the L1 cache while a group of weight rows passes over them */
+#define GROUP 16      /* weight rows, a multiple of every WEIGHT_ROWS */
+
+/* Weight rows [first, last) for R input rows: WEIGHT_ROWS(R) at a time, then the rest one by one. With many
+ * long rows, by groups of GROUP weight rows and chunks of X_FLOATS / R columns: each chunk of the input rows is
+ * read from the L1 cache by the whole group, not from further away by each weight row. */
 INLINE void stretch(const int four_bit, const int R, const void *q, const uint16_t *d, long first, long last,
                     int blocks, const float *x, long x_stride, float *y, long n) {
-    long j = first;
-    for (; j + WEIGHT_ROWS(R) <= last; j += WEIGHT_ROWS(R))
-        tile(four_bit, WEIGHT_ROWS(R), R, q, d, j, blocks, x, x_stride, y, n);
-    for (; j < last; j++) tile(four_bit, 1, R, q, d, j, blocks, x, x_stride, y, n);
+    const int J = WEIGHT_ROWS(R), fit = X_FLOATS / (R * BLOCK), chunk = fit < 1 ? 1 : fit < blocks ? fit : blocks;
+    vec saved[GROUP * TILE_ROWS];
+    for (long g = first; g < last; g += GROUP) {
+        const long end = g + GROUP < last ? g + GROUP : last;
+        for (int b0 = 0; b0 < blocks; b0 += chunk) {
+            const int b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+            long j = g;
+            for (; j + J <= end; j += J)
+                tile(four_bit, J, R, q, d, j, blocks, b0, b1, x, x_stride, saved + (j - g) * R, y, n);
+            for (; j < end; j++)
+                tile(four_bit, 1, R, q, d, j, blocks, b0, b1, x, x_stride, saved + (j - g) * R, y, n);
+        }
+    }
 }
 
 INLINE void rows_stretch(const int four_bit, int rows, const void *q, const uint16_t *d, long first, long last,
