@@ -124,13 +124,14 @@ static inline __m256 widen4(__m128i nibbles) { /* the low 8 bytes, each 0..15, a
 static inline void weights_q8(const int8_t *qb, vec w[CHUNKS]) {
     for (int c = 0; c < CHUNKS; c++) w[c] = widen8(qb + 8 * c);
 }
-static inline void weights_q4(const uint8_t *qb, vec w[CHUNKS]) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qb), low = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-    w[0] = widen4(lo);
-    w[1] = widen4(_mm_srli_si128(lo, 8));
-    w[2] = widen4(hi);
-    w[3] = widen4(_mm_srli_si128(hi, 8));
+static inline void weights_q4(const uint8_t *qb, vec w[CHUNKS]) { /* u - 8 in bytes, then as weights_q8 */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qb), low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 static inline vec block_sum(const vec w[CHUNKS], const float *xb) {
     __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
