@@ -17,6 +17,11 @@ projections and its 248k-row head; 1, 2, 4 and 8 rows), the products before the 
 per-output loop kept as `q8_reference` / `q4_reference`) against the tiles, interleaved block by block:
 
     python benchmarks/bench_quant.py --kernels --json benchmarks/results/quant_kernels.json
+
+`--kernels-decode` times whole decode steps of one quantized model (`--schemes`' first) with the one or the other
+swapped into all its products, interleaved block by block:
+
+    python benchmarks/bench_quant.py --kernels-decode --size real-0.8b --schemes int8 --batch 8
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="requests of the batched rows (default 4)")
     p.add_argument("--schemes", default="int8,int4", help="quantizations to compare (default int8,int4)")
     p.add_argument("--kernels", action="store_true", help="time the C products alone, before and after the tiles")
+    p.add_argument("--kernels-decode", action="store_true", help="decode steps, before and after the tiles")
     return p.parse_args(argv)
 
 
@@ -99,6 +105,83 @@ def kernel_rows(schemes: list[str], shapes: list[tuple[int, int]], blocks: int, 
                     }
                 )
     return rows_out
+
+
+def tiles_ab_times(rt, prompt: int, batch: int, blocks: int, steps: int) -> dict:
+    """Seconds per decode step of `batch` requests of the runtime `rt` with its products running the per-output
+    loop ("before") or the tiles ("after"), alternating block by block."""
+    from hyserve import model_thread
+    from hyserve.quant import native as qnative
+    from hyserve.quant.layout import QuantLinear
+
+    lib, _ = qnative.library()
+    products = {id(m.native): m.native for m in rt.model.modules() if isinstance(m, QuantLinear) and m.native}
+    if not products:
+        raise SystemExit(f"no C products on: {dict(rt.kernels.status)}")
+
+    def use(side: str) -> None:
+        for p in products.values():
+            prefix = "q4" if p.format == "q4_0" else "q8"
+            p.product = getattr(lib, f"{prefix}_{'reference' if side == 'before' else 'products'}")
+
+    def run():
+        ad = rt.adapter
+        vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+        states = [ad.new_state() for _ in range(batch)]
+        for r, state in enumerate(states):
+            ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
+        times = {"before": [], "after": []}
+        for b in range(blocks):
+            for side in times:
+                use(side)
+                ad.forward_batch(states, [1] * batch)
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
+                times[side].append((time.perf_counter() - t0) / steps)
+        use("after")
+        ad.drop_batch()
+        return times
+
+    return model_thread.run(run)
+
+
+def kernels_decode_main(args) -> int:
+    from hyserve.models.runtime import ModelRuntime
+
+    scheme = args.schemes.split(",")[0]
+    model_dir = C.ensure_model(args.arch, args.size)
+    rt = ModelRuntime.load(model_dir, dtype=args.dtype, device="cpu", quantization=scheme)
+    rows = []
+    for batch in sorted({1, args.batch}):
+        times = tiles_ab_times(rt, args.prompt, batch, args.blocks, args.steps)
+        rows.append(
+            {
+                "requests": batch,
+                "before_step_s": C.median(times["before"]),
+                "after_step_s": C.median(times["after"]),
+                "speedup": C.median_ratio(times["after"], times["before"]),
+            }
+        )
+    print(f"decode steps of {args.size} {args.arch} at {scheme}: the per-output loop (before) and the tiles (after)")
+    print(
+        C.table(
+            ["requests", "before step (s)", "after step (s)", "after / before"],
+            [
+                [
+                    r["requests"],
+                    C.fmt_s(r["before_step_s"], 4),
+                    C.fmt_s(r["after_step_s"], 4),
+                    C.fmt_ratio(r["speedup"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    if args.json_out:
+        result = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "scheme": scheme, "rows": rows}
+        C.write_result(args.json_out, "bench_quant.py", result)
+    return 0
 
 
 def kernels_main(args) -> int:
@@ -175,6 +258,9 @@ def main(argv=None) -> int:
         return kernels_main(args)
     if args.quick:
         args.size, args.blocks, args.steps, args.prompt, args.batch = "tiny", 2, 2, 16, 2
+    if args.kernels_decode:
+        C.setup_torch(args.threads)
+        return kernels_decode_main(args)
     C.setup_torch(args.threads)
     from hyserve.models.runtime import ModelRuntime
 
