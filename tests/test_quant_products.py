@@ -166,3 +166,15 @@ def test_the_kernel_benchmark_times_both_sides(tmp_path):
         (f, rows) for f in ("int8", "int4") for rows in (1, 2, 4, 8)
     }
     assert all(row["before_s"] > 0 and row["after_s"] > 0 for row in result["rows"])
+
+
+def test_the_decode_benchmark_swaps_both_sides_into_the_model(tmp_path):
+    """benchmarks/bench_quant.py --kernels-decode --quick times decode steps with each side (no timing asserts)."""
+    out = tmp_path / "decode.json"
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "benchmarks/bench_quant.py", "--kernels-decode", "--quick", "--json", str(out)]
+    r = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [row["requests"] for row in result["rows"]] == [1, 2]
+    assert all(row["before_step_s"] > 0 and row["after_step_s"] > 0 for row in result["rows"])
