@@ -11,6 +11,17 @@ pages).
     python benchmarks/bench_quant.py --size real-0.8b --dtype bfloat16 --json benchmarks/results/quant.json
     python benchmarks/bench_quant.py --size real-0.8b --dtype float32 --schemes int8
     python benchmarks/bench_quant.py --quick      # tiny model, a few blocks (tests)
+
+`--kernels` times the C products alone instead (`quant/products.c`, random weights of real-0.8b's shapes: its
+projections and its 248k-row head; 1, 2, 4 and 8 rows), the products before the weight-stationary tiles (the
+per-output loop kept as `q8_reference` / `q4_reference`) against the tiles, interleaved block by block:
+
+    python benchmarks/bench_quant.py --kernels --json benchmarks/results/quant_kernels.json
+
+`--kernels-decode` times whole decode steps of one quantized model (`--schemes`' first) with the one or the other
+swapped into all its products, interleaved block by block:
+
+    python benchmarks/bench_quant.py --kernels-decode --size real-0.8b --schemes int8 --batch 8
 """
 
 from __future__ import annotations
@@ -34,7 +45,173 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens before decoding (default 512)")
     p.add_argument("--batch", type=int, default=4, help="requests of the batched rows (default 4)")
     p.add_argument("--schemes", default="int8,int4", help="quantizations to compare (default int8,int4)")
+    p.add_argument("--kernels", action="store_true", help="time the C products alone, before and after the tiles")
+    p.add_argument("--kernels-decode", action="store_true", help="decode steps, before and after the tiles")
     return p.parse_args(argv)
+
+
+# (n, k) of real-0.8b's products: attention and Gated DeltaNet projections, MLP up and down, the head
+KERNEL_SHAPES = [(1024, 1024), (3584, 1024), (1024, 3584), (248320, 1024)]
+KERNEL_ROWS = (1, 2, 4, 8)
+
+
+def kernel_rows(schemes: list[str], shapes: list[tuple[int, int]], blocks: int, most_reps: int = 50) -> list[dict]:
+    """Seconds of one call of the per-output reference ("before") and of the tiles ("after") per format, shape
+    and row count: the median over `blocks` blocks, each side timed in turn within a block."""
+    import torch
+
+    from hyserve.quant import native as qnative
+
+    lib, why = qnative.library()
+    if lib is None:
+        raise SystemExit(f"the C products do not build here: {why}")
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    rows_out = []
+    for scheme in schemes:
+        prefix = "q4" if scheme == "int4" else "q8"
+        sides = {"before": getattr(lib, f"{prefix}_reference"), "after": getattr(lib, f"{prefix}_products")}
+        for n, k in shapes:
+            if scheme == "int4":
+                qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+            else:
+                qs = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            d = (torch.rand(n, k // 32, generator=g) * 1e-3).half()
+            x = torch.randn(max(KERNEL_ROWS), k, generator=g)
+            y = torch.empty(max(KERNEL_ROWS), n)
+            reps = min(most_reps, max(1, 50_000_000 // (n * k)))  # calls per timing: a few ms on real shapes
+            for rows in KERNEL_ROWS:
+                args = (rows, n, k, x.data_ptr(), k, qs.data_ptr(), d.data_ptr(), y.data_ptr(), threads)
+                times = {side: [] for side in sides}
+                for _ in range(blocks):
+                    for side, product in sides.items():
+                        product(*args)  # its weight's first pages, and the threads, awake
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            product(*args)
+                        times[side].append((time.perf_counter() - t0) / reps)
+                flops = 2 * n * k * rows
+                rows_out.append(
+                    {
+                        "format": scheme,
+                        "n": n,
+                        "k": k,
+                        "rows": rows,
+                        "before_s": C.median(times["before"]),
+                        "after_s": C.median(times["after"]),
+                        "before_gflops": flops / C.median(times["before"]) / 1e9,
+                        "after_gflops": flops / C.median(times["after"]) / 1e9,
+                        "speedup": C.median_ratio(times["after"], times["before"]),
+                    }
+                )
+    return rows_out
+
+
+def tiles_ab_times(rt, prompt: int, batch: int, blocks: int, steps: int) -> dict:
+    """Seconds per decode step of `batch` requests of the runtime `rt` with its products running the per-output
+    loop ("before") or the tiles ("after"), alternating block by block."""
+    from hyserve import model_thread
+    from hyserve.quant import native as qnative
+    from hyserve.quant.layout import QuantLinear
+
+    lib, _ = qnative.library()
+    products = {id(m.native): m.native for m in rt.model.modules() if isinstance(m, QuantLinear) and m.native}
+    if not products:
+        raise SystemExit(f"no C products on: {dict(rt.kernels.status)}")
+
+    def use(side: str) -> None:
+        for p in products.values():
+            prefix = "q4" if p.format == "q4_0" else "q8"
+            p.product = getattr(lib, f"{prefix}_{'reference' if side == 'before' else 'products'}")
+
+    def run():
+        ad = rt.adapter
+        vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+        states = [ad.new_state() for _ in range(batch)]
+        for r, state in enumerate(states):
+            ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
+        times = {"before": [], "after": []}
+        for b in range(blocks):
+            for side in times:
+                use(side)
+                ad.forward_batch(states, [1] * batch)
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
+                times[side].append((time.perf_counter() - t0) / steps)
+        use("after")
+        ad.drop_batch()
+        return times
+
+    return model_thread.run(run)
+
+
+def kernels_decode_main(args) -> int:
+    from hyserve.models.runtime import ModelRuntime
+
+    scheme = args.schemes.split(",")[0]
+    model_dir = C.ensure_model(args.arch, args.size)
+    rt = ModelRuntime.load(model_dir, dtype=args.dtype, device="cpu", quantization=scheme)
+    rows = []
+    for batch in sorted({1, args.batch}):
+        times = tiles_ab_times(rt, args.prompt, batch, args.blocks, args.steps)
+        rows.append(
+            {
+                "requests": batch,
+                "before_step_s": C.median(times["before"]),
+                "after_step_s": C.median(times["after"]),
+                "speedup": C.median_ratio(times["after"], times["before"]),
+            }
+        )
+    print(f"decode steps of {args.size} {args.arch} at {scheme}: the per-output loop (before) and the tiles (after)")
+    print(
+        C.table(
+            ["requests", "before step (s)", "after step (s)", "after / before"],
+            [
+                [
+                    r["requests"],
+                    C.fmt_s(r["before_step_s"], 4),
+                    C.fmt_s(r["after_step_s"], 4),
+                    C.fmt_ratio(r["speedup"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    if args.json_out:
+        result = {"arch": args.arch, "size": args.size, "dtype": args.dtype, "scheme": scheme, "rows": rows}
+        C.write_result(args.json_out, "bench_quant.py", result)
+    return 0
+
+
+def kernels_main(args) -> int:
+    from hyserve.quant import native as qnative
+
+    schemes = [x for x in args.schemes.split(",") if x]
+    shapes = [(40, 256), (8, 1024)] if args.quick else KERNEL_SHAPES
+    rows = kernel_rows(schemes, shapes, 2 if args.quick else args.blocks, 3 if args.quick else 50)
+    lib, _ = qnative.library()
+    result = {"isa": qnative.ISAS[lib.q8_isa()], "threads": args.threads, "blocks": args.blocks, "rows": rows}
+    print(f"C products, {result['isa']}, {args.threads} threads: before (per-output loop) and after (tiles)")
+    print(
+        C.table(
+            ["format", "n x k", "rows", "before GFLOP/s", "after GFLOP/s", "after / before"],
+            [
+                [
+                    r["format"],
+                    f"{r['n']} x {r['k']}",
+                    r["rows"],
+                    f"{r['before_gflops']:.1f}",
+                    f"{r['after_gflops']:.1f}",
+                    C.fmt_ratio(r["speedup"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    if args.json_out:
+        C.write_result(args.json_out, "bench_quant.py", result)
+    return 0
 
 
 def rss_bytes() -> int:
@@ -76,8 +253,14 @@ def step_times(runtimes: dict, prompt: int, batch: int, blocks: int, steps: int)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kernels:
+        C.setup_torch(args.threads)
+        return kernels_main(args)
     if args.quick:
         args.size, args.blocks, args.steps, args.prompt, args.batch = "tiny", 2, 2, 16, 2
+    if args.kernels_decode:
+        C.setup_torch(args.threads)
+        return kernels_decode_main(args)
     C.setup_torch(args.threads)
     from hyserve.models.runtime import ModelRuntime
 

@@ -21,13 +21,28 @@ ISAS = ("portable C", "AVX2", "AVX512F")
 
 @functools.lru_cache(maxsize=1)
 def library() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = native.build(SOURCE)
+    return load(SOURCE)
+
+
+def load(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(`source` built and its functions typed, "") or (None, why not); `library` for `SOURCE`, the tests and
+    the kernel benchmark for builds of another instruction set (`-DPRODUCTS_ISA`, as a first line)."""
+    lib, why = native.build(source)
     if lib is not None:
-        for f in (lib.q8_products, lib.q4_products):
+        # the products and the per-output loops they are checked against (`q*_reference`), one signature
+        for f in (lib.q8_products, lib.q4_products, lib.q8_reference, lib.q4_reference):
             f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
             f.restype = ctypes.c_int
         lib.q8_isa.restype = ctypes.c_int
     return lib, why
+
+
+def load_isa(isa: int, folder: Path) -> tuple[ctypes.CDLL | None, str]:
+    """`load` of `SOURCE` for the instruction set `ISAS[isa]` (at most the CPU's), from a copy written into
+    `folder`: for the tests, which check every instruction set this CPU runs."""
+    source = folder / f"products_isa{isa}.c"
+    source.write_text(f"#define PRODUCTS_ISA {isa}\n{SOURCE.read_text()}")
+    return load(source)
 
 
 class Products:
