@@ -19,11 +19,11 @@ from hyserve.quant import native as qnative
 from hyserve.testing.tiny import ARCHS
 
 from .conftest import FAMILIES
-from .test_engine_cache import run_chat
+from .test_engine_cache import SCRIPT, run_chat
 
 # The families whose MoE blocks hold transformers' fused 3-D expert weights (qwen3_next is among FAMILIES).
 MOE = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "lfm2_moe", "jamba")
-# The other hybrid families: their quantized layers are those above, so the six-turn chat alone covers them.
+# The other hybrid families.
 OTHERS = tuple(a for a in ARCHS if a not in FAMILIES + MOE)
 
 
@@ -217,40 +217,49 @@ def _greedy(rt, n=10, together=True):
     return model_thread.run(run)
 
 
-# CI time: both formats on FAMILIES (both products, every layer kind); the MoE families at int8, whose experts run
-# the same products in the other format
-BOTH = [(a, s) for a in FAMILIES for s in ("int8", "int4")]
+# Every family at both formats: the four base families in full; the others' chats are three turns (two of them
+# restore the history the turn before decoded a reply to), which is where each family's own layers are restored
+SCHEMES = ("int8", "int4")
+EVERY = [(a, s) for a in FAMILIES + MOE + OTHERS for s in SCHEMES]
 
 
 @pytest.mark.parametrize(
-    "arch,dtype,scheme",
-    [(a, "float32", s) for a, s in BOTH]
-    + [(a, "float32", "int8") for a in MOE]
-    + [("qwen3_5", "bfloat16", s) for s in ("int8", "int4")],
+    "arch,dtype,scheme", [(a, "float32", s) for a, s in EVERY] + [("qwen3_5", "bfloat16", s) for s in SCHEMES]
 )
 def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, scheme):
     rt = quantized(arch, dtype, scheme)
-    assert rt.kernels.on("native_int8"), rt.kernels.status
-    assert _greedy(rt, together=True) == _greedy(rt, together=False)
+    assert rt.kernels.on("native_int8") and rt.kernels.on("native_int4") == (scheme == "int4"), rt.kernels.status
+    together = _greedy(rt, together=True)
+    assert together == _greedy(rt, together=False)
+    assert together[0] != together[1]  # two prompts, two replies: a step that mixed up its rows would show
 
 
-@pytest.mark.parametrize(
-    "arch,scheme", BOTH + [(a, "int8") for a in MOE + OTHERS if a != "lfm2_moe"]
-)  # lfm2_moe: its quantized prefill tripped the engine's 60 s watchdog on a loaded 2-core machine (to be fixed)
-def test_six_turn_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
-    on_service = make_service(arch, quantization=scheme)
+def _chat_matches_cache_off(make_service, arch, script, **options):
+    """`script`'s chat with the cache on and off: the same tokens, every turn's reply at least a token, and each
+    turn that shares the turn before's history restored from a checkpoint (at least that history, less than its
+    whole prompt); the replies differ from turn to turn, so a wrongly restored state has something to change."""
+    on_service = make_service(arch, **options)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
-    on = run_chat(on_service)
-    off = run_chat(make_service(arch, quantization=scheme, cache_enabled=False))
+    on = run_chat(on_service, script)
+    off = run_chat(make_service(arch, cache_enabled=False, **options), script)
     assert [r[0] for r in on] == [r[0] for r in off]
-    assert all(on[turn][1] >= on[turn - 1][3] for turn in (1, 2, 4, 5))  # whole histories reused
+    assert all(r[0] for r in on) and len({tuple(r[0]) for r in on}) > 1, [r[0] for r in on]
+    assert all(r[1] == 0 for r in off) and on[0][1] == 0
+    shared = [t for t in range(1, len(script)) if script[t][0] == script[t - 1][0]]
+    assert shared
+    for turn in shared:
+        assert on[turn - 1][3] <= on[turn][1] < on[turn][2], (turn, [r[1:] for r in on])
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("arch,scheme", EVERY)
+def test_chat_matches_cache_off_with_quantized_weights(make_service, arch, scheme):
+    script = SCRIPT if arch in FAMILIES else SCRIPT[:3]
+    _chat_matches_cache_off(make_service, arch, script, quantization=scheme)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_six_turn_chat_matches_cache_off_with_quantized_weights_in_bfloat16(make_service, scheme):
-    on = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme))
-    off = run_chat(make_service("qwen3_5", dtype="bfloat16", quantization=scheme, cache_enabled=False))
-    assert [r[0] for r in on] == [r[0] for r in off]
+    _chat_matches_cache_off(make_service, "qwen3_5", SCRIPT, dtype="bfloat16", quantization=scheme)
 
 
 @pytest.mark.parametrize("kernel,function", [("native_int8", "dot_q8"), ("native_int4", "dot_q4")])
@@ -402,7 +411,9 @@ def _experts(kind: str):
 @pytest.mark.parametrize("kind", ["gated", "plain"])
 def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_in_its_batch(kind, scheme):
     """`QuantExperts` against transformers' own eager loop over the dequantized weights; with the C product on,
-    each token of a decode-sized batch gets bit for bit what it gets alone (experts hit by 1 to 8 rows)."""
+    each token of a batch gets bit for bit what it gets alone while no expert is hit by more than `C_ROWS` rows
+    (here experts hit by 9 to 32: the C product 8 rows at a time), and past that (dequantize-then-matmul) the
+    eager loop's numbers."""
     module = _experts(kind)
     held = qexperts.QuantExperts(module, scheme)
     up, down = qexperts.fused_weights(module)
@@ -411,25 +422,32 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
             [layout.dequantize(qs[e], d[e], torch.float32) for e in range(held.num_experts)]
         )
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(20, 64, generator=g)
-    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)])
-    weights = torch.rand(20, 2, generator=g)
+    x = torch.randn(100, 64, generator=g)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(100)])
+    index[:40][index[:40] == 4] = 5  # the first 40 tokens: no expert 4, and an index outside the experts as in
+    weights = torch.rand(100, 2, generator=g)  # expert parallelism (nothing added for it)
     with torch.inference_mode():
         torch.testing.assert_close(held(x, index, weights), module(x, index, weights), atol=1e-5, rtol=1e-5)
     lib, why = qnative.library()
     assert lib is not None, why
     fmt = layout.format_of(held.up_qs[0])
     assert qnative._install(qnative.Products(lib, fmt), held.linears(), torch.float32) == ""
+    rows = qnative.Products.ROWS
+    hits = torch.bincount(index[:40].reshape(-1), minlength=6)[:5]
+    assert rows < hits.max() <= qexperts.C_ROWS and hits[4] == 0, hits
+    assert torch.bincount(index.reshape(-1)).max() > qexperts.C_ROWS
 
     def alone_and_together():
         with torch.inference_mode():
-            together = held(x[:8], index[:8], weights[:8])
-            alone = [held(x[i : i + 1], index[i : i + 1], weights[i : i + 1]) for i in range(8)]
-            return together, torch.cat(alone), module(x[:8], index[:8], weights[:8])
+            together = held(x[:40], index[:40], weights[:40])
+            alone = [held(x[i : i + 1], index[i : i + 1], weights[i : i + 1]) for i in range(40)]
+            return together, torch.cat(alone), held(x, index, weights)
 
-    together, alone, want = model_thread.run(alone_and_together)
+    together, alone, many = model_thread.run(alone_and_together)
     assert torch.equal(together, alone)
-    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(together, module(x[:40], index[:40], weights[:40]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(many, module(x, index, weights), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
