@@ -22,7 +22,7 @@ import torch
 from ..kernels.seam import active
 from .layout import BLOCK, QuantLinear, quantize
 
-C_ROWS = 32  # an expert hit by more rows dequantizes its weights once and multiplies in float32
+C_ROWS = 16  # an expert hit by more rows dequantizes its weights once and multiplies in float32
 
 
 def fused_weights(module) -> tuple[str, str] | None:
