@@ -5,16 +5,24 @@ as a linear layer's weight is (`layout.quantize`, blocks along its input dimensi
 `QuantExperts` takes the place of transformers' experts module (`@use_experts_implementation`: Qwen3-Next,
 Qwen3.5-MoE, Nemotron-H, Granite 4.0-H, LFM2-MoE, Jamba) and computes what its eager loop computes, over the
 quantized weights. A token's result does not depend on its batch: each expert's rows run the product a
-`QuantLinear` runs (the C product for a decode step's few rows, each row as it would be alone; dequantize-then-
-matmul in float32 for more), and a token's top-k outputs are added in its own slot order in float32 with
+`QuantLinear` runs (the C product, each row as it would be alone; dequantize-then-matmul in float32 for an
+expert that many rows hit), and a token's top-k outputs are added in its own slot order in float32 with
 elementwise operations, rounded once to the activation's dtype.
+
+A prefill piece hits each expert with a few rows: up to `C_ROWS` of them run the C product `Products.ROWS` at a
+time, streaming the expert's quantized values, rather than dequantizing the whole expert for them (each prefill
+piece would otherwise dequantize every expert it hits); the (token, slot) pairs are grouped by expert with one
+sort, not one comparison over every pair per expert.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.seam import active
 from .layout import BLOCK, QuantLinear, quantize
+
+C_ROWS = 16  # an expert hit by more rows dequantizes its weights once and multiplies in float32
 
 
 def fused_weights(module) -> tuple[str, str] | None:
@@ -85,24 +93,42 @@ class QuantExperts(torch.nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens, k = top_k_index.shape
         pairs = torch.zeros(tokens * k, self.hidden_dim, dtype=x.dtype)  # each (token, slot)'s weighted output
-        flat, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
-        for e in flat.unique().tolist():
-            if not 0 <= e < self.num_experts:  # expert parallelism's sentinel: nothing to add
-                continue
-            at = (flat == e).nonzero()[:, 0]
-            h = self.up[e](x[at // k])
+        weights = top_k_weights.reshape(-1)
+        for e, at in self._hits(top_k_index.reshape(-1)):
+            h = _rows_through(self.up[e], x[at // k])
             if self.has_gate:
                 gate, up = h.chunk(2, dim=-1)
                 h = self.act_fn(gate) * up
             else:
                 h = self.act_fn(h)
-            pairs[at] = (self.down[e](h) * weights[at, None]).to(x.dtype)
+            pairs[at] = (_rows_through(self.down[e], h) * weights[at, None]).to(x.dtype)
         pairs = pairs.view(tokens, k, self.hidden_dim)
         out = pairs[:, 0].float()
         for slot in range(1, k):
             out = out + pairs[:, slot].float()
         return out.to(hidden_states.dtype).view(hidden_states.shape)
 
+    def _hits(self, flat: torch.Tensor):
+        """(expert, the indices of the (token, slot) pairs routed to it, in order) for each expert hit, from one
+        stable sort; expert parallelism's sentinel (an index outside the experts) is left out: nothing to add."""
+        key = torch.where((flat >= 0) & (flat < self.num_experts), flat, self.num_experts)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                yield e, order[start : start + count]
+            start += count
+
     def extra_repr(self) -> str:
         fmt = "q4_0" if self.up_qs.dtype == torch.uint8 else "q8_0"
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, gated={self.has_gate}, {fmt}, {self.dtype}"
+
+
+def _rows_through(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, with up to `C_ROWS` rows given to its C product `ROWS` at a time (each row's result is the
+    one it gets alone) instead of dequantizing the whole weight for them; more rows take `layer`'s own choice."""
+    products = layer.native
+    if products is None or not active() or x.shape[0] <= products.ROWS or x.shape[0] > C_ROWS:
+        return layer(x)
+    return torch.cat([layer(part) for part in x.split(products.ROWS)])

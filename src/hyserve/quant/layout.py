@@ -66,14 +66,18 @@ def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight [n, k] in `dtype`: value * d in float32 (exact), rounded once."""
+    """The float weight [n, k] in `dtype`: value * d in float32 (exact), rounded once. Into one float32 tensor,
+    in place: a prefill piece dequantizes every weight it runs through."""
     n, blocks = d.shape
     if qs.dtype == torch.uint8:  # Q4_0
         q = qs.reshape(n, blocks, BLOCK // 2)
-        values = torch.cat([q & 0x0F, q >> 4], dim=-1).float() - 8
+        values = torch.empty(n, blocks, BLOCK, dtype=torch.float32)
+        values[..., : BLOCK // 2] = q & 0x0F
+        values[..., BLOCK // 2 :] = q >> 4
+        values.sub_(8)
     else:
         values = qs.reshape(n, blocks, BLOCK).float()
-    return (values * d.float()[..., None]).reshape(n, blocks * BLOCK).to(dtype)
+    return values.mul_(d.float()[..., None]).reshape(n, blocks * BLOCK).to(dtype)
 
 
 def dequantized_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
