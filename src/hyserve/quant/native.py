@@ -57,6 +57,11 @@ class Products:
         self.product = lib.q4_products if fmt == "q4_0" else lib.q8_products
         self.isa = ISAS[lib.q8_isa()]
 
+    # Weights smaller than this (in weights) take one thread: a parallel region waits for every thread it opens,
+    # and on a busy machine that wait, not the product, was most of a tiny model's step. Each output row is one
+    # thread's work either way, so the results do not change.
+    ONE_THREAD_BELOW = 1 << 18
+
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
         k = x.shape[-1]
@@ -82,7 +87,7 @@ class Products:
                 layer.qs.data_ptr(),
                 layer.d.data_ptr(),
                 y.data_ptr(),
-                torch.get_num_threads(),
+                torch.get_num_threads() if n * k >= self.ONE_THREAD_BELOW else 1,
             )
             != 0
         ):
