@@ -127,3 +127,12 @@ def test_q4_0_experts_up_before_gate_and_a_fallback(converted, quantized, folder
     folder = ModelRuntime.load(folders("qwen3_5_moe"), device="cpu")
     want, got = _logits(folder), _logits(rt)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_hyserve_env_says_the_experts_are_kept(converted):
+    from hyserve.env import report
+
+    lines = report(str(converted("qwen3_5_moe", "q8_0"))).splitlines()
+    gguf_line = next(line for line in lines if line.startswith("gguf: qwen3_5_moe-q8_0.gguf"))
+    assert "kept quantized as the file's blocks (8 of them stacked expert weights, in quant.experts)" in gguf_line
+    assert "experts: hyserve's loop over the quantized experts (quant.experts)" in lines
