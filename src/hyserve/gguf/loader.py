@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..quant.experts import QuantExperts, fused_weights
 from . import architectures, blocks
 from .architectures import Part
 from .file import GGUFError, readers
@@ -152,7 +153,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
         else:
             state[hf] = value.to(dtypes.get(hf, dtype))
     for owner, held in experts.items():
-        names = _experts_weights(modules[owner])
+        names = fused_weights(modules[owner])
         if all(name in held for name in names):
             _install_experts(modules, owner, held[names[0]], held[names[1]])
             done.kept.update(b.kind for b in held.values())
@@ -198,13 +199,6 @@ def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
     return entries
 
 
-def _experts_weights(owner) -> tuple[str, str] | None:
-    """(up or gate-up, down): the names of the 3-D weights of an experts module `QuantExperts` can hold."""
-    from ..quant.experts import fused_weights
-
-    return fused_weights(owner)
-
-
 def _not_held(hf: str, shape: tuple, modules: dict, device: str) -> str | None:
     """Why HF weight `hf` cannot be held as blocks, or None: a linear layer's or the embedding's 2-D weight can,
     and a 3-D weight of an experts module `QuantExperts` holds (it runs on CPU)."""
@@ -212,7 +206,7 @@ def _not_held(hf: str, shape: tuple, modules: dict, device: str) -> str | None:
     owner = modules.get(owner_name)
     if len(shape) == 2 and hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)):
         return None
-    if len(shape) != 3 or attr not in (_experts_weights(owner) or ()):
+    if len(shape) != 3 or attr not in (fused_weights(owner) or ()):  # (up or gate-up, down) QuantExperts holds
         return "of a weight not held by a linear layer"
     if device != "cpu":
         return f"of stacked experts on {device} (quant.experts runs on CPU)"
@@ -282,8 +276,6 @@ def _install(model, modules: dict, hf: str, b: blocks.Blocks, dtype: torch.dtype
 
 def _install_experts(modules: dict, name: str, up: blocks.Blocks, down: blocks.Blocks) -> None:
     """The experts module `name` replaced by a `QuantExperts` over the file's blocks of its two weights."""
-    from ..quant.experts import QuantExperts
-
     parent_name, _, attr = name.rpartition(".")
     held = QuantExperts.from_blocks(modules[name], (up.qs, up.d), (down.qs, down.d))
     setattr(modules[parent_name], attr, held)
