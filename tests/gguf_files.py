@@ -115,14 +115,20 @@ def write_header_only(out: Path, arch: str, tokenizer: bool = True, raw=None) ->
 
 
 def requantize(
-    src: Path, out: Path, qtype_of, split_max_tensors: int = 0, meta: dict | None = None, extra: dict | None = None
+    src: Path,
+    out: Path,
+    qtype_of,
+    split_max_tensors: int = 0,
+    meta: dict | None = None,
+    extra: dict | None = None,
+    reverse: bool = False,
 ) -> Path:
     """`src` (an F32 file, e.g. from llama.cpp's converter) rewritten with the same metadata, each tensor in
     `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers) or F32
     where that is None. `split_max_tensors`: written as a split (`out`-0000i-of-0000n.gguf, as llama.cpp's
     gguf-split names the parts) of that many tensors a part; the first part's path is returned. `meta`: key ->
     new value of existing metadata fields (same type) or new uint32 ones; `extra`: name -> F32 array, tensors
-    added."""
+    added; `reverse`: the tensors written last to first (a file whose up_exps come before its gate_exps)."""
     import gguf
 
     r = gguf.GGUFReader(src)
@@ -140,7 +146,7 @@ def requantize(
     for key, value in (meta or {}).items():
         if key not in r.fields:
             w.add_key_value(key, value, gguf.GGUFValueType.UINT32)
-    for t in r.tensors:
+    for t in reversed(r.tensors) if reverse else r.tensors:
         data = np.array(t.data, dtype=np.float32)
         if (qtype := qtype_of(t.name, data.shape)) is not None:
             w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

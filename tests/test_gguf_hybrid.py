@@ -73,11 +73,15 @@ def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, mode
     assert set(kept) == set(ours) - out_proj and len(kept) >= 10
     for name, (qs, d) in kept.items():  # llama.cpp's Q8_0 of the HF weight is hyserve's int8 of it
         assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
-    assert rt.gguf_tensors.kept == {"Q8_0": len(kept)}
+    # and Qwen3-Next's experts (gate_up_proj, down_proj of its 4 MoE layers: tests/test_gguf_experts.py)
+    experts = 2 * 4 if arch == "qwen3_next" else 0
+    assert rt.gguf_tensors.kept == {"Q8_0": len(kept) + experts} and rt.gguf_tensors.experts.total() == experts
     assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
     want, got = _logits(int8), _logits(rt)
-    # not equal: Qwen3.5's out_proj is float here, Qwen3-Next's experts were Q8_0 in the file (float under int8)
-    assert (got - want).abs().max() < 0.005 * want.abs().max()
+    if arch == "qwen3_next":  # every weight the file's blocks, which are int8's
+        assert torch.equal(got, want)
+    else:  # not equal: Qwen3.5's out_proj is float here
+        assert (got - want).abs().max() < 0.005 * want.abs().max()
     on = run_chat(make_service(arch, model_dir=path), SCRIPT[:3])
     off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:3])
     assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0 and all(t[1] == 0 for t in off)

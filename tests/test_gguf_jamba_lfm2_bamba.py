@@ -18,6 +18,7 @@ from hyserve.models.runtime import ModelRuntime  # noqa: E402
 from .gguf_files import converted_once  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
+from .test_gguf_experts import _experts, _same_blocks  # noqa: E402
 from .test_gguf_hybrid import _blocks  # noqa: E402
 
 # Each folder as the real models are made, where the tiny default is not:
@@ -135,8 +136,11 @@ def test_a_q8_0_file_keeps_its_blocks(converted, folders, arch):
     assert len(kept) >= 8 and "model.layers.2.self_attn.q_proj" in kept
     for name, (qs, d) in kept.items():
         assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
+    experts = _experts(rt.model)  # the stacked experts too, in a QuantExperts
+    assert len(experts) == (0 if arch == "bamba" else 2 if arch == "jamba" else 3)
+    _same_blocks(experts, _experts(int8.model))
     want, got = _logits(int8), _logits(rt)
-    assert (got - want).abs().max() < 0.05 * want.abs().max()  # (Q8_0 experts: float under int8)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
 def test_a_bamba_file_is_told_from_a_granite_one(converted):

@@ -18,6 +18,7 @@ from hyserve.models.runtime import ModelRuntime  # noqa: E402
 from .gguf_files import _permute, converted_once  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
 from .test_gguf import MESSAGES, _logits, llama_cpp_converter  # noqa: E402, F401
+from .test_gguf_experts import _experts, _same_blocks  # noqa: E402
 from .test_gguf_hybrid import _blocks  # noqa: E402
 
 # Each folder as the real models are made, where the tiny default is not:
@@ -116,7 +117,8 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
     if outtype == "q8_0":  # the Q8_0 blocks kept are hyserve's int8 of the HF weights, also where rows were moved
         assert (got - want).abs().max() < 0.05 * want.abs().max()  # (q/k) or joined (the shared MLP's gate, up)
         kept = _blocks(rt.model)
-        ours = _blocks(ModelRuntime.load(folders(arch), device="cpu", quantization="int8").model)
+        int8 = ModelRuntime.load(folders(arch), device="cpu", quantization="int8")
+        ours = _blocks(int8.model)
         assert {
             "model.layers.2.self_attn.q_proj",
             "model.layers.2.self_attn.k_proj",
@@ -125,6 +127,9 @@ def test_llama_cpp_converted_hybrids_serve_as_their_folder(converted, folders, m
         } <= kept.keys()
         for name, (qs, d) in kept.items():
             assert torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
+        experts = _experts(rt.model)  # the stacked experts too (gate and up joined), in a QuantExperts
+        assert len(experts) == 4
+        _same_blocks(experts, _experts(int8.model))
         return  # (a q8_0 file's blocks serve a chat as in tests/test_gguf_hybrid.py)
     # float rounding only (A_log through exp and log, Falcon-H1's folded multipliers)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

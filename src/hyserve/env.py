@@ -43,7 +43,10 @@ def report(model_dir: str | None = None, dtype: str = "float32", quantization: s
             lines.append(f"quantized products: {isa or 'dequantized, then the dtype product'}")
         lines += [f"kernel {name}: {status}" for name, status in rt.kernels.status.items()]
         from .models.experts import current
+        from .quant import runs_all_experts
 
-        if impl := current(rt.model):
+        if runs_all_experts(rt.model):  # quantized by --quantization, or a GGUF file's kept as its blocks
+            lines.append("experts: hyserve's loop over the quantized experts (quant.experts)")
+        elif impl := current(rt.model):
             lines.append(f"experts: {impl}")
     return "\n".join(lines)

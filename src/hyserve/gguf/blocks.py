@@ -3,11 +3,14 @@ moves whole rows and whole blocks (so the blocks can be kept as they are, not de
 
 In the file a row of k weights is k / 32 blocks of (float16 d, then 32 int8 for Q8_0 or 16 nibble bytes for
 Q4_0); `quant.layout` holds the same bytes split in two: the values [n, k] (int8) or [n, k / 2] (uint8), and
-the scales d [n, k / 32].
+the scales d [n, k / 32]. A stacked tensor of MoE experts [experts, n, k] is held alike, with the experts
+dimension in front (`quant.experts`).
 
-A transform is tried on two index arrays of the tensor's shape, one holding each weight's row and one its
-column: where every output row is one input row, and its columns are whole input blocks in order, the output
-is those rows and blocks of the file's, exactly.
+A transform is tried on two index arrays of the tensor's shape, one holding each weight's row (counted through
+the leading dimensions: expert e's row r is row e * n + r) and one its column: where every output row is one
+input row, and its columns are whole input blocks in order, the output is those rows and blocks of the file's,
+exactly. So a transform that moves whole experts, or whole rows of an expert (gate and up joined into one fused
+tensor), keeps the blocks too.
 """
 
 from __future__ import annotations
@@ -25,48 +28,67 @@ KEPT = {"Q8_0": (34, 32), "Q4_0": (18, 16)}
 
 @dataclass
 class Blocks:
-    """One 2-D quantized weight in `quant.layout`'s form: `qs` values, `d` scales, `kind` "Q8_0" or "Q4_0"."""
+    """One quantized weight in `quant.layout`'s form: `qs` values, `d` scales, `kind` "Q8_0" or "Q4_0"; 2-D, or
+    3-D for stacked experts (leading dimensions in front of both)."""
 
     kind: str
-    qs: torch.Tensor  # [n, k] int8 (Q8_0) or [n, k / 2] uint8 (Q4_0)
-    d: torch.Tensor  # [n, k / 32] float16
+    qs: torch.Tensor  # [..., n, k] int8 (Q8_0) or [..., n, k / 2] uint8 (Q4_0)
+    d: torch.Tensor  # [..., n, k / 32] float16
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * BLOCK
+    def shape(self) -> tuple[int, ...]:
+        return (*self.d.shape[:-1], self.d.shape[-1] * BLOCK)
 
-    def select(self, rows: torch.Tensor, blocks: torch.Tensor) -> Blocks:
-        """These rows, and in each these blocks, in this order."""
-        n, nb = self.d.shape
-        qs = self.qs.reshape(n, nb, -1)[rows][:, blocks].reshape(len(rows), -1)
-        return Blocks(self.kind, qs, self.d[rows][:, blocks])
+    def rows(self) -> Blocks:
+        """The same blocks as a 2-D weight (the leading dimensions' rows one after another): views."""
+        return Blocks(self.kind, self.qs.reshape(-1, self.qs.shape[-1]), self.d.reshape(-1, self.d.shape[-1]))
+
+    def select(self, rows: torch.Tensor, blocks: torch.Tensor, lead: tuple[int, ...] = ()) -> Blocks:
+        """These rows (of `rows()`), and in each these blocks, in this order; shaped [*lead, n, ...] when `lead`
+        is given (stacked experts)."""
+        flat = self.rows()
+        n, nb = flat.d.shape
+        qs = flat.qs.reshape(n, nb, -1)[rows][:, blocks].reshape(len(rows), -1)
+        d = flat.d[rows][:, blocks]
+        if lead:
+            qs, d = qs.reshape(*lead, -1, qs.shape[-1]), d.reshape(*lead, -1, d.shape[-1])
+        return Blocks(self.kind, qs, d)
 
 
 def split(kind: str, raw: np.ndarray) -> Blocks:
-    """The file's bytes of a [n, k] weight (uint8 [n, k / 32 * block bytes], as `GGUFReader` gives them)."""
+    """The file's bytes of a [..., n, k] weight (uint8 [..., n, k / 32 * block bytes], as `GGUFReader` gives
+    them)."""
     size = KEPT[kind][0]
-    n = raw.shape[0]
-    blocks = torch.from_numpy(np.array(raw).reshape(n, -1, size))  # a copy: the file is mapped read-only
-    d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)
-    qs = blocks[..., 2:].contiguous().reshape(n, -1)
+    lead = raw.shape[:-1]
+    blocks = torch.from_numpy(np.array(raw).reshape(*lead, -1, size))  # a copy: the file is mapped read-only
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(*lead, -1)
+    qs = blocks[..., 2:].contiguous().reshape(*lead, -1)
     return Blocks(kind, qs.view(torch.int8) if kind == "Q8_0" else qs, d)
 
 
-def probes(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(each weight's row, each weight's column) as float32 arrays of `shape` (exact below 2^24)."""
-    n, k = shape
-    rows = np.repeat(np.arange(n, dtype=np.float32)[:, None], k, axis=1)
-    cols = np.repeat(np.arange(k, dtype=np.float32)[None, :], n, axis=0)
+EXACT = 1 << 24  # float32 holds every integer below it: the most rows (or columns) a probe can number
+
+
+def probes(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(each weight's row, counted through the leading dimensions, and each weight's column) as float32 arrays of
+    `shape` (exact below `EXACT`)."""
+    *lead, k = shape
+    n = int(np.prod(lead))
+    rows = np.repeat(np.arange(n, dtype=np.float32)[:, None], k, axis=1).reshape(shape)
+    cols = np.repeat(np.arange(k, dtype=np.float32)[None, :], n, axis=0).reshape(shape)
     return rows, cols
 
 
-def moved(row_out, col_out, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def moved(row_out, col_out, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(input rows, input blocks) that the transform's outputs of `probes(shape)` are made of, or None where
-    they are not whole rows and whole blocks of the input (values changed, columns mixed within a block, ...)."""
+    they are not whole rows and whole blocks of the input (values changed, columns mixed within a block, ...).
+    Rows are counted through the leading dimensions, of the input and of the output alike (`Blocks.rows`)."""
     r, c = torch.as_tensor(row_out), torch.as_tensor(col_out)
-    n, k = shape
-    if r.dim() != 2 or r.shape != c.shape or r.shape[1] % BLOCK or not r.dtype.is_floating_point:
+    *lead, k = shape
+    n = int(np.prod(lead))
+    if r.dim() < 2 or r.shape != c.shape or r.shape[-1] % BLOCK or not r.dtype.is_floating_point:
         return None
+    r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
     rows, cols = r[:, 0], c[0]
     if not (torch.equal(r, rows[:, None].expand_as(r)) and torch.equal(c, cols[None].expand_as(c))):
         return None

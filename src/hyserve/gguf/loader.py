@@ -1,7 +1,9 @@
 """hyserve's own GGUF loader, for the architectures a module of `families` covers: the HF config and model
 built from the file's metadata, each tensor turned back into the HF one by its family module, and Q8_0 / Q4_0
-weights kept as the file's blocks (`quant.layout.QuantLinear`) where the family's transform only moves whole
-rows and blocks. Every other tensor (F32, F16, K-quants, ...) is dequantized by gguf to the model's dtype.
+weights kept as the file's blocks where the family's transform only moves whole rows and blocks: a linear
+layer's or the embedding's as `quant.layout.QuantLinear` / `QuantEmbedding`, a MoE block's stacked experts as
+`quant.experts.QuantExperts` (on CPU, where both its weights are kept). Every other tensor (F32, F16, K-quants,
+...) is dequantized by gguf to the model's dtype.
 
 The model is served as if from its HF folder: the tokenizer and chat template come from the metadata through
 transformers' GGUF tokenizer conversion.
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..quant.experts import QuantExperts, fused_weights
 from . import architectures, blocks
 from .architectures import Part
 from .file import GGUFError, readers
@@ -29,6 +32,7 @@ class Loaded:
 
     dtype: torch.dtype
     kept: Counter = field(default_factory=Counter)  # ggml type -> HF weights held as the file's blocks
+    experts: Counter = field(default_factory=Counter)  # ggml type -> of those, stacked expert weights
     converted: Counter = field(default_factory=Counter)  # ggml type -> GGUF tensors dequantized
     why: dict[str, str] = field(default_factory=dict)  # a Q8_0/Q4_0 tensor (or HF weight) dequantized -> why
 
@@ -37,6 +41,8 @@ class Loaded:
         kept = ", ".join(f"{n} {t}" for t, n in self.kept.most_common())
         converted = ", ".join(f"{n} {t}" for t, n in self.converted.most_common())
         parts = [f"{kept} kept quantized as the file's blocks" if kept else "none kept quantized"]
+        if experts := sum(self.experts.values()):
+            parts[0] += f" ({experts} of them stacked expert weights, in quant.experts)"
         if converted:
             parts.append(f"{converted} dequantized to {dtype}")
         line = "; ".join(parts)
@@ -102,12 +108,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
         raw = np.asarray(t.data)
         try:
             entries = None
-            if kind in blocks.KEPT and raw.ndim == 2:
+            if kind in blocks.KEPT:
                 entries = _kept(family, t.name, kind, raw, meta, cfg)
                 if entries is None:
                     done.why[t.name] = "whose conversion moves weights within blocks or changes them"
-            elif kind in blocks.KEPT:
-                done.why[t.name] = "stacked expert weights (3-D; not held quantized yet)"
             if entries is None:
                 array = raw if t.tensor_type in (GGMLQuantizationType.F32,) else dequantize(raw, t.tensor_type)
                 entries = family.tensors(t.name, array, meta, cfg)
@@ -137,13 +141,29 @@ def load(path: Path, dtype: torch.dtype, device: str):
             pieces.setdefault(hf, []).append(value)
 
     state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, blocks.Blocks]] = {}  # experts module -> its weights kept as blocks, by name
     for hf, its_pieces in pieces.items():
-        value = _assemble(hf, its_pieces, shapes[hf], modules, done)
-        if isinstance(value, blocks.Blocks):
+        value = _assemble(hf, its_pieces, shapes[hf], modules, done, device)
+        if isinstance(value, blocks.Blocks) and len(value.shape) == 3:
+            owner, _, attr = hf.rpartition(".")
+            experts.setdefault(owner, {})[attr] = value
+        elif isinstance(value, blocks.Blocks):
             _install(model, modules, hf, value, dtype)
             done.kept[value.kind] += 1
         else:
             state[hf] = value.to(dtypes.get(hf, dtype))
+    for owner, held in experts.items():
+        names = fused_weights(modules[owner])
+        if all(name in held for name in names):
+            _install_experts(modules, owner, held[names[0]], held[names[1]])
+            done.kept.update(b.kind for b in held.values())
+            done.experts.update(b.kind for b in held.values())
+            continue
+        for attr, b in held.items():  # the other weight is of another type: both float
+            hf = f"{owner}.{attr}"
+            done.why[hf] = "of stacked experts whose other weight is not Q8_0/Q4_0"
+            done.converted.update([b.kind] * len(pieces[hf]))
+            state[hf] = _float(b).to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         _tie(model)
@@ -157,45 +177,62 @@ def load(path: Path, dtype: torch.dtype, device: str):
 
 
 def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
-    """The entries of a Q8_0 / Q4_0 weight as the file's blocks, or None where its transform changes values."""
+    """The entries of a Q8_0 / Q4_0 weight (2-D, or 3-D stacked experts) as the file's blocks, or None where its
+    transform changes values or moves weights within blocks."""
     source = blocks.split(kind, raw)
+    if source.rows().shape[0] >= blocks.EXACT or source.shape[-1] >= blocks.EXACT or len(source.shape) > 3:
+        return None
     row_probe, col_probe = blocks.probes(source.shape)
     by_rows = family.tensors(name, row_probe, meta, cfg)
     by_cols = family.tensors(name, col_probe, meta, cfg)
     entries = []
     for (hf, rows_out), (_, cols_out) in zip(by_rows, by_cols):
         part = rows_out if isinstance(rows_out, Part) else None
-        if part is not None and (part.dim != 0 or cols_out.dim != 0):
+        rows_out, cols_out = (part.data, cols_out.data) if part else (rows_out, cols_out)
+        if part is not None and part.dim >= rows_out.dim() - 1:  # slices along the columns: not whole rows
             return None
-        found = blocks.moved(part.data if part else rows_out, cols_out.data if part else cols_out, source.shape)
+        found = blocks.moved(rows_out, cols_out, source.shape)
         if found is None:
             return None
-        out = source.select(*found)
+        out = source.select(*found, lead=tuple(rows_out.shape[:-2]))
         entries.append((hf, (part, out)))
     return entries
 
 
-def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded):
-    """One HF tensor from its pieces: Blocks where every piece is of one kept type and the weight belongs to a
-    linear layer or the embedding, else a float tensor."""
-    owner = modules.get(hf.rpartition(".")[0])
-    quantizable = (
-        hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)) and len(shape) == 2
-    )
+def _not_held(hf: str, shape: tuple, modules: dict, device: str) -> str | None:
+    """Why HF weight `hf` cannot be held as blocks, or None: a linear layer's or the embedding's 2-D weight can,
+    and a 3-D weight of an experts module `QuantExperts` holds (it runs on CPU)."""
+    owner_name, _, attr = hf.rpartition(".")
+    owner = modules.get(owner_name)
+    if len(shape) == 2 and hf.endswith(".weight") and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding)):
+        return None
+    if len(shape) != 3 or attr not in (fused_weights(owner) or ()):  # (up or gate-up, down) QuantExperts holds
+        return "of a weight not held by a linear layer"
+    if device != "cpu":
+        return f"of stacked experts on {device} (quant.experts runs on CPU)"
+    return None
+
+
+def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded, device: str):
+    """One HF tensor from its pieces: Blocks where every piece is of one kept type and the weight can be held
+    so (`_not_held`), else a float tensor."""
     kinds = {v.kind for _, v in parts if isinstance(v, blocks.Blocks)}
-    if kinds and (not quantizable or len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
-        done.why[hf] = (
-            "of a weight not held by a linear layer" if not quantizable else "of a weight whose pieces differ in type"
-        )
+    why = _not_held(hf, shape, modules, device) if kinds else None
+    if kinds and why is None and (len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
+        why = "of a weight whose pieces differ in type"
+    if why is not None:
+        done.why[hf] = why
         done.converted.update(v.kind for _, v in parts if isinstance(v, blocks.Blocks))
-    if quantizable and len(kinds) == 1 and all(isinstance(v, blocks.Blocks) for _, v in parts):
+    elif kinds:
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]
-        qs = torch.empty((shape[0], *parts[0][1].qs.shape[1:]), dtype=parts[0][1].qs.dtype)
-        d = torch.empty((shape[0], *parts[0][1].d.shape[1:]), dtype=torch.float16)
-        covered = torch.zeros(shape[0], dtype=torch.bool)
-        for part, v in parts:
-            qs[part.index], d[part.index] = v.qs, v.d
+        first = parts[0][1]
+        qs = torch.empty((*shape[:-1], first.qs.shape[-1]), dtype=first.qs.dtype)
+        d = torch.empty((*shape[:-1], first.d.shape[-1]), dtype=torch.float16)
+        covered = torch.zeros(shape[parts[0][0].dim], dtype=torch.bool)
+        for part, v in parts:  # in the file's order, whichever it is (gate then up, or up then gate)
+            qs.index_copy_(part.dim, part.index, v.qs)
+            d.index_copy_(part.dim, part.index, v.d)
             covered[part.index] = True
         _check_covered(hf, covered)
         return blocks.Blocks(kinds.pop(), qs, d)
@@ -215,7 +252,8 @@ def _float(v) -> torch.Tensor:
     if isinstance(v, blocks.Blocks):
         from ..quant.layout import dequantize
 
-        return dequantize(v.qs, v.d, torch.float32)
+        flat = v.rows()
+        return dequantize(flat.qs, flat.d, torch.float32).reshape(v.shape)
     return v
 
 
@@ -234,6 +272,13 @@ def _install(model, modules: dict, hf: str, b: blocks.Blocks, dtype: torch.dtype
         setattr(parent, attr, QuantEmbedding(b.qs, b.d, dtype))
     else:  # a bias (still on the meta device) is filled from the state dict
         setattr(parent, attr, QuantLinear(b.qs, b.d, owner.bias, dtype))
+
+
+def _install_experts(modules: dict, name: str, up: blocks.Blocks, down: blocks.Blocks) -> None:
+    """The experts module `name` replaced by a `QuantExperts` over the file's blocks of its two weights."""
+    parent_name, _, attr = name.rpartition(".")
+    held = QuantExperts.from_blocks(modules[name], (up.qs, up.d), (down.qs, down.d))
+    setattr(modules[parent_name], attr, held)
 
 
 def _tie(model) -> None:

@@ -145,13 +145,14 @@ class ModelRuntime:
             quantized = quant.apply(model, quantization)
             log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
-        if quantized is not None and quant.runs_all_experts(model):
+        if quant.runs_all_experts(model):  # under --quantization, or a GGUF file's experts kept as blocks
             log.info("experts: hyserve's loop over the quantized experts (quant.experts)")
         elif impl := experts.choose(model, adapter, model.config.get_text_config().vocab_size):
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
-        if quantized is not None or any(isinstance(m, quant.QuantLinear) for m in model.modules()):
+        held = (quant.QuantLinear, quant.QuantExperts)
+        if quantized is not None or any(isinstance(m, held) for m in model.modules()):
             _install_quantized_products(model, adapter, _DTYPES[dtype])  # ours, or a GGUF file's kept blocks
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
         log.info(

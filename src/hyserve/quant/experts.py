@@ -89,6 +89,22 @@ class QuantExperts(torch.nn.Module):
     def linears(self) -> list[QuantLinear]:
         return [*self.up, *self.down]
 
+    @classmethod
+    def from_blocks(cls, module, up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]):
+        """Over blocks already made, (values, scales) of each weight as `_quantize_3d` makes them: a GGUF file's,
+        held as they are (`gguf.loader`). `module` is the experts module they are the weights of (its weights may
+        be on the meta device)."""
+        held = cls.__new__(cls)
+        torch.nn.Module.__init__(held)
+        held.num_experts, held.has_gate, held.act_fn = module.num_experts, module.has_gate, module.act_fn
+        held.dtype = getattr(module, fused_weights(module)[1]).dtype
+        for name, (qs, d) in (("up", up), ("down", down)):
+            held.register_buffer(f"{name}_qs", qs)
+            held.register_buffer(f"{name}_d", d)
+        held.hidden_dim = held.down_d.shape[1]
+        held._views()
+        return held
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens, k = top_k_index.shape
