@@ -178,10 +178,14 @@ def peers_quant(r: dict) -> str:
         [
             Q.quant_table(r),
             "",
-            f"Throughput: medians of {rounds} rounds alternating between the servers; warm turn: median over turns 2 "
-            f"on of {repeats} chat repeat(s) against each type, "
-            f"TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
-            f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
+            f"Throughput: medians of {rounds} rounds alternating between the servers; "
+            + (
+                f"warm turn: median over turns 2 on of {repeats} chat repeat(s) against each type, "
+                f"TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
+                if repeats
+                else "warm turn: not measured in this run (`--no-chat`). "
+            )
+            + f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
             f"{q['llama_quantize'].get('version') or 'of an unknown build'}, from the {q['source_type']} GGUF of "
             f"llama.cpp's converter. CPU flags: {flags}.",
             "",
