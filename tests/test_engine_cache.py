@@ -23,9 +23,11 @@ SCRIPT = [  # (system prompt, user message); a changed system prompt starts shar
 ]
 
 
-def run_chat(service, script=SCRIPT, max_tokens=8, pause=True):
+def run_chat(service, script=SCRIPT, max_tokens=8, pause=True, logprobs=0):
     """Drive a multi-turn chat like a client: the reply *text* goes back into the history.
-    `pause`: after each reply wait, as a reader does, until the engine's idle-time checkpoint work is done."""
+    `pause`: after each reply wait, as a reader does, until the engine's idle-time checkpoint work is done.
+    Per turn (tokens, cached tokens, prompt length, history length); with `logprobs` N, each token's logprob and
+    the N likeliest's follow the tokens."""
     history, results, system = [], [], None
     for sys_prompt, user in script:
         if sys_prompt != system:
@@ -33,10 +35,16 @@ def run_chat(service, script=SCRIPT, max_tokens=8, pause=True):
         messages = [{"role": "system", "content": sys_prompt}] + history + [{"role": "user", "content": user}]
         prompt = service.runtime.render_chat(messages, True)
         fin = service.engine.generate(
-            GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, messages=messages)
+            GenerationRequest(
+                prompt=prompt,
+                max_tokens=max_tokens,
+                sampling=SamplingParams(0.0, logprobs=logprobs) if logprobs else GREEDY,
+                messages=messages,
+            )
         )
         boundary = len(service.runtime.render_chat(messages, False))
-        results.append((fin.token_ids, fin.cached_tokens, len(prompt), boundary))
+        numbers = [[[lp, *(alt for _, alt in top)] for _, lp, top in fin.logprobs]] if logprobs else []
+        results.append((fin.token_ids, *numbers, fin.cached_tokens, len(prompt), boundary))
         history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
         if pause:
             wait_idle(service)

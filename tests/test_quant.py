@@ -12,16 +12,14 @@ import pytest
 import torch
 
 from hyserve import model_thread, quant
-from hyserve.engine import GenerationRequest
-from hyserve.engine.sampling import SamplingParams
 from hyserve.models.runtime import ModelRuntime
 from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
 from hyserve.testing.tiny import ARCHS
 
-from .conftest import FAMILIES, wait_idle
-from .test_engine_cache import SCRIPT
+from .conftest import FAMILIES
+from .test_engine_cache import SCRIPT, run_chat
 
 # The families whose MoE blocks hold transformers' fused 3-D expert weights (qwen3_next is among FAMILIES).
 MOE = ("qwen3_5_moe", "nemotron_h", "granitemoehybrid", "lfm2_moe", "jamba")
@@ -236,27 +234,6 @@ def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, sch
     assert together[0] != together[1]  # two prompts, two replies: a step that mixed up its rows would show
 
 
-def _chat(service, script):
-    """`run_chat`'s chat (each reply's text back into the history, the engine idle before the next turn), each
-    reply with the log-probabilities of its tokens and of the 3 likeliest: per turn (tokens, [each token's
-    logprobs], cached tokens, prompt length, the history's length)."""
-    history, results, system = [], [], None
-    for sys_prompt, user in script:
-        if sys_prompt != system:
-            history, system = [], sys_prompt
-        messages = [{"role": "system", "content": sys_prompt}] + history + [{"role": "user", "content": user}]
-        prompt = service.runtime.render_chat(messages, True)
-        fin = service.engine.generate(
-            GenerationRequest(prompt=prompt, max_tokens=8, sampling=SamplingParams(0.0, logprobs=3), messages=messages)
-        )
-        logprobs = [[lp, *(alt for _, alt in top)] for _, lp, top in fin.logprobs]
-        boundary = len(service.runtime.render_chat(messages, False))
-        results.append((fin.token_ids, logprobs, fin.cached_tokens, len(prompt), boundary))
-        history = history + [{"role": "user", "content": user}, {"role": "assistant", "content": fin.text}]
-        wait_idle(service)
-    return results
-
-
 def _chat_matches_cache_off(make_service, arch, script, tol, tells_turns_apart=True, **options):
     """`script`'s chat with the cache on and off: the same tokens, every reply at least one, the same numbers
     within `tol`, and each turn that shares the turn before's history restored from a checkpoint (at least that
@@ -265,8 +242,8 @@ def _chat_matches_cache_off(make_service, arch, script, tol, tells_turns_apart=T
     would show."""
     on_service = make_service(arch, **options)
     assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
-    on = _chat(on_service, script)
-    off = _chat(make_service(arch, cache_enabled=False, **options), script)
+    on = run_chat(on_service, script, logprobs=3)
+    off = run_chat(make_service(arch, cache_enabled=False, **options), script, logprobs=3)
     assert [r[0] for r in on] == [r[0] for r in off] and all(r[0] for r in on)
     for turn, (got, want) in enumerate(zip(on, off)):
         diff = (torch.tensor(got[1]) - torch.tensor(want[1])).abs().max()

@@ -338,9 +338,8 @@ def test_the_ingress_own_errors_take_the_route_shape(path, anthropic):
     from hyserve.scale import deployment
 
     scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": [], "query_string": b""}
-    errors = deployment._route_errors().of(scope)
     for exc, status in ((BackPressureError(num_queued_requests=1, max_queued_requests=1), 429), (RuntimeError(), 503)):
-        resp = deployment._unavailable(exc, errors)
+        resp = deployment._unavailable(exc, scope)
         body = json.loads(resp.body)
         assert resp.status_code == status
         if anthropic:
@@ -348,5 +347,6 @@ def test_the_ingress_own_errors_take_the_route_shape(path, anthropic):
             assert body["error"]["type"] == {429: "rate_limit_error", 503: "overloaded_error"}[status]
         else:
             assert set(body["error"]) == {"message", "type", "param", "code"}
-    tail = errors.stream_error(503, "the replica serving this request stopped", "replica_unavailable")
+    shape = deployment._route_errors().of(scope)
+    tail = shape.stream_error(503, "the replica serving this request stopped", "replica_unavailable")
     assert tail.startswith(b"event: error\r\n") == anthropic

@@ -152,7 +152,7 @@ def _died(exc: BaseException) -> bool:
     return isinstance(exc, RETRYABLE) or "ActorDiedError" in type(exc).__name__
 
 
-def _unavailable(exc: BaseException, errors):
+def _unavailable(exc: BaseException, scope):
     """Ray could not take or run the request (not a replica's death): 429 when every replica's queue is full,
     else 503, in the route's error shape."""
     from ray.serve.exceptions import BackPressureError
@@ -160,14 +160,16 @@ def _unavailable(exc: BaseException, errors):
     log.warning("request not served: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, BackPressureError):
         return _error(
-            errors, 429, "every replica's queue is full; try again later", "rate_limit_exceeded", "rate_limit_error"
+            scope, 429, "every replica's queue is full; try again later", "rate_limit_exceeded", "rate_limit_error"
         )
-    return _error(errors, 503, f"no replica could serve this request ({type(exc).__name__})", "replica_unavailable")
+    return _error(scope, 503, f"no replica could serve this request ({type(exc).__name__})", "replica_unavailable")
 
 
-def _error(errors, status: int, message: str, code: str | None, kind: str = "server_error") -> Response:
-    """An error the ingress answers itself, in the shape of the route the request was for (`server.errors`)."""
-    return JSONResponse(errors.body(status, message, kind, None, code), status_code=status)
+def _error(scope, status: int, message: str, code: str | None, kind: str = "server_error") -> Response:
+    """An error the ingress answers itself, in the shape of the route the request (`scope`) was for
+    (`server.errors`; looked up only when there is an error to answer)."""
+    body = _route_errors().of(scope).body(status, message, kind, None, code)
+    return JSONResponse(body, status_code=status)
 
 
 @functools.cache
@@ -198,7 +200,6 @@ class Ingress:
         if path in ("/v1/cache", "/v1/cache/events"):  # every replica's cache, not one's
             return await self.every_cache(request)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
-        errors = _route_errors().of(request.scope)
         limit = self.config.max_body_bytes
         if not self.keys.admitted(request.scope["headers"])[0]:
             # the API key first: the replica refuses this one from its headers (401), so its body is never read,
@@ -227,17 +228,18 @@ class Ingress:
                     return _response(held)
             except Exception as exc:
                 if not _died(exc):
-                    return _unavailable(exc, errors)
+                    return _unavailable(exc, request.scope)
                 replica = PLACED.pop(routed.request_id, "")
                 if attempt == 0:
                     TELEMETRY.failed(replica, "retried", routed.request_id)
                     routed.avoid = replica or None
                     continue
                 TELEMETRY.failed(replica, "failed", routed.request_id)
-                return _error(errors, 503, "the replica serving this request stopped; try again", "replica_unavailable")
+                message = "the replica serving this request stopped; try again"
+                return _error(request.scope, 503, message, "replica_unavailable")
             head = held[0]
             return StreamingResponse(
-                _rest(held[1:], stream, routed, head, errors), status_code=head["status"], headers=_headers(head)
+                _rest(held[1:], stream, routed, head, request.scope), status_code=head["status"], headers=_headers(head)
             )
 
     def routing_events(self, request):
@@ -253,7 +255,7 @@ class Ingress:
                     if key is None
                     else (403, "routing events need the admin API key", "admin_key_required")
                 )
-                return _error(_route_errors().of(request.scope), status, message, code, "invalid_request_error")
+                return _error(request.scope, status, message, code, "invalid_request_error")
         try:
             limit = int(request.query_params.get("limit", 100))
         except ValueError:
@@ -279,7 +281,7 @@ class Ingress:
                 continue
             answers[rid] = items
         if not answers:
-            return _error(_route_errors().of(request.scope), 503, "no replica is running", "replica_unavailable")
+            return _error(request.scope, 503, "no replica is running", "replica_unavailable")
         for items in answers.values():
             if items[0]["status"] != 200:
                 return _response(items)
@@ -392,7 +394,7 @@ def _response(held: list):
     return resp
 
 
-async def _rest(held: list, stream, routed: Routed, head: dict, errors):
+async def _rest(held: list, stream, routed: Routed, head: dict, scope):
     for chunk in held:
         yield chunk
     try:
@@ -403,7 +405,8 @@ async def _rest(held: list, stream, routed: Routed, head: dict, errors):
             raise
         TELEMETRY.failed(PLACED.pop(routed.request_id, ""), "failed", routed.request_id)
         if "text/event-stream" in dict((k.lower(), v) for k, v in head["headers"]).get("content-type", ""):
-            yield errors.stream_error(503, "the replica serving this request stopped", "replica_unavailable")
+            message = "the replica serving this request stopped"
+            yield _route_errors().of(scope).stream_error(503, message, "replica_unavailable")
 
 
 def _merged(expositions: dict[str, str]) -> bytes:
