@@ -152,6 +152,34 @@ def test_a_width_that_is_not_whole_blocks_is_refused(builds):
     assert not y.any()  # nothing written
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_call_in_c_is_the_product_rounded_as_torch_rounds(builds, scheme, dtype):
+    """`q*_linear` (x read and y written in the activation's dtype, the bias added in C) gives bit for bit what
+    the product of x.float() plus the bias, rounded by torch to the dtype, gives (NaN where it gives NaN): strided
+    rows, a row of NaN and infinities, one layer with a bias and one without."""
+    g = torch.Generator().manual_seed(4)
+    fmt = "q4_0" if scheme == "int4" else "q8_0"
+    for isa, lib in builds.items():
+        products = qnative.Products(lib, fmt)
+        for n, k in SHAPES:
+            qs, d = _weight(n, k, scheme, g)
+            for bias in (None, torch.randn(n, generator=g).to(dtype)):
+                layer = layout.QuantLinear(qs, d, bias, dtype)
+                for rows in (1, 3, products.ROWS):
+                    x = (torch.randn(rows, 1, k + 5, generator=g) * 4).to(dtype)[..., 2 : 2 + k]
+                    if rows == 3:
+                        x[1, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+                    got, want = products._direct(x, layer), products._converted(x, layer)
+                    assert got.dtype == dtype and got.shape == want.shape == (rows, 1, n)
+                    nan = want.isnan()
+                    assert torch.equal(got.isnan(), nan), (isa, n, k, rows)  # torch writes its NaNs two ways
+                    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits)), (isa, n, k, rows, bias is None)
+                assert products._direct(torch.zeros(products.ROWS + 1, k, dtype=dtype), layer) is None
+                assert products._direct(torch.zeros(1, k + 32, dtype=dtype), layer) is None
+
+
 def test_the_kernel_benchmark_times_both_sides(tmp_path):
     """benchmarks/bench_quant.py --kernels --quick runs and writes both sides for each format and row count (no
     timing asserts)."""

@@ -33,6 +33,10 @@ def load(source: Path) -> tuple[ctypes.CDLL | None, str]:
         for f in (lib.q8_products, lib.q4_products, lib.q8_reference, lib.q4_reference):
             f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
             f.restype = ctypes.c_int
+        for f in (lib.q8_linear, lib.q4_linear):
+            f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 4
+            f.argtypes += [ctypes.c_int]
+            f.restype = ctypes.c_int
         lib.q8_isa.restype = ctypes.c_int
     return lib, why
 
@@ -55,6 +59,7 @@ class Products:
     def __init__(self, lib, fmt: str):
         self.format = fmt
         self.product = lib.q4_products if fmt == "q4_0" else lib.q8_products
+        self.linear = lib.q4_linear if fmt == "q4_0" else lib.q8_linear
         self.isa = ISAS[lib.q8_isa()]
 
     # Weights smaller than this (in weights) take one thread: a parallel region waits for every thread it opens,
@@ -64,6 +69,49 @@ class Products:
 
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
+        if x.dtype in DIRECT and x.device.type == "cpu":
+            return self._direct(x, layer)
+        return self._converted(x, layer)
+
+    def _held(self, layer: QuantLinear) -> tuple:
+        """(qs, d, bias as float32 or None, n, k, threads), kept on the layer once made (the tensors with them, so
+        that the pointers passed stay theirs)."""
+        held = layer.__dict__.get("c_args")
+        if held is None or held[0] is not layer.qs or held[1] is not layer.d:
+            bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+            n, k = layer.out_features, layer.in_features
+            held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= self.ONE_THREAD_BELOW else 1)
+            layer.__dict__["c_args"] = held
+        return held
+
+    def _direct(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
+        """`q*_linear`: x read and y written in their dtype by the C code, the bias added there (one C call, no
+        conversions in PyTorch); bit for bit `_converted`."""
+        qs, d, bias, n, k, threads = self._held(layer)
+        rows = x.numel() // k if k and x.shape[-1] == k else 0
+        if not 0 < rows <= self.ROWS:
+            return None
+        flat = x.reshape(rows, k)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        code = self.linear(
+            rows,
+            n,
+            k,
+            flat.data_ptr(),
+            flat.stride(0),
+            x.dtype == torch.bfloat16,
+            qs.data_ptr(),
+            d.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            threads or torch.get_num_threads(),
+        )
+        return y if code == 0 else None
+
+    def _converted(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
+        """Other dtypes: x converted to float32 in PyTorch, the product, the bias, y converted back."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not (
@@ -97,6 +145,7 @@ class Products:
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
+DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
 KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
 
 

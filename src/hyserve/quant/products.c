@@ -34,6 +34,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
@@ -381,6 +382,62 @@ int q4_products(int rows, int n, int k, const float *x, long x_stride, const uin
         rows_stretch(1, rows, q, d, first, last, k / BLOCK, x, x_stride, y, n);
     }
     return 0;
+}
+
+/* `q8_linear` / `q4_linear`: a linear layer's call as the model makes it, so that Python does no per-call work
+ * but allocate y: x and y in the activation's dtype (`bf16`: bfloat16, else float32), rows of x `x_stride` elements
+ * apart, y contiguous, `bias` (float32, or NULL) added to the float32 sums, then rounded to bfloat16 to nearest
+ * even as torch's `.to(torch.bfloat16)` rounds (a NaN as its 0x7fc0). The sums are the products' own, so the result is
+ * bit for bit `products(x.float()) + bias` rounded to the dtype. */
+static inline float bf2f(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u; /* any NaN: torch's one NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static int linear(const int four_bit, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
+                  const uint16_t *d, const float *bias, void *y, int threads) {
+    if (k % BLOCK) return -1;
+    float *xf = NULL, *yf = (float *)y;
+    if (bf16) {
+        xf = malloc(sizeof(float) * ((size_t)rows * k + (size_t)rows * n));
+        if (!xf) return -1;
+        yf = xf + (size_t)rows * k;
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < k; i++) xf[(size_t)r * k + i] = bf2f(((const uint16_t *)x)[r * x_stride + i]);
+    }
+    const float *xs = bf16 ? xf : (const float *)x;
+    const long xs_stride = bf16 ? k : x_stride;
+#pragma omp parallel num_threads(threads)
+    {
+        THREAD_STRETCH(n);
+        rows_stretch(four_bit, rows, q, d, first, last, k / BLOCK, xs, xs_stride, yf, n);
+        for (int r = 0; r < rows; r++)
+            for (long j = first; j < last; j++) {
+                const float v = bias ? yf[(long)r * n + j] + bias[j] : yf[(long)r * n + j];
+                if (bf16) ((uint16_t *)y)[(long)r * n + j] = f2bf(v);
+                else yf[(long)r * n + j] = v;
+            }
+    }
+    free(xf);
+    return 0;
+}
+
+int q8_linear(int rows, int n, int k, const void *x, long x_stride, int bf16, const int8_t *q, const uint16_t *d,
+              const float *bias, void *y, int threads) {
+    return linear(0, rows, n, k, x, x_stride, bf16, q, d, bias, y, threads);
+}
+
+int q4_linear(int rows, int n, int k, const void *x, long x_stride, int bf16, const uint8_t *q, const uint16_t *d,
+              const float *bias, void *y, int threads) {
+    return linear(1, rows, n, k, x, x_stride, bf16, q, d, bias, y, threads);
 }
 
 /* The per-output loops the products ran before the tiles: each (weight row, input row) its own pass over the
