@@ -162,6 +162,12 @@ def parse_args(argv=None):
         "llama-quantize (int8: Q8_0; int4: Q4_0 and Q4_K_M)",
     )
     p.add_argument(
+        "--llama-types",
+        default=None,
+        help="with --quantization: only these llama.cpp types (comma-separated, e.g. Q4_0), when the servers of "
+        "every type would not fit in memory together",
+    )
+    p.add_argument(
         "--llama-quantize",
         default=None,
         help="path of llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, beside llama-server, PATH)",
@@ -777,7 +783,12 @@ def main(argv=None) -> int:
         raise
     peers, quant = [("llama", gguf)], None  # (label, GGUF) of each llama-server to measure against
     if args.quantization:
-        types = {t: Q.ensure_quantized(gguf, t, quantize, args.threads) for t in Q.LLAMA_TYPES[args.quantization]}
+        chosen = Q.LLAMA_TYPES[args.quantization]
+        if args.llama_types:
+            chosen = [t for t in args.llama_types.split(",") if t]
+            if not chosen or any(t not in Q.LLAMA_TYPES[args.quantization] for t in chosen):
+                raise SystemExit(f"--llama-types: choose from {', '.join(Q.LLAMA_TYPES[args.quantization])}")
+        types = {t: Q.ensure_quantized(gguf, t, quantize, args.threads) for t in chosen}
         peers = [(t, Path(q["path"])) for t, q in types.items()]
         quant = {
             "scheme": args.quantization,
