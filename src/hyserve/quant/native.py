@@ -69,7 +69,7 @@ class Products:
 
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another form."""
-        if x.dtype in DIRECT and x.device.type == "cpu":
+        if x.is_cpu and x.dtype in DIRECT:
             return self._direct(x, layer)
         return self._converted(x, layer)
 

@@ -419,12 +419,13 @@ static int linear(const int four_bit, int rows, int n, int k, const void *x, lon
     {
         THREAD_STRETCH(n);
         rows_stretch(four_bit, rows, q, d, first, last, k / BLOCK, xs, xs_stride, yf, n);
-        for (int r = 0; r < rows; r++)
-            for (long j = first; j < last; j++) {
-                const float v = bias ? yf[(long)r * n + j] + bias[j] : yf[(long)r * n + j];
-                if (bf16) ((uint16_t *)y)[(long)r * n + j] = f2bf(v);
-                else yf[(long)r * n + j] = v;
-            }
+        if (bf16 || bias) /* float32 without a bias: the sums are y already */
+            for (int r = 0; r < rows; r++)
+                for (long j = first; j < last; j++) {
+                    const float v = bias ? yf[(long)r * n + j] + bias[j] : yf[(long)r * n + j];
+                    if (bf16) ((uint16_t *)y)[(long)r * n + j] = f2bf(v);
+                    else yf[(long)r * n + j] = v;
+                }
     }
     free(xf);
     return 0;
