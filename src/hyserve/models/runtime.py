@@ -102,7 +102,7 @@ class ModelRuntime:
         if quantization is not None and device != "cpu":
             raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
-        is_gguf, from_file = gguf.is_gguf(model_dir), None
+        is_gguf, from_file, made = gguf.is_gguf(model_dir), None, None
         if is_gguf:
             info = gguf.inspect(model_dir)
             log.info(
@@ -130,7 +130,10 @@ class ModelRuntime:
                 dtype,
                 device,
             )
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
+            if quantization is not None:  # each weight quantized as it is loaded: never the whole float model
+                model, made = quant.loading.load(model_dir, _DTYPES[dtype], quantization)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
             model.to(device).eval()
         log.info(
             "weights loaded in %.1f s: %s, %s parameters",
@@ -142,7 +145,8 @@ class ModelRuntime:
         quantized = None
         if quantization is not None:
             t0 = time.perf_counter()
-            quantized = quant.apply(model, quantization)
+            quantized = quant.apply(model, quantization, made and made.held)
+            del made  # the placeholders, now replaced
             log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
         if quant.runs_all_experts(model):  # under --quantization, or a GGUF file's experts kept as blocks
