@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import gguf, kernels, model_thread, quant
-from ..allocator import huge_page_bytes, keep_freed_memory
+from ..allocator import hand_back_freed, huge_page_bytes, keep_freed_memory
 from ..families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 from ..logs import human_bytes, human_count
 from ..model_files import WEIGHT_GLOBS
@@ -168,6 +168,8 @@ class ModelRuntime:
             if len(on) == len(adapter.kernels.status)
             else " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)",
         )
+        if device == "cpu" and (freed := hand_back_freed()):
+            log.info("the load's freed memory handed back to the OS: %s", human_bytes(freed))
         if device == "cpu" and (huge := huge_page_bytes()) is not None:
             log.info(
                 "weights and buffers on transparent huge pages: %s%s",

@@ -17,13 +17,14 @@ stay resident to the end of the load either.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
 
 from . import mapped_pages
-from .experts import fits_blocks, fused_weights
+from .experts import fits_blocks, fused_weights, quantize_3d
 from .formats import HEAD, ROUTERS
 from .layout import BLOCK, quantize
 
@@ -56,15 +57,13 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if weight.dim() == 3:  # fused experts [experts, n, k]: each expert's slice as a linear layer's weight
-        experts, n, k = weight.shape
-        qs, d = quantize(weight.reshape(experts * n, k), scheme)
-        return qs.view(experts, n, -1), d.view(experts, n, -1)
-    return quantize(weight, scheme)
+    return quantize_3d(weight, scheme) if weight.dim() == 3 else quantize(weight, scheme)  # 3-D: fused experts
 
 
-def _make_classes():
-    """transformers' base classes, imported only when a quantized load runs."""
+@functools.cache
+def _settings_class():
+    """`OnLoadConfig`, with `OnLoad` registered under `METHOD` (transformers' classes are imported only when a
+    quantized load runs)."""
     from transformers.core_model_loading import ConversionOps
     from transformers.quantizers import HfQuantizer
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
@@ -108,6 +107,7 @@ def _make_classes():
 
     class OnLoad(HfQuantizer):
         requires_calibration = False
+        load_dtype = None  # the dtype the load casts to (`update_dtype`)
 
         def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
             scheme = format_for(model, param_name, self.quantization_config.scheme)
@@ -133,29 +133,32 @@ def _make_classes():
     return OnLoadConfig
 
 
-_classes = None
-
-
 def load(model_dir: Path, dtype: torch.dtype, scheme: str):
     """(model, made): the model of `model_dir` in `dtype` with placeholders where `apply` puts quantized modules,
     and those modules' blocks (`made.held`: placeholder's id -> (values, scales)) for `apply(model, scheme,
     made.held)`; `made` keeps the placeholders alive until then."""
-    global _classes
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if _classes is None:
-        _classes = _make_classes()
-    settings = _classes(scheme)
-    files = safetensors_files(model_dir)
-    with mapped_pages.released(files) as state_dict:
-        if state_dict is None:  # not safetensors: transformers reads it its own way
+    settings = _settings_class()(scheme)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model_class = _model_class(config)
+    with mapped_pages.released(safetensors_files(model_dir) if model_class else None) as state_dict:
+        if state_dict is None:  # not safetensors (or no madvise): transformers reads the folder its own way
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, local_files_only=True, quantization_config=settings
             )
-        else:
-            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-            model = _model_class(config).from_pretrained(
-                None, config=config, state_dict=state_dict, dtype=dtype, quantization_config=settings
+        else:  # as `from_pretrained(model_dir)` does, over the slices that drop their pages
+            try:
+                generation = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+            except OSError:
+                generation = None
+            model = model_class.from_pretrained(
+                None,
+                config=config,
+                state_dict=state_dict,
+                dtype=dtype,
+                quantization_config=settings,
+                generation_config=generation,
             )
             model.config.name_or_path = str(model_dir)
     model.hf_quantizer.remove_quantization_config(model)  # the model computes as a float one until `apply`
@@ -164,9 +167,12 @@ def load(model_dir: Path, dtype: torch.dtype, scheme: str):
 
 
 def _model_class(config):
+    """The class `AutoModelForCausalLM` picks for `config`, or None (then its own load says why)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
 
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        return None
     return _get_model_class(config, AutoModelForCausalLM._model_mapping)
 
 
