@@ -138,6 +138,19 @@ def free_heap_bytes() -> int | None:
     return None if info is None else int(info.fordblks)
 
 
+def hand_back_freed() -> int | None:
+    """Hand the C heap's free pages back to the OS now: at the end of a load, whose temporaries (weights' float
+    copies, the kernels' check's probes) no pass reuses, so that they do not stay resident for good under
+    `keep_freed_memory`'s trim threshold (`Trimmer` trims only under load, and only above `KEEP_FREE`). Returns
+    the free heap bytes it found; None where there is no `malloc_trim` (or `HYSERVE_MALLOC_TRIM=0`)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return None
+    free = free_heap_bytes()
+    trim(0)
+    return free
+
+
 class Trimmer:
     """`maybe()`: trim if `interval` seconds have passed since the last trim and the heap's free chunks hold
     more than `keep` bytes; returns the seconds it took, or None when it did not run. Below `keep` the free

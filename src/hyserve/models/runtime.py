@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import gguf, kernels, model_thread, quant
-from ..allocator import huge_page_bytes, keep_freed_memory
+from ..allocator import hand_back_freed, huge_page_bytes, keep_freed_memory
 from ..families import FamilyAdapter, UnsupportedModelError, adapter_for  # noqa: F401 (the CLI catches it here)
 from ..logs import human_bytes, human_count
 from ..model_files import WEIGHT_GLOBS
@@ -102,7 +102,7 @@ class ModelRuntime:
         if quantization is not None and device != "cpu":
             raise ValueError(f"--quantization {quantization} runs on CPU only (the device is {device})")
         start = time.perf_counter()
-        is_gguf, from_file = gguf.is_gguf(model_dir), None
+        is_gguf, from_file, made = gguf.is_gguf(model_dir), None, None
         if is_gguf:
             info = gguf.inspect(model_dir)
             log.info(
@@ -130,7 +130,10 @@ class ModelRuntime:
                 dtype,
                 device,
             )
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
+            if quantization is not None:  # each weight quantized as it is loaded: never the whole float model
+                model, made = quant.loading.load(model_dir, _DTYPES[dtype], quantization)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], local_files_only=True)
             model.to(device).eval()
         log.info(
             "weights loaded in %.1f s: %s, %s parameters",
@@ -142,7 +145,8 @@ class ModelRuntime:
         quantized = None
         if quantization is not None:
             t0 = time.perf_counter()
-            quantized = quant.apply(model, quantization)
+            quantized = quant.apply(model, quantization, made and made.held)
+            del made  # the placeholders, now replaced
             log.info("weights quantized in %.1f s: %s", time.perf_counter() - t0, quantized.describe())
         t0 = time.perf_counter()
         if quant.runs_all_experts(model):  # under --quantization, or a GGUF file's experts kept as blocks
@@ -164,6 +168,8 @@ class ModelRuntime:
             if len(on) == len(adapter.kernels.status)
             else " (the others run transformers' own functions; `hyserve env MODEL_DIR` says why)",
         )
+        if device == "cpu" and (freed := hand_back_freed()):
+            log.info("the load's freed memory handed back to the OS: %s", human_bytes(freed))
         if device == "cpu" and (huge := huge_page_bytes()) is not None:
             log.info(
                 "weights and buffers on transparent huge pages: %s%s",

@@ -29,15 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import human_bytes
-from . import checkpoint  # noqa: F401  (quant.checkpoint.refusal)
+from . import checkpoint, loading  # noqa: F401  (quant.checkpoint.refusal, quant.loading.load)
 from .experts import QuantExperts, fits_blocks, fused_weights
+from .formats import HEAD, ROUTERS, SCHEMES
 from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
 
 log = logging.getLogger("hyserve.quant")
-
-SCHEMES = ("int8", "int4")
-HEAD = "int8"  # the output head's (and a tied embedding's) format under every scheme
-ROUTERS = ("gate", "shared_expert_gate", "router")
 
 
 @dataclass
@@ -71,9 +68,12 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def apply(model, scheme: str) -> Quantized:
+def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Quantized:
     """Replace `model`'s linear layers and embedding by int8 ones (see the module docstring), in place, so that
-    no float copy of their weights stays referenced. Raises ValueError for a scheme or device it cannot serve."""
+    no float copy of their weights stays referenced. Raises ValueError for a scheme or device it cannot serve.
+    `held`: blocks already made as the weights were loaded (`loading`), by the id of the placeholder the model
+    holds in each weight's place; a placeholder left unreplaced, or blocks not of the format chosen here, raise
+    RuntimeError."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)} (got {scheme!r})")
     device = next(model.parameters()).device
@@ -85,9 +85,19 @@ def apply(model, scheme: str) -> Quantized:
     head_weight_id = id(getattr(model.get_output_embeddings(), "weight", None))
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qs, d): a tied weight quantized once
 
+    held = held or {}
+
+    def blocks(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if id(weight) not in held:
+            return quantize(weight, scheme)
+        made_at_load = held[id(weight)]
+        if made_at_load[0].dtype != (torch.uint8 if scheme == "int4" else torch.int8):
+            raise RuntimeError(f"a weight was quantized at load in another format than {scheme}'s")
+        return made_at_load
+
     def q(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(weight) not in made:
-            made[id(weight)] = quantize(weight, HEAD if id(weight) == head_weight_id else scheme)
+            made[id(weight)] = blocks(weight, HEAD if id(weight) == head_weight_id else scheme)
             done.bytes_before += _nbytes(weight)
             done.bytes_after += _nbytes(*made[id(weight)])
         return made[id(weight)]
@@ -108,10 +118,14 @@ def apply(model, scheme: str) -> Quantized:
                 done.layers += 1
         elif fused_weights(child) is not None and fits_blocks(child):
             done.bytes_before += _nbytes(*(getattr(child, n) for n in fused_weights(child)))
-            held = QuantExperts(child, scheme)
-            setattr(parent, name, held)
+            up, down = (getattr(child, n) for n in fused_weights(child))
+            if id(up) in held or id(down) in held:
+                experts = QuantExperts.from_blocks(child, blocks(up, scheme), blocks(down, scheme))
+            else:
+                experts = QuantExperts(child, scheme)
+            setattr(parent, name, experts)
             done.layers += 2
-            done.bytes_after += _nbytes(held.up_qs, held.up_d, held.down_qs, held.down_d)
+            done.bytes_after += _nbytes(experts.up_qs, experts.up_d, experts.down_qs, experts.down_d)
         elif type(child) is torch.nn.Embedding and id(child) == embedding_id:
             if child.embedding_dim % BLOCK:
                 done.kept[full] = f"embedding(s) whose width is not a multiple of {BLOCK}"
@@ -132,6 +146,8 @@ def apply(model, scheme: str) -> Quantized:
         del head
     replace(model, "")
     made.clear()
+    if held and (left := [n for n, t in model.named_parameters(remove_duplicate=False) if id(t) in held]):
+        raise RuntimeError(f"weights quantized at load but not replaced: {', '.join(left[:3])}")
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.modules.conv._ConvNd):  # a conv's weight is 3-D too
             for name, p in module.named_parameters(recurse=False):

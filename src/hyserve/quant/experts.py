@@ -56,7 +56,8 @@ def fits_blocks(module) -> bool:
     return names is not None and all(getattr(module, n).shape[-1] % BLOCK == 0 for n in names)
 
 
-def _quantize_3d(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_3d(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of fused expert weights [experts, n, k], each expert's slice quantized as a linear layer's."""
     experts, n, k = weight.shape
     qs, d = quantize(weight.reshape(experts * n, k), scheme)
     return qs.view(experts, n, -1), d.view(experts, n, -1)
@@ -74,7 +75,7 @@ class QuantExperts(torch.nn.Module):
         self.act_fn = module.act_fn
         self.dtype = getattr(module, down).dtype
         for name, weight in (("up", getattr(module, up)), ("down", getattr(module, down))):
-            qs, d = _quantize_3d(weight, scheme)
+            qs, d = quantize_3d(weight, scheme)
             self.register_buffer(f"{name}_qs", qs)
             self.register_buffer(f"{name}_d", d)
         self.hidden_dim = self.down_d.shape[1]
@@ -91,7 +92,7 @@ class QuantExperts(torch.nn.Module):
 
     @classmethod
     def from_blocks(cls, module, up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]):
-        """Over blocks already made, (values, scales) of each weight as `_quantize_3d` makes them: a GGUF file's,
+        """Over blocks already made, (values, scales) of each weight as `quantize_3d` makes them: a GGUF file's,
         held as they are (`gguf.loader`). `module` is the experts module they are the weights of (its weights may
         be on the meta device)."""
         held = cls.__new__(cls)
