@@ -28,11 +28,30 @@ def _state(model) -> dict[str, torch.Tensor]:
 def test_quantizing_while_loading_makes_the_blocks_a_load_then_apply_makes(model_dirs, arch, scheme, dtype):
     """Every tensor of the model (values, scales, the weights kept in float, buffers), what `describe` says, and
     which tensors are one (a tied head and embedding) are the same either way."""
-    from transformers import AutoModelForCausalLM
-
     if dtype == "float32" and arch not in ("qwen3_5", "qwen3_5_moe"):
         pytest.skip("the cast is the other dtype's: one dense and one MoE family suffice")
-    folder, torch_dtype = model_dirs[arch], getattr(torch, dtype)
+    _same_either_way(model_dirs[arch], scheme, getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tied_head_is_quantized_while_loading_as_the_head(model_dirs, tmp_path, scheme):
+    """The tiny models' heads are their own weights; real Qwen3.5 ties its head to the embedding, which transformers
+    ties only at the end of the load: the embedding is still quantized at the head's format (int8 under int4)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dirs["qwen3_5"])
+    config.tie_word_embeddings = True
+    model = model_thread.run(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path)
+    for f in model_dirs["qwen3_5"].iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, tmp_path / f.name)
+    _same_either_way(tmp_path, scheme, torch.bfloat16)
+
+
+def _same_either_way(folder, scheme: str, torch_dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
 
     def after() -> tuple:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)

@@ -43,11 +43,23 @@ def format_for(model, name: str, scheme: str) -> str | None:
     if type(module) is torch.nn.Embedding and attr == "weight" and module is model.get_input_embeddings():
         if module.embedding_dim % BLOCK:
             return None
-        head = model.get_output_embeddings()
-        return HEAD if head is not None and getattr(head, "weight", None) is module.weight else scheme
+        return HEAD if _tied_head(model, module) else scheme
     if attr in (fused_weights(module) or ()) and fits_blocks(module):
         return scheme
     return None
+
+
+def _tied_head(model, embedding) -> bool:
+    """Whether the output head is `embedding`'s weight. On the meta device, while loading, transformers has not
+    tied them yet (it does at the end): its own map of the weights it will tie says."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return False
+    if getattr(head, "weight", None) is embedding.weight:
+        return True
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # target -> source
+    return tied.get(f"{names[id(head)]}.weight") == f"{names[id(embedding)]}.weight"
 
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:
