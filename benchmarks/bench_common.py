@@ -362,9 +362,13 @@ class ServerProcess:
         return metric_samples(self.http.get("/metrics").text).get((name, ()), 0.0)
 
     def wait_idle(self, limit: float = 30.0) -> float:
-        """Seconds until the engine has no queued, running or background work (`idle` on /health)."""
+        """Seconds until the engine has no queued, running or background work (`idle` on /health); at `limit`
+        it stops waiting and says so (whatever runs next shares the CPU with that work)."""
         t0 = time.perf_counter()
-        while not self.http.get("/health").json().get("idle", True) and time.perf_counter() - t0 < limit:
+        while not self.http.get("/health").json().get("idle", True):
+            if time.perf_counter() - t0 >= limit:
+                print(f"WARNING: hyserve still busy after {limit:.0f} s; timing the next request anyway", flush=True)
+                break
             time.sleep(0.005)
         return time.perf_counter() - t0
 
