@@ -166,13 +166,13 @@ def float_weights(model_dirs, tmp_path_factory):
 
 def test_the_load_never_holds_the_float_model(float_weights, monkeypatch):
     """The load's peak resident memory (anonymous and the checkpoint's mapped pages alike) above what the
-    process held before it stays below 60% of the float32 weights: loading them whole, then quantizing, peaks
+    process held before it stays below 80% of the float32 weights: loading them whole, then quantizing, peaks
     above 100% (the float model, then its blocks besides); quantizing each weight as it comes holds the
-    blocks (27%) and one weight's float copies at a time."""
+    blocks (27%) and one weight's float copies at a time (62% with the lowest releases pyproject allows)."""
     folder, float_bytes = float_weights
     monkeypatch.setenv("HYSERVE_KERNELS", "0")  # the load alone, not the kernels' checks
     run = subprocess.run([sys.executable, "-c", PEAK, str(folder)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.splitlines()[-1])
     assert got["after"] < 0.3 * float_bytes
-    assert got["peak"] < 0.6 * float_bytes, (got, float_bytes)
+    assert got["peak"] < 0.8 * float_bytes, (got, float_bytes)
