@@ -361,9 +361,11 @@ class ServerProcess:
         """The value of one unlabelled sample on the server's /metrics (0 when absent)."""
         return metric_samples(self.http.get("/metrics").text).get((name, ()), 0.0)
 
-    def wait_idle(self, limit: float = 30.0) -> float:
+    def wait_idle(self, limit: float = 900.0) -> float:
         """Seconds until the engine has no queued, running or background work (`idle` on /health); at `limit`
-        it stops waiting and says so (whatever runs next shares the CPU with that work)."""
+        it stops waiting and says so (whatever runs next shares the CPU with that work). Its work after a reply
+        (the re-rendered history, deferred checkpoints) runs for minutes at 4B on 2 cores: a shorter limit let a
+        peer's timed round run beside it."""
         t0 = time.perf_counter()
         while not self.http.get("/health").json().get("idle", True):
             if time.perf_counter() - t0 >= limit:

@@ -90,10 +90,6 @@ import bench_llama_quant as Q  # noqa: E402
 from bench_multiturn import build_conversation, stream_chat  # noqa: E402
 
 GGUF_DIR = C.MODELS_DIR / "gguf"
-# hyserve's work after a reply (its re-rendered history, deferred checkpoints) is waited for before anything else
-# is timed, on either server: at 4B on 2 cores it runs for minutes, and a llama-server round run beside it got
-# half the CPU (bench_common's default of 30 s let it).
-IDLE_LIMIT = 900.0
 LOG_RE = re.compile(r"checkpoint|cache|n_past|re-?process|reus|similarity|erase|restor|prompt eval|new prompt")
 _LIVE: list[subprocess.Popen] = []  # llama-server processes to stop at exit, whatever happens
 
@@ -501,7 +497,7 @@ def run_conversation(
 
     ll_client = Tap(OpenAI(base_url=f"{llama.base_url}/v1", api_key="unused", max_retries=0, timeout=600))
     warm_up(ll_client, name, users)  # turn 1 shares only the system header with it: a full prefill
-    hy.wait_idle(IDLE_LIMIT)
+    hy.wait_idle()
     hy.clear_cache()
     offset = llama.log_path.stat().st_size
     msgs = {k: [{"role": "system", "content": system}] for k in ("hyserve", "llama")}
@@ -524,7 +520,7 @@ def run_conversation(
                 lines, offset = llama.log_from(offset)
                 r["log"] = [ln for ln in lines if LOG_RE.search(ln)][:60]
             else:
-                r["idle_wait"] = hy.wait_idle(IDLE_LIMIT)  # hyserve's idle-time rebuild, before anything else is timed
+                r["idle_wait"] = hy.wait_idle()  # hyserve's idle-time rebuild, before anything else is timed
             msgs[k].append({"role": "assistant", "content": r["text"]})
             row[k] = r
         for k in ("hyserve", "llama"):  # the history in front of the new user message (same tokenizer for both)
@@ -639,7 +635,7 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
             name,
             [f"Round {i}. {p}" for p in prompts],
             llama,
-            (lambda: None) if llama else lambda: hy.wait_idle(IDLE_LIMIT),
+            (lambda: None) if llama else hy.wait_idle,
         )
 
     def medians(got):
@@ -671,10 +667,10 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
             for label, ll in llamas.items()
         }
         for i in range(args.throughput_repeats):
-            hy.wait_idle(IDLE_LIMIT)
+            hy.wait_idle()
             got["hyserve"].append(one_round(i, hy_client, llama=False))
             for label, client in clients.items():
-                hy.wait_idle(IDLE_LIMIT)
+                hy.wait_idle()
                 time.sleep(0.5)
                 got[label].append(one_round(i, client, llama=True))
         res["hyserve"] = medians(got["hyserve"])

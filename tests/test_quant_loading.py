@@ -44,10 +44,15 @@ def test_a_tied_head_is_quantized_while_loading_as_the_head(model_dirs, tmp_path
     model = model_thread.run(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     model.save_pretrained(tmp_path)
-    for f in model_dirs["qwen3_5"].iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, tmp_path / f.name)
+    _copy_tokenizer(model_dirs["qwen3_5"], tmp_path)
     _same_either_way(tmp_path, scheme, torch.bfloat16)
+
+
+def _copy_tokenizer(src, out) -> None:
+    """The tiny folder's tokenizer, template and generation config, beside weights saved anew."""
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(f, out / f.name)
 
 
 def _same_either_way(folder, scheme: str, torch_dtype: torch.dtype) -> None:
@@ -158,9 +163,7 @@ def float_weights(model_dirs, tmp_path_factory):
     )
     model = model_thread.run(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     model.save_pretrained(out)
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy(f, out / f.name)
+    _copy_tokenizer(tiny, out)
     return out, sum(p.numel() * 4 for p in model.parameters())
 
 
