@@ -289,8 +289,22 @@ class ServerProcess:
 
     live: list[ServerProcess] = []
 
-    def __init__(self, model_dir: Path, name: str, *flags: str, threads: int = 2, log_path: Path | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        name: str,
+        *flags: str,
+        threads: int = 2,
+        log_path: Path | None = None,
+        idle_limit: float = 900.0,
+    ):
+        """`idle_limit`: `wait_idle`'s default. Its work after a reply (the re-rendered history, deferred
+        checkpoints) runs for minutes at 4B on 2 cores: a shorter limit let a peer's timed round run beside it. A
+        tiny model's (`--quick`) takes seconds; there a short limit keeps a server that never goes idle from
+        stalling a smoke test for a quarter of an hour per wait."""
         from hyserve.server.run import free_port
+
+        self.idle_limit = idle_limit
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -361,11 +375,10 @@ class ServerProcess:
         """The value of one unlabelled sample on the server's /metrics (0 when absent)."""
         return metric_samples(self.http.get("/metrics").text).get((name, ()), 0.0)
 
-    def wait_idle(self, limit: float = 900.0) -> float:
+    def wait_idle(self, limit: float | None = None) -> float:
         """Seconds until the engine has no queued, running or background work (`idle` on /health); at `limit`
-        it stops waiting and says so (whatever runs next shares the CPU with that work). Its work after a reply
-        (the re-rendered history, deferred checkpoints) runs for minutes at 4B on 2 cores: a shorter limit let a
-        peer's timed round run beside it."""
+        (default `idle_limit`) it stops waiting and says so (whatever runs next shares the CPU with that work)."""
+        limit = self.idle_limit if limit is None else limit
         t0 = time.perf_counter()
         while not self.http.get("/health").json().get("idle", True):
             if time.perf_counter() - t0 >= limit:

@@ -344,7 +344,15 @@ def main(argv=None) -> int:
         http = stack.enter_context(httpx.Client(timeout=900))
         for key, extra in flags.items():
             srv = stack.enter_context(
-                C.ServerProcess(model_dir, name, "--cache-bytes", str(2 << 30), *extra, threads=threads)
+                C.ServerProcess(
+                    model_dir,
+                    name,
+                    "--cache-bytes",
+                    str(2 << 30),
+                    *extra,
+                    threads=threads,
+                    idle_limit=60.0 if args.quick else 900.0,
+                )
             )
             servers[key] = srv
             client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=900)

@@ -836,7 +836,7 @@ def main(argv=None) -> int:
     hy_args = ["--cache-bytes", str(2 << 30), "--dtype", args.dtype]
     if args.quantization:
         hy_args += ["--quantization", args.quantization]
-    with C.ServerProcess(model_dir, name, *hy_args, threads=threads) as hy:
+    with C.ServerProcess(model_dir, name, *hy_args, threads=threads, idle_limit=60.0 if args.quick else 900.0) as hy:
         hy_client = OpenAI(base_url=f"{hy.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         warm_up(hy_client, name, users)
         if args.throughput:
