@@ -18,7 +18,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-LLAMA_TYPES = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_K_M")}
+# hyserve's scheme -> llama.cpp's types at the same weight bits (w8a8 / w4a8: int8 activations, as llama.cpp's)
+LLAMA_TYPES = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_K_M"), "w8a8": ("Q8_0",), "w4a8": ("Q4_0", "Q4_K_M")}
 WARM_TOKENS = 256  # the warm turn of the targets: its TTFT plus this many generated tokens
 # Issue 37's targets for hyserve / llama-server at the same bits: label, how to read the value, higher is better?
 TARGETS = [

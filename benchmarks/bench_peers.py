@@ -158,8 +158,8 @@ def parse_args(argv=None):
         "--quantization",
         default=None,
         choices=sorted(Q.LLAMA_TYPES),
-        help="hyserve --quantization int8|int4 against llama-server on the same weights quantized by "
-        "llama-quantize (int8: Q8_0; int4: Q4_0 and Q4_K_M)",
+        help="hyserve --quantization int8|int4|w8a8|w4a8 against llama-server on the same weights quantized by "
+        "llama-quantize (int8, w8a8: Q8_0; int4, w4a8: Q4_0 and Q4_K_M)",
     )
     p.add_argument(
         "--llama-types",

@@ -234,14 +234,14 @@ def test_a_batched_decode_step_equals_each_row_alone(quantized, arch, dtype, sch
     assert together[0] != together[1]  # two prompts, two replies: a step that mixed up its rows would show
 
 
-def _chat_matches_cache_off(make_service, arch, script, tol, tells_turns_apart=True, **options):
+def _chat_matches_cache_off(make_service, arch, script, tol, tells_turns_apart=True, kernel="native_int8", **options):
     """`script`'s chat with the cache on and off: the same tokens, every reply at least one, the same numbers
     within `tol`, and each turn that shares the turn before's history restored from a checkpoint (at least that
     history, less than its whole prompt). A tiny random model may answer every turn with the same tokens: its
     numbers still differ from turn to turn by more than `tol` (`tells_turns_apart`), so a wrongly restored state
     would show."""
     on_service = make_service(arch, **options)
-    assert on_service.runtime.kernels.on("native_int8"), on_service.runtime.kernels.status
+    assert on_service.runtime.kernels.on(kernel), on_service.runtime.kernels.status
     on = run_chat(on_service, script, logprobs=3)
     off = run_chat(make_service(arch, cache_enabled=False, **options), script, logprobs=3)
     assert [r[0] for r in on] == [r[0] for r in off] and all(r[0] for r in on)

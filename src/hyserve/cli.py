@@ -45,9 +45,11 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "w8a8", "w4a8"],
         help="hold the weights as int8 or int4 (GGUF Q8_0 / Q4_0 blocks: 32 weights, one scale; the head "
-        "Q8_0), made at load from the folder's weights; activations stay in --dtype; CPU only",
+        "Q8_0), made at load from the folder's weights; int8/int4 keep the activations in --dtype, w8a8/w4a8 "
+        "round each product's input to Q8_0 blocks and multiply in integers, as llama.cpp does (faster at 4 bits); "
+        "CPU only",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p = parser.add_argument_group("prefix cache")
@@ -455,7 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype to check")
     p.add_argument(
-        "--quantization", default=None, choices=["int8", "int4"], help="quantize the weights at load, as serve"
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "w8a8", "w4a8"],
+        help="quantize the weights at load, as serve",
     )
     return parser
 

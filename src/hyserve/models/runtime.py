@@ -286,16 +286,13 @@ class ModelRuntime:
 
 
 def _install_quantized_products(model, adapter, dtype) -> None:
-    """The quantized weights' C products (`native_int8`, `native_int4` in the kernel report, so that the disk
-    cache's fingerprint tells quantized states from others), or why each is off: then its products
+    """The quantized weights' C products (`native_int8`, `native_int4` or `native_a8` in the kernel report, so
+    that the disk cache's fingerprint tells quantized states from others), or why each is off: then its products
     dequantize first."""
     from ..quant import native
 
     if not kernels.enabled():
-        found = {
-            native.KERNELS[quant.layout.format_of(m.qs)] for m in model.modules() if isinstance(m, quant.QuantLinear)
-        }
-        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(found)}
+        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(native.kernel_names(model))}
     else:
         decided = quant.install_products(model, dtype)
     for name, why in decided.items():

@@ -1,4 +1,4 @@
-"""Weight-only quantization applied at load (`--quantization int8|int4`): the weights held once, quantized.
+"""Quantization applied at load (`--quantization int8|int4|w8a8|w4a8`): the weights held once, quantized.
 
 What is quantized, as llama.cpp's Q8_0 and Q4_0 files have it (`layout`: GGUF's Q8_0 / Q4_0 blocks, 32 weights
 and one float16 scale each):
@@ -30,8 +30,8 @@ import torch
 
 from ..logs import human_bytes
 from . import checkpoint, loading  # noqa: F401  (quant.checkpoint.refusal, quant.loading.load)
-from .experts import QuantExperts, fits_blocks, fused_weights
-from .formats import HEAD, ROUTERS, SCHEMES
+from .experts import QuantExperts, fits_blocks, fused_weights, quantized_linears
+from .formats import HEAD, INT8_ACTIVATIONS, ROUTERS, SCHEMES, WEIGHTS
 from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
 
 log = logging.getLogger("hyserve.quant")
@@ -48,7 +48,9 @@ class Quantized:
     kept: dict[str, str] = field(default_factory=dict)  # a weight left in the model's dtype -> why
 
     def describe(self) -> str:
-        blocks = "Q8_0" if self.scheme == "int8" else "Q4_0, the head Q8_0"
+        blocks = "Q8_0" if WEIGHTS[self.scheme] == "int8" else "Q4_0, the head Q8_0"
+        if self.scheme in INT8_ACTIVATIONS:
+            blocks += "; each product's input rounded to Q8_0 blocks"
         line = (
             f"{self.scheme} ({blocks}, blocks of {BLOCK}): {self.layers} layers, "
             f"{human_bytes(self.bytes_before)} -> {human_bytes(self.bytes_after)}"
@@ -80,6 +82,7 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
     if device.type != "cpu":
         raise ValueError(f"--quantization {scheme} runs on CPU only (the model is on {device.type})")
     done = Quantized(scheme)
+    scheme = WEIGHTS[scheme]  # the weights' format; the activations' rounding is set on the layers at the end
     # ids, not references: a float weight is freed as soon as its module is replaced (peak: float + one layer)
     embedding_id = id(model.get_input_embeddings())
     head_weight_id = id(getattr(model.get_output_embeddings(), "weight", None))
@@ -148,6 +151,9 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
     made.clear()
     if held and (left := [n for n, t in model.named_parameters(remove_duplicate=False) if id(t) in held]):
         raise RuntimeError(f"weights quantized at load but not replaced: {', '.join(left[:3])}")
+    if done.scheme in INT8_ACTIVATIONS:
+        for layer in quantized_linears(model):
+            layer.rounds_activations = True
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.modules.conv._ConvNd):  # a conv's weight is 3-D too
             for name, p in module.named_parameters(recurse=False):

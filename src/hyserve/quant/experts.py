@@ -142,6 +142,12 @@ class QuantExperts(torch.nn.Module):
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, gated={self.has_gate}, {fmt}, {self.dtype}"
 
 
+def quantized_linears(model) -> list[QuantLinear]:
+    """Every `QuantLinear` of `model`, each routed expert's included (`QuantExperts.linears`)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return layers + [linear for m in model.modules() if isinstance(m, QuantExperts) for linear in m.linears()]
+
+
 def _rows_through(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, with up to `C_ROWS` rows given to its C product `ROWS` at a time (each row's result is the
     one it gets alone) instead of dequantizing the whole weight for them; more rows take `layer`'s own choice."""

@@ -1,5 +1,11 @@
-"""The schemes `--quantization` takes and the format choices shared by `apply` and the loader (`loading`)."""
+"""The schemes `--quantization` takes and the format choices shared by `apply` and the loader (`loading`).
 
-SCHEMES = ("int8", "int4")
+int8 / int4 are weight-only: the products' inputs stay in the model's dtype. w8a8 / w4a8 hold the same weights
+and round each product's input to Q8_0 blocks, multiplying in integers, as llama.cpp computes its Q8_0 and Q4_0
+files: faster where widening the weights to float bounds a product (4 bits), at the cost of that rounding."""
+
+SCHEMES = ("int8", "int4", "w8a8", "w4a8")
+WEIGHTS = {"int8": "int8", "int4": "int4", "w8a8": "int8", "w4a8": "int4"}  # each scheme's format of the weights
+INT8_ACTIVATIONS = ("w8a8", "w4a8")
 HEAD = "int8"  # the output head's (and a tied embedding's) format under every scheme
 ROUTERS = ("gate", "shared_expert_gate", "router")  # MoE routers' names: kept in float, as llama.cpp keeps them

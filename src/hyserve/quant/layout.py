@@ -80,14 +80,31 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.T
     return values.mul_(d.float()[..., None]).reshape(n, blocks * BLOCK).to(dtype)
 
 
-def dequantized_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) with W dequantized, in float32 whatever x's dtype, rounded once to x's dtype: the
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to Q8_0 blocks along its last dimension and back, in float32: per 32 values d = amax / 127 and
+    q = roundf(x * (1 / d)) (0 where d is 0), then q * d. The float32 operations of `a8_products.c`'s `round_rows`,
+    so that both round each value alike (`--quantization w8a8|w4a8`: the activations as llama.cpp rounds them)."""
+    shape = x.shape
+    blocks = x.float().reshape(-1, shape[-1] // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
+    v = blocks * inv[..., None]
+    t = v.trunc()
+    q = torch.where((v - t).abs() == 0.5, t + v.sign(), v.round()).clamp_(-127, 127)  # roundf: halves away from 0
+    return (q * d[..., None]).reshape(shape)
+
+
+def dequantized_linear(
+    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, rounded: bool = False
+) -> torch.Tensor:
+    """x @ W^T (+ bias) with W dequantized, in float32 whatever x's dtype, rounded once to x's dtype (`rounded`:
+    x first rounded to Q8_0 blocks, `round_activations`): the
     reference every quantized product is checked against, and the prefill path. Not in bfloat16: a bfloat16
     weight cannot hold d * q exactly (up to 18 significant bits), the C product uses the exact weight, and a
     token's result must not depend on which of the two its piece took (a cached turn prefills shorter pieces:
     cache on == cache off). A slice of output rows at a time (`CHUNK`)."""
     n, k = d.shape[0], d.shape[1] * BLOCK
-    xf = x.float()
+    xf = round_activations(x) if rounded else x.float()
     bias = None if bias is None else bias.float()
     step = max(1, CHUNK // k)
     if n <= step:
@@ -119,6 +136,7 @@ class QuantLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.dtype = dtype
         self.native = None  # `native.Products`, set once the load-time check passed
+        self.rounds_activations = False  # w8a8 / w4a8: its input rounded to Q8_0 blocks (`round_activations`)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -129,10 +147,13 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and active() and (y := self.native(x, self)) is not None:
             return y
-        return dequantized_linear(x, self.qs, self.d, self.bias)
+        return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {format_of(self.qs)}, {self.dtype}"
+        a8 = ", int8 activations" if self.rounds_activations else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {format_of(self.qs)}, {self.dtype}{a8}"
+        )
 
 
 class QuantEmbedding(torch.nn.Module):

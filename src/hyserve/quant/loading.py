@@ -25,7 +25,7 @@ import torch
 
 from . import mapped_pages
 from .experts import fits_blocks, fused_weights, quantize_3d
-from .formats import HEAD, ROUTERS
+from .formats import HEAD, ROUTERS, WEIGHTS
 from .layout import BLOCK, quantize
 
 METHOD = "hyserve"  # the quant_method under which transformers finds `OnLoad`
@@ -151,7 +151,7 @@ def load(model_dir: Path, dtype: torch.dtype, scheme: str):
     made.held)`; `made` keeps the placeholders alive until then."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    settings = _settings_class()(scheme)
+    settings = _settings_class()(WEIGHTS[scheme])  # the weights' format (w4a8: int4)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_class = _model_class(config)
     with mapped_pages.released(safetensors_files(model_dir) if model_class else None) as state_dict:

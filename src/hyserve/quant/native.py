@@ -1,7 +1,9 @@
-"""The C products of a decode step's few rows over Q8_0 and Q4_0 weights (`products.c`), built at load with the
-machine's compiler as `kernels.native` builds `decode_step.c` (same flags, cache folder, OpenMP guard and
-`HYSERVE_NATIVE=0` switch), then checked on every weight shape of the model against `dequantized_linear`;
-off, with the reason, when it cannot be built or does not match."""
+"""The C products over Q8_0 and Q4_0 weights, built at load with the machine's compiler as `kernels.native` builds
+`decode_step.c` (same flags, cache folder, OpenMP guard and `HYSERVE_NATIVE=0` switch), then checked on every weight
+shape of the model against `dequantized_linear`; off, with the reason, when they cannot be built or do not match:
+- `products.c` (`Products`): weight-only schemes (int8, int4), a decode step's few rows, activations as they are;
+- `a8_products.c` (`A8Products`): w8a8 / w4a8, every row count, activations rounded to Q8_0 blocks and multiplied
+  in integers. Off, the layers compute the same rounding in PyTorch (`dequantized_linear(rounded=True)`)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ from pathlib import Path
 import torch
 
 from ..kernels import native, verify
-from .experts import QuantExperts
+from .experts import quantized_linears
 from .layout import QuantLinear, dequantized_linear, format_of
 
 SOURCE = Path(__file__).with_name("products.c")
 ISAS = ("portable C", "AVX2", "AVX512F")
+A8_SOURCE = Path(__file__).with_name("a8_products.c")
+A8_ISAS = ("portable C, int8 activations", "AVX2, int8 activations")
+A8_KERNEL = "native_a8"  # the kernel report's name of the products with int8 activations
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,6 +43,25 @@ def load(source: Path) -> tuple[ctypes.CDLL | None, str]:
             f.argtypes += [ctypes.c_int]
             f.restype = ctypes.c_int
         lib.q8_isa.restype = ctypes.c_int
+    return lib, why
+
+
+@functools.lru_cache(maxsize=1)
+def a8_library() -> tuple[ctypes.CDLL | None, str]:
+    return load_a8(A8_SOURCE)
+
+
+def load_a8(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """As `load`, for `a8_products.c` (`-DA8_ISA` as a first line builds another instruction set)."""
+    lib, why = native.build(source)
+    if lib is not None:
+        lib.a8_linear.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+        lib.a8_linear.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
+        lib.a8_linear.restype = ctypes.c_int
+        lib.round_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+        lib.round_rows.argtypes += [ctypes.c_void_p] * 3
+        lib.round_rows.restype = ctypes.c_int
+        lib.a8_isa.restype = ctypes.c_int
     return lib, why
 
 
@@ -145,16 +169,68 @@ class Products:
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
+class A8Products:
+    """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), any number of rows, either format: what
+    `dequantized_linear(x, ..., rounded=True)` computes, up to float32 rounding, each row alone."""
+
+    ROWS = 1 << 30  # every row count (the experts' loop hands all of an expert's rows at once)
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.isa = A8_ISAS[lib.a8_isa()]
+
+    def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
+        """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another dtype or device."""
+        k, n = layer.in_features, layer.out_features
+        if not (x.is_cpu and x.dtype in DIRECT and x.shape[-1] == k and x.numel()):
+            return None
+        rows = x.numel() // k
+        flat = x.reshape(rows, k)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        bias = layer.__dict__.get("float_bias")
+        if bias is None and layer.bias is not None:
+            bias = layer.__dict__["float_bias"] = layer.bias.detach().float().contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        code = self.lib.a8_linear(
+            layer.qs.dtype == torch.uint8,
+            rows,
+            n,
+            k,
+            flat.data_ptr(),
+            flat.stride(0),
+            x.dtype == torch.bfloat16,
+            layer.qs.data_ptr(),
+            layer.d.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1,
+        )
+        return y if code == 0 else None
+
+
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
 KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
+
+
+def kernel_names(model) -> set[str]:
+    """The kernel report's names of the C products `model`'s quantized weights take (`A8_KERNEL` for all of
+    them under w8a8 / w4a8)."""
+    layers = quantized_linears(model)
+    if any(m.rounds_activations for m in layers):
+        return {A8_KERNEL}
+    return {KERNELS[format_of(m.qs)] for m in layers}
 
 
 def install(model, dtype: torch.dtype) -> dict[str, str]:
     """Give the `QuantLinear`s of `model` of each format the C product of that format once it matches
     `dequantized_linear` on each of their weight shapes, for one row and for `ROWS`. Returns, per kernel name
-    (`KERNELS`) of the formats present, "" when on, else why not."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    layers += [linear for m in model.modules() if isinstance(m, QuantExperts) for linear in m.linears()]
+    (`KERNELS`) of the formats present, "" when on, else why not. Under w8a8 / w4a8, `A8Products` for every
+    layer, under `A8_KERNEL`."""
+    layers = quantized_linears(model)
+    if any(m.rounds_activations for m in layers):
+        lib, why = a8_library()
+        return {A8_KERNEL: why if lib is None else _install_a8(A8Products(lib), layers, dtype)}
     formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
     formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
@@ -173,6 +249,27 @@ def _install(products: Products, layers: list[QuantLinear], dtype: torch.dtype) 
             x = torch.randn(rows, 1, layer.in_features, generator=g).to(dtype)
             with torch.inference_mode():
                 got, want = products(x, layer), dequantized_linear(x, layer.qs, layer.d, layer.bias)
+            if got is None:
+                return "does not apply to this model's weights"
+            if why := verify.mismatch(got, want, dtype):
+                return why
+    for layer in layers:
+        layer.native = products
+    return ""
+
+
+def _install_a8(products: A8Products, layers: list[QuantLinear], dtype: torch.dtype) -> str:
+    """As `_install`, against the rounded reference, for one row, a decode batch and a prefill piece's rows."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {}
+    for layer in layers:
+        shapes.setdefault((layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs)), layer)
+    for layer in shapes.values():
+        for rows in (1, 8, 19):
+            x = torch.randn(rows, 1, layer.in_features, generator=g).to(dtype)
+            with torch.inference_mode():
+                got = products(x, layer)
+                want = dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded=True)
             if got is None:
                 return "does not apply to this model's weights"
             if why := verify.mismatch(got, want, dtype):

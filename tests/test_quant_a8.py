@@ -1,0 +1,179 @@
+"""`--quantization w8a8|w4a8`: the int8 / int4 weights of `--quantization int8|int4`, each product's input rounded
+to Q8_0 blocks and multiplied in integers (`a8_products.c`), as llama.cpp computes its Q8_0 and Q4_0 files. The C
+rounding is the PyTorch one value for value, the C product is the rounded reference's but for float32 rounding
+and each row's alone, a wrong build is refused at load (then PyTorch rounds: the same tokens), and the standards
+hold: cache on == cache off, batched == single, speculation == plain decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyserve.models.runtime import ModelRuntime
+from hyserve.quant import layout
+from hyserve.quant import native as qnative
+
+from .conftest import FAMILIES
+from .test_engine_cache import SCRIPT
+from .test_quant import MOE, _chat_matches_cache_off, _greedy
+
+A8 = ("w8a8", "w4a8")
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Each instruction set's build of `a8_products.c` this CPU runs (the portable one always)."""
+    folder = tmp_path_factory.mktemp("a8")
+    best, why = qnative.a8_library()
+    assert best is not None, why
+    libs = []
+    for isa in range(best.a8_isa() + 1):
+        source = folder / f"a8_isa{isa}.c"
+        source.write_text(f"#define A8_ISA {isa}\n{qnative.A8_SOURCE.read_text()}")
+        lib, why = qnative.load_a8(source)
+        assert lib is not None and lib.a8_isa() == isa, why
+        libs.append(lib)
+    return libs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_rounding_is_pytorchs_value_for_value(builds, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[:, None].repeat(1, 32).reshape(1, 96)
+    x[1, 32:64] = 0  # a block of zeros: d 0, every q 0
+    x[2, :32] = torch.arange(32) * 0.5 - 8  # values halfway between two steps
+    x = x.to(dtype)
+    want = layout.round_activations(x)
+    for lib in builds:
+        q = torch.empty(5, 96, dtype=torch.int8)
+        d = torch.empty(5, 3, dtype=torch.float32)
+        corr = torch.empty(5, 3, 8, dtype=torch.int32)
+        assert (
+            lib.round_rows(
+                5, 96, x.data_ptr(), 96, x.dtype == torch.bfloat16, q.data_ptr(), d.data_ptr(), corr.data_ptr()
+            )
+            == 0
+        )
+        got = (q.float().view(5, 3, 32) * d[..., None]).view(5, 96)
+        assert torch.equal(got, want)
+        assert torch.equal(corr, 8 * q.view(5, 3, 8, 4).int().sum(-1))
+        assert (q.abs() <= 127).all() and q.abs().amax() == 127
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, scheme, dtype):
+    """Widths of 8 blocks and not (the scales taken 8 at a time, then one by one), 1 to 21 rows (tiles of 8, then
+    the rest) with a stride of their own: the rounded reference's numbers but for float32 rounding, a row's result
+    the same whatever batch it is in, and far from the product of the unrounded input (the rounding is done)."""
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((37, 96), (300, 1024)):
+        layer = layout.QuantLinear(
+            *layout.quantize(torch.randn(n, k, generator=g) * 0.05, scheme), torch.randn(n, generator=g), dtype
+        )
+        x = torch.randn(21, k + 5, generator=g).to(dtype)[:, 2 : 2 + k]
+        want = layout.dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded=True)
+        unrounded = layout.dequantized_linear(x, layer.qs, layer.d, layer.bias)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for lib in builds:
+            products = qnative.A8Products(lib)
+            with torch.inference_mode():
+                got = products(x, layer)
+                assert got.dtype == dtype and got.shape == want.shape
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                if dtype == torch.float32:  # in bfloat16 the rounding is below the output's own
+                    assert (got - unrounded).abs().max() > 100 * tol
+                for r in (0, 7, 8, 20):
+                    assert torch.equal(products(x[r : r + 1], layer), got[r : r + 1])
+                assert torch.equal(products(x[3:12], layer), got[3:12])
+
+
+def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs, monkeypatch, tmp_path, caplog):
+    """The source with one mistake (Q4_0's products without the 8 * x taken back) builds and runs; the load-time
+    check refuses it with a warning, every layer rounds its input in PyTorch instead, and the tokens are the C
+    product's."""
+    right = "if (four_bit) sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i *)cb));"
+    source = qnative.A8_SOURCE.read_text()
+    if qnative.a8_library()[0].a8_isa() == 0:
+        pytest.skip("the portable build takes no 8 * x back")
+    assert source.count(right) == 1
+    (tmp_path / "a8_products.c").write_text(source.replace(right, ""))
+    good = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="w4a8")
+    assert good.kernels.on(qnative.A8_KERNEL), good.kernels.status
+    monkeypatch.setattr(qnative, "A8_SOURCE", tmp_path / "a8_products.c")
+    monkeypatch.setenv("HYSERVE_NATIVE_CACHE", str(tmp_path / "native"))
+    qnative.a8_library.cache_clear()
+    try:
+        rt = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="w4a8")
+    finally:
+        qnative.a8_library.cache_clear()
+    assert rt.kernels.status[qnative.A8_KERNEL].startswith("off: max |diff|"), rt.kernels.status
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert layers and all(m.native is None and m.rounds_activations for m in layers)
+    assert _greedy(rt, n=6) == _greedy(good, n=6)
+
+
+@pytest.mark.parametrize("scheme", A8)
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "mamba2", "nemotron_h"])
+def test_chat_matches_cache_off_with_int8_activations(make_service, arch, scheme):
+    script = SCRIPT if arch in FAMILIES else SCRIPT[:2]
+    _chat_matches_cache_off(make_service, arch, script, 1e-4, kernel=qnative.A8_KERNEL, quantization=scheme)
+
+
+@pytest.mark.parametrize("scheme", A8)
+@pytest.mark.parametrize("arch", ["qwen3_5", MOE[0], "qwen3"])
+def test_a_batched_decode_step_equals_each_row_alone_with_int8_activations(model_dirs, arch, scheme):
+    rt = ModelRuntime.load(model_dirs[arch], device="cpu", dtype="bfloat16", quantization=scheme)
+    assert rt.kernels.on(qnative.A8_KERNEL), rt.kernels.status
+    layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
+    assert layers and all(m.rounds_activations and isinstance(m.native, qnative.A8Products) for m in layers)
+    together = _greedy(rt, together=True)
+    assert together == _greedy(rt, together=False)
+    assert together[0] != together[1]
+
+
+def test_int8_activations_change_the_numbers_and_keep_the_weights(model_dirs):
+    """w4a8 holds int4's weights byte for byte; its logits differ from int4's by the activations' rounding, far
+    less than from the float model's."""
+    rts = {s: ModelRuntime.load(model_dirs["qwen3_5"], device="cpu", quantization=s) for s in ("int4", "w4a8")}
+    rts["float"] = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu")
+    a, b = (dict(rts[s].model.named_buffers()) for s in ("int4", "w4a8"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    ids = list(range(5, 40))
+    logits = {s: rt.adapter.forward(rt.adapter.new_state(), ids).float() for s, rt in rts.items()}
+    rounding = (logits["w4a8"] - logits["int4"]).abs().max()
+    assert 1e-4 < rounding < (logits["int4"] - logits["float"]).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3"])
+def test_speculation_equals_plain_decode_with_int8_activations(make_service, arch):
+    from hyserve.engine.speculative import SpeculativeConfig
+
+    from .test_speculative import OracleProposer, generate
+
+    plain = make_service(arch, quantization="w4a8")
+    spec = make_service(arch, quantization="w4a8", speculative=SpeculativeConfig())
+    ref = generate(plain, 24)
+    spec.engine.make_proposer = lambda prompt: OracleProposer(prompt, ref.token_ids)
+    assert generate(spec, 24).token_ids == ref.token_ids
+    assert spec.metrics.spec_accepted._value.get() >= 8
+
+
+def test_hyserve_env_reports_int8_activations(model_dirs, capsys):
+    from hyserve.cli import main
+
+    assert main(["env", str(model_dirs["qwen3"]), "--quantization", "w4a8"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: w4a8 (Q4_0, the head Q8_0; each product's input rounded to Q8_0 blocks" in out
+    assert f"kernel {qnative.A8_KERNEL}: on" in out and "native_int4" not in out
+    assert f"quantized products: {qnative.A8_ISAS[qnative.a8_library()[0].a8_isa()]}" in out
+
+
+def test_the_disk_cache_tells_int8_activations_from_weight_only(model_dirs):
+    from hyserve.cache.fingerprint import fingerprint
+
+    prints = {
+        s: fingerprint(ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization=s), "")
+        for s in ("int4", "w4a8")
+    }
+    assert prints["int4"] != prints["w4a8"]
