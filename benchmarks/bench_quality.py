@@ -42,7 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--windows", type=int, default=4, help="windows of text (default 4)")
     p.add_argument("--window", type=int, default=1024, help="tokens per window (default 1024)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass (default 256)")
-    p.add_argument("--schemes", default="int8,int4", help="quantizations to compare (default int8,int4)")
+    p.add_argument(
+        "--schemes", default="int8,int4,w8a8,w4a8", help="quantizations to compare (default int8,int4,w8a8,w4a8)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", help="write the result here")
     return p.parse_args(argv)
