@@ -86,6 +86,7 @@ def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, sche
                 for r in (0, 7, 8, 20):
                     assert torch.equal(products(x[r : r + 1], layer), got[r : r + 1])
                 assert torch.equal(products(x[3:12], layer), got[3:12])
+                assert products(torch.zeros(products.ROWS + 1, k, dtype=dtype), layer) is None  # left to PyTorch
 
 
 def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs, monkeypatch, tmp_path, caplog):
@@ -116,8 +117,11 @@ def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs,
 @pytest.mark.parametrize("scheme", A8)
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "mamba2", "nemotron_h"])
 def test_chat_matches_cache_off_with_int8_activations(make_service, arch, scheme):
+    """The same tokens, and numbers within 2e-3, not int8 / int4's 1e-4: a cached turn's short piece runs the C
+    product and the cache-off prompt's long one PyTorch's (`A8Products.ROWS`), whose float32 differences can move
+    an activation across a rounding step (seen: 6e-4 in a logprob)."""
     script = SCRIPT if arch in FAMILIES else SCRIPT[:2]
-    _chat_matches_cache_off(make_service, arch, script, 1e-4, kernel=qnative.A8_KERNEL, quantization=scheme)
+    _chat_matches_cache_off(make_service, arch, script, 2e-3, kernel=qnative.A8_KERNEL, quantization=scheme)
 
 
 @pytest.mark.parametrize("scheme", A8)

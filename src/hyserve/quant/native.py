@@ -170,10 +170,14 @@ class Products:
 
 
 class A8Products:
-    """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), any number of rows, either format: what
+    """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), up to `ROWS` rows, either format: what
     `dequantized_linear(x, ..., rounded=True)` computes, up to float32 rounding, each row alone."""
 
-    ROWS = 1 << 30  # every row count (the experts' loop hands all of an expert's rows at once)
+    # Rows it takes in one call; more (a long prefill piece) are left to `dequantized_linear(rounded=True)`, whose
+    # float32 matrix product is faster there: it dequantizes each weight once for the piece, and its FMAs then
+    # carry 8 products each, against the C loop's per-row scaling of every block. Either gives the rounded
+    # reference's numbers up to float32 rounding (cache on == cache off, as for int8 / int4).
+    ROWS = 64
 
     def __init__(self, lib):
         self.lib = lib
@@ -185,6 +189,8 @@ class A8Products:
         if not (x.is_cpu and x.dtype in DIRECT and x.shape[-1] == k and x.numel()):
             return None
         rows = x.numel() // k
+        if rows > self.ROWS:
+            return None
         flat = x.reshape(rows, k)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
