@@ -431,6 +431,7 @@ SUMMARY_FILES = (
     "kv-sharing.json",
     "replicas.json",
     "quality.json",
+    *(f"peers-real-4b-{scheme}.json" for scheme in ("int8", "w8a8", "int4", "w4a8")),
 )
 
 
@@ -528,12 +529,26 @@ def summary_rows(results: Path) -> list[list[str]]:
                 "several-replicas-on-ray-serve-bench_replicaspy",
             ]
         )
+    decode = [
+        f"{scheme} {C.fmt_ratio(t['hyserve']['decode_tok_s'] / t['llama']['decode_tok_s'])}x "
+        f"its {next(iter(t['peers']))}"
+        for scheme in ("int8", "w8a8", "int4", "w4a8")
+        if (r := load(f"peers-real-4b-{scheme}.json")) and (t := r.get("throughput"))
+    ]
+    if decode:
+        rows.append(
+            [
+                "one request's decode at 4.2B (Qwen3.5-4B's dimensions), quantized, against llama-server",
+                ", ".join(decode),
+                "quantized-at-the-same-bits-bench_peerspy---quantization",
+            ]
+        )
     if r := load("quality.json"):
         q = r["schemes"]
         rows.append(
             [
                 f"quantized weights, {r['model'].split('.')[0]}: top-1 token as float32's",
-                ", ".join(f"{name} {q[name]['top1_agreement']:.1%}" for name in ("int8", "int4") if name in q),
+                ", ".join(f"{name} {v['top1_agreement']:.1%}" for name, v in q.items() if name != "float32"),
                 "what-quantized-weights-cost-in-quality-bench_qualitypy",
             ]
         )
