@@ -12,7 +12,9 @@
  * result does not depend on its batch (batched == single, cache on == cache off). The weights are held as
  * quant/layout.py holds them (Q8_0: int8 q [n, k]; Q4_0: bytes [n, k / 2], low nibbles weights 0-15 of a block,
  * high nibbles 16-31, u standing for u - 8; one float16 d per block). Instruction set: AVX2 (`-march=native`)
- * or portable C; `-DA8_ISA=0` picks the portable one (the tests build each the CPU runs).
+ * or portable C; `-DA8_ISA=0` picks the portable one (the tests build each the CPU runs). Each C file of hyserve is
+ * built alone (kernels.native.build; the tests build copies of it elsewhere), so the float16 and bfloat16
+ * conversions below repeat products.c's.
  */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF

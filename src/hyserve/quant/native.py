@@ -236,7 +236,8 @@ def install(model, dtype: torch.dtype) -> dict[str, str]:
     layers = quantized_linears(model)
     if any(m.rounds_activations for m in layers):
         lib, why = a8_library()
-        return {A8_KERNEL: why if lib is None else _install_a8(A8Products(lib), layers, dtype)}
+        # one row, a decode batch and a short piece's rows (tiles of 8 and a rest)
+        return {A8_KERNEL: why if lib is None else _install(A8Products(lib), layers, dtype, (1, 8, 19), True)}
     formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
     formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
@@ -245,37 +246,25 @@ def install(model, dtype: torch.dtype) -> dict[str, str]:
     return {KERNELS[fmt]: _install(Products(lib, fmt), group, dtype) for fmt, group in formats.items()}
 
 
-def _install(products: Products, layers: list[QuantLinear], dtype: torch.dtype) -> str:
-    g = torch.Generator().manual_seed(0)
-    shapes = {}
-    for layer in layers:
-        shapes.setdefault((layer.out_features, layer.in_features, layer.bias is not None), layer)
-    for layer in shapes.values():
-        for rows in (1, products.ROWS):
-            x = torch.randn(rows, 1, layer.in_features, generator=g).to(dtype)
-            with torch.inference_mode():
-                got, want = products(x, layer), dequantized_linear(x, layer.qs, layer.d, layer.bias)
-            if got is None:
-                return "does not apply to this model's weights"
-            if why := verify.mismatch(got, want, dtype):
-                return why
-    for layer in layers:
-        layer.native = products
-    return ""
-
-
-def _install_a8(products: A8Products, layers: list[QuantLinear], dtype: torch.dtype) -> str:
-    """As `_install`, against the rounded reference, for one row, a decode batch and a prefill piece's rows."""
+def _install(
+    products: Products | A8Products,
+    layers: list[QuantLinear],
+    dtype: torch.dtype,
+    rows: tuple[int, ...] = (1, Products.ROWS),
+    rounded: bool = False,
+) -> str:
+    """Give `layers` `products` once it matches `dequantized_linear` (`rounded`: of the input rounded to Q8_0
+    blocks) on each of their weight shapes and formats, for each row count of `rows`; "" when on, else why not."""
     g = torch.Generator().manual_seed(0)
     shapes = {}
     for layer in layers:
         shapes.setdefault((layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs)), layer)
     for layer in shapes.values():
-        for rows in (1, 8, 19):
-            x = torch.randn(rows, 1, layer.in_features, generator=g).to(dtype)
+        for n in rows:
+            x = torch.randn(n, 1, layer.in_features, generator=g).to(dtype)
             with torch.inference_mode():
                 got = products(x, layer)
-                want = dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded=True)
+                want = dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded)
             if got is None:
                 return "does not apply to this model's weights"
             if why := verify.mismatch(got, want, dtype):
