@@ -2,7 +2,7 @@
 `decode_step.c` (same flags, cache folder, OpenMP guard and `HYSERVE_NATIVE=0` switch), then checked on every weight
 shape of the model against `dequantized_linear`; off, with the reason, when they cannot be built or do not match:
 - `products.c` (`Products`): weight-only schemes (int8, int4), a decode step's few rows, activations as they are;
-- `a8_products.c` (`A8Products`): w8a8 / w4a8, every row count, activations rounded to Q8_0 blocks and multiplied
+- `a8_products.c` (`A8Products`): w8a8 / w4a8, up to 64 rows, activations rounded to Q8_0 blocks and multiplied
   in integers. Off, the layers compute the same rounding in PyTorch (`dequantized_linear(rounded=True)`)."""
 
 from __future__ import annotations
