@@ -74,7 +74,7 @@ def test_quick_mode_exits_cleanly(script, flag, name, results):
     assert result["machine"]["commit"] and result["machine"]["date"] and result["machine"]["command"]
     if name == "quality.json":  # the reference against itself is exact; every number is finite
         schemes = result["schemes"]
-        assert list(schemes) == ["float32", "int8", "int4"] and result["tokens"] == 256
+        assert list(schemes) == ["float32", "int8", "int4", "w8a8", "w4a8"] and result["tokens"] == 256
         assert schemes["float32"]["top1_agreement"] == 1 and schemes["float32"]["kl_max"] == 0
         assert all(0 < s["perplexity"] < float("inf") and s["kl_p99"] >= 0 for s in schemes.values())
 
