@@ -45,13 +45,22 @@ def _quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]
     n, blocks, _ = w.shape
     if scheme == "int4":
         return _q4_0(w, n, blocks * BLOCK)
-    # Q8_0: d = max|w| / 127 in float32, q = roundf(w * (1 / d)), d stored as float16
-    d = w.abs().amax(-1) / 127
+    q, d = _q8_0(w)  # d stored as float16
+    return q.to(torch.int8).reshape(n, blocks * BLOCK), d.to(torch.float16)
+
+
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q as float32 in [-127, 127], d float32) of float32 blocks [..., 32]: d = max|x| / 127, q = roundf(x * (1 / d))
+    (0 where d is 0), as ggml's `quantize_row_q8_0_ref` before it stores d as float16."""
+    d = blocks.abs().amax(-1) / 127
     inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
-    x = w * inv[..., None]
+    return _roundf(blocks * inv[..., None]).clamp_(-127, 127), d
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: halves away from zero (torch's round takes them to even), as ggml's quantizers round."""
     t = x.trunc()
-    q = torch.where((x - t).abs() == 0.5, t + x.sign(), x.round())  # roundf: halves away from zero (round: to even)
-    return q.clamp_(-127, 127).to(torch.int8).reshape(n, blocks * BLOCK), d.to(torch.float16)
+    return torch.where((x - t).abs() == 0.5, t + x.sign(), x.round())
 
 
 def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,12 +94,7 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     q = roundf(x * (1 / d)) (0 where d is 0), then q * d. The float32 operations of `a8_products.c`'s `round_rows`,
     so that both round each value alike (`--quantization w8a8|w4a8`: the activations as llama.cpp rounds them)."""
     shape = x.shape
-    blocks = x.float().reshape(-1, shape[-1] // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1) / 127
-    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
-    v = blocks * inv[..., None]
-    t = v.trunc()
-    q = torch.where((v - t).abs() == 0.5, t + v.sign(), v.round()).clamp_(-127, 127)  # roundf: halves away from 0
+    q, d = _q8_0(x.float().reshape(-1, shape[-1] // BLOCK, BLOCK))
     return (q * d[..., None]).reshape(shape)
 
 

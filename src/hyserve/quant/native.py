@@ -98,15 +98,7 @@ class Products:
         return self._converted(x, layer)
 
     def _held(self, layer: QuantLinear) -> tuple:
-        """(qs, d, bias as float32 or None, n, k, threads), kept on the layer once made (the tensors with them, so
-        that the pointers passed stay theirs)."""
-        held = layer.__dict__.get("c_args")
-        if held is None or held[0] is not layer.qs or held[1] is not layer.d:
-            bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
-            n, k = layer.out_features, layer.in_features
-            held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= self.ONE_THREAD_BELOW else 1)
-            layer.__dict__["c_args"] = held
-        return held
+        return held_args(layer)
 
     def _direct(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """`q*_linear`: x read and y written in their dtype by the C code, the bias added there (one C call, no
@@ -169,6 +161,19 @@ class Products:
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
+def held_args(layer: QuantLinear) -> tuple:
+    """(qs, d, bias as float32 or None, n, k, threads: 0 for all, or 1 below `Products.ONE_THREAD_BELOW` weights),
+    kept on the layer once made (the tensors with them, so that the pointers passed stay theirs); both kinds of
+    products read them."""
+    held = layer.__dict__.get("c_args")
+    if held is None or held[0] is not layer.qs or held[1] is not layer.d:
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        n, k = layer.out_features, layer.in_features
+        held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1)
+        layer.__dict__["c_args"] = held
+    return held
+
+
 class A8Products:
     """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), up to `ROWS` rows, either format: what
     `dequantized_linear(x, ..., rounded=True)` computes, up to float32 rounding, each row alone."""
@@ -185,7 +190,7 @@ class A8Products:
 
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another dtype or device."""
-        k, n = layer.in_features, layer.out_features
+        qs, d, bias, n, k, _ = held_args(layer)
         if not (x.is_cpu and x.dtype in DIRECT and x.shape[-1] == k and x.numel()):
             return None
         rows = x.numel() // k
@@ -194,20 +199,17 @@ class A8Products:
         flat = x.reshape(rows, k)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        bias = layer.__dict__.get("float_bias")
-        if bias is None and layer.bias is not None:
-            bias = layer.__dict__["float_bias"] = layer.bias.detach().float().contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
         code = self.lib.a8_linear(
-            layer.qs.dtype == torch.uint8,
+            qs.dtype == torch.uint8,
             rows,
             n,
             k,
             flat.data_ptr(),
             flat.stride(0),
             x.dtype == torch.bfloat16,
-            layer.qs.data_ptr(),
-            layer.d.data_ptr(),
+            qs.data_ptr(),
+            d.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1,
