@@ -97,34 +97,14 @@ class Products:
             return self._direct(x, layer)
         return self._converted(x, layer)
 
-    def _held(self, layer: QuantLinear) -> tuple:
-        return held_args(layer)
-
     def _direct(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """`q*_linear`: x read and y written in their dtype by the C code, the bias added there (one C call, no
         conversions in PyTorch); bit for bit `_converted`."""
-        qs, d, bias, n, k, threads = self._held(layer)
+        qs, d, bias, n, k, threads = held_args(layer)
         rows = x.numel() // k if k and x.shape[-1] == k else 0
         if not 0 < rows <= self.ROWS:
             return None
-        flat = x.reshape(rows, k)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-        code = self.linear(
-            rows,
-            n,
-            k,
-            flat.data_ptr(),
-            flat.stride(0),
-            x.dtype == torch.bfloat16,
-            qs.data_ptr(),
-            d.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            threads or torch.get_num_threads(),
-        )
-        return y if code == 0 else None
+        return _linear_call(self.linear, (), x, rows, qs, d, bias, threads or torch.get_num_threads())
 
     def _converted(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """Other dtypes: x converted to float32 in PyTorch, the product, the bias, y converted back."""
@@ -159,6 +139,31 @@ class Products:
         if layer.bias is not None:
             y += layer.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _linear_call(fn, lead: tuple, x: torch.Tensor, rows: int, qs, d, bias, threads: int) -> torch.Tensor | None:
+    """One C linear call (`q*_linear`, `a8_linear` after its `lead` arguments) on x's `rows` rows, into a new y in x's
+    dtype; None when the C code refused."""
+    k, n = x.shape[-1], d.shape[0]
+    flat = x.reshape(rows, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    code = fn(
+        *lead,
+        rows,
+        n,
+        k,
+        flat.data_ptr(),
+        flat.stride(0),
+        x.dtype == torch.bfloat16,
+        qs.data_ptr(),
+        d.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        threads,
+    )
+    return y if code == 0 else None
 
 
 def held_args(layer: QuantLinear) -> tuple:
@@ -196,25 +201,8 @@ class A8Products:
         rows = x.numel() // k
         if rows > self.ROWS:
             return None
-        flat = x.reshape(rows, k)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-        code = self.lib.a8_linear(
-            qs.dtype == torch.uint8,
-            rows,
-            n,
-            k,
-            flat.data_ptr(),
-            flat.stride(0),
-            x.dtype == torch.bfloat16,
-            qs.data_ptr(),
-            d.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1,
-        )
-        return y if code == 0 else None
+        threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
+        return _linear_call(self.lib.a8_linear, (qs.dtype == torch.uint8,), x, rows, qs, d, bias, threads)
 
 
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
