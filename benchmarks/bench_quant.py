@@ -22,6 +22,13 @@ per-output loop kept as `q8_reference` / `q4_reference`) against the tiles, inte
 swapped into all its products, interleaved block by block:
 
     python benchmarks/bench_quant.py --kernels-decode --size real-0.8b --schemes int8 --batch 8
+
+`--a8-kernels` times the products of `--quantization w8a8|w4a8` alone (`quant/a8_products.c` against the PyTorch
+path it replaced for long pieces: the input rounded, the weight dequantized, a float32 product), on random
+weights of Qwen3.5-4B's shapes (`real-4b`: its MLP's up and down products and a square projection), from one row
+(a decode step) to a 512-token prefill piece, bfloat16 activations, interleaved block by block:
+
+    python benchmarks/bench_quant.py --a8-kernels --json benchmarks/results/quant-a8-kernels.json
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--schemes", default="int8,int4", help="quantizations to compare (default int8,int4)")
     p.add_argument("--kernels", action="store_true", help="time the C products alone, before and after the tiles")
     p.add_argument("--kernels-decode", action="store_true", help="decode steps, before and after the tiles")
+    p.add_argument("--a8-kernels", action="store_true", help="the w8a8 / w4a8 C products against PyTorch's")
     return p.parse_args(argv)
 
 
@@ -214,6 +222,87 @@ def kernels_main(args) -> int:
     return 0
 
 
+# (n, k) of real-4b's products: the MLP's up and down, a square projection; rows from a decode step to a piece
+A8_SHAPES = [(9216, 2560), (2560, 9216), (2560, 2560)]
+A8_ROWS = (1, 8, 64, 256, 512)
+
+
+def a8_kernels_main(args) -> int:
+    """Seconds of one call of the C product ("c") and of PyTorch's rounded float32 product ("torch") per format,
+    shape and row count: the median over `--blocks` blocks, each side timed in turn within a block."""
+    import torch
+
+    from hyserve.quant import layout
+    from hyserve.quant import native as qnative
+
+    lib, why = qnative.a8_library()
+    if lib is None:
+        raise SystemExit(f"the C products do not build here: {why}")
+    products = qnative.A8Products(lib)
+    g = torch.Generator().manual_seed(0)
+    shapes, row_counts = ([(40, 256), (16, 1024)], (1, 9)) if args.quick else (A8_SHAPES, A8_ROWS)
+    blocks = 2 if args.quick else args.blocks
+    rows_out = []
+    for scheme in ("int8", "int4"):
+        for n, k in shapes:
+            qs, d = layout.quantize(torch.randn(n, k, generator=g) * 0.05, scheme)
+            layer = layout.QuantLinear(qs, d, None, torch.bfloat16)
+            for rows in row_counts:
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                sides = {
+                    "c": lambda x=x, layer=layer: products(x, layer),
+                    "torch": lambda x=x, layer=layer: layout.dequantized_linear(x, layer.qs, layer.d, None, True),
+                }
+                reps = max(1, min(50, 2_000_000_000 // (n * k * rows)))  # calls per timing: tens of ms
+                times = {side: [] for side in sides}
+                with torch.inference_mode():
+                    for _ in range(blocks):
+                        for side, call in sides.items():
+                            call()
+                            t0 = time.perf_counter()
+                            for _ in range(reps):
+                                call()
+                            times[side].append((time.perf_counter() - t0) / reps)
+                ops = 2 * n * k * rows
+                rows_out.append(
+                    {
+                        "format": "w4a8" if scheme == "int4" else "w8a8",
+                        "n": n,
+                        "k": k,
+                        "rows": rows,
+                        "c_s": C.median(times["c"]),
+                        "torch_s": C.median(times["torch"]),
+                        "c_gops": ops / C.median(times["c"]) / 1e9,
+                        "torch_gops": ops / C.median(times["torch"]) / 1e9,
+                        "speedup": C.median_ratio(times["c"], times["torch"]),
+                    }
+                )
+                print(rows_out[-1], flush=True)
+    result = {"isa": products.isa, "threads": args.threads, "blocks": blocks, "rows": rows_out}
+    print(a8_table(result))
+    if args.json_out:
+        C.write_result(args.json_out, "bench_quant.py", result)
+    return 0
+
+
+def a8_table(result: dict) -> str:
+    """The `--a8-kernels` table (bench_report's `quant-a8-kernels`)."""
+    return C.table(
+        ["format", "n x k", "rows", "C GOP/s", "PyTorch GOP/s", "C / PyTorch speed"],
+        [
+            [
+                r["format"],
+                f"{r['n']} x {r['k']}",
+                r["rows"],
+                f"{r['c_gops']:.1f}",
+                f"{r['torch_gops']:.1f}",
+                C.fmt_ratio(r["speedup"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -256,6 +345,9 @@ def main(argv=None) -> int:
     if args.kernels:
         C.setup_torch(args.threads)
         return kernels_main(args)
+    if args.a8_kernels:
+        C.setup_torch(args.threads)
+        return a8_kernels_main(args)
     if args.quick:
         args.size, args.blocks, args.steps, args.prompt, args.batch = "tiny", 2, 2, 16, 2
     if args.kernels_decode:

@@ -364,6 +364,12 @@ def decode_step(result: dict) -> str:
     return bench_decode_step.table(result)
 
 
+def quant_a8_kernels(result: dict) -> str:
+    import bench_quant
+
+    return bench_quant.a8_table(result)
+
+
 def quality(result: dict) -> str:
     import bench_quality
 
@@ -418,6 +424,7 @@ REPORTS = {
     "kv-sharing": ("kv-sharing.json", kv_sharing),
     "replicas": ("replicas.json", replicas),
     "quality": ("quality.json", quality),
+    "quant-a8-kernels": ("quant-a8-kernels.json", quant_a8_kernels),
 }
 
 

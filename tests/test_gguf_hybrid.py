@@ -87,6 +87,24 @@ def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, mode
     assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0 and all(t[1] == 0 for t in off)
 
 
+def test_a_q8_0_file_under_w8a8_rounds_the_inputs_of_its_kept_blocks(converted, model_dirs):
+    """`--quantization w8a8` on a Q8_0 file: its kept blocks (Qwen3-Next's experts among them) round their inputs
+    and take the int8-activation products, as the folder's w8a8 does; every weight is the file's blocks, which are
+    int8's, so the logits are the folder's exactly, and not the file's without w8a8."""
+    from hyserve.quant import native as qnative
+    from hyserve.quant.experts import quantized_linears
+
+    path = converted("qwen3_next", "q8_0")
+    rt = ModelRuntime.load(path, device="cpu", quantization="w8a8")
+    layers = quantized_linears(rt.model)
+    assert len(layers) >= 10 and all(m.rounds_activations for m in layers)
+    assert rt.kernels.on(qnative.A8_KERNEL), rt.kernels.status
+    assert all(isinstance(m.native, qnative.A8Products) for m in layers)
+    folder = ModelRuntime.load(model_dirs["qwen3_next"], device="cpu", quantization="w8a8")
+    assert torch.equal(_logits(rt), _logits(folder))
+    assert not torch.equal(_logits(rt), _logits(ModelRuntime.load(path, device="cpu")))
+
+
 def test_q4_0_blocks_are_kept_and_other_types_dequantized(converted, model_dirs, tmp_path):
     """Q4_0 stays as the file's nibbles (hyserve's int4 of the weight); Q5_0 is dequantized, and with
     --quantization int8 quantized again; an embedding in Q4_0 stays a quantized embedding."""

@@ -25,3 +25,26 @@ def test_quant_quick_writes_every_side(tmp_path):
     assert memory["int4"]["held_bytes"] < memory["int8"]["held_bytes"] < memory["bfloat16"]["held_bytes"]
     assert memory["int8"]["kernels"]["native_int8"] == "on" and memory["int4"]["kernels"]["native_int4"] == "on"
     assert result["command"].startswith("python benchmarks/bench_quant.py --quick")
+
+
+def test_a8_kernels_quick_times_both_sides(tmp_path):
+    """`--a8-kernels --quick`: each format, shape and row count timed on both sides, and bench_report's table."""
+    out = tmp_path / "a8.json"
+    r = subprocess.run(
+        [sys.executable, "benchmarks/bench_quant.py", "--a8-kernels", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [(row["format"], row["rows"]) for row in result["rows"]] == [
+        (f, rows) for f in ("w8a8", "w4a8") for _ in range(2) for rows in (1, 9)
+    ]
+    assert all(row["c_s"] > 0 and row["torch_s"] > 0 for row in result["rows"])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_report
+
+    table = bench_report.quant_a8_kernels(result)
+    assert "C / PyTorch speed" in table and len(table.splitlines()) == 2 + len(result["rows"])

@@ -1,20 +1,23 @@
 /* `a8_linear`: y = x @ W^T (+ bias) with the activations rounded to Q8_0 blocks, as llama.cpp computes its Q8_0 and
- * Q4_0 weights (`--quantization w8a8|w4a8`, quant/activations.py): each row of x is rounded per block of 32 values
- * (d = amax / 127, q = roundf(x * (1 / d)), in float32, `round_rows`), each block's dot product with the weight's
- * block is summed in integers (exact), and y[r, j] = sum over blocks of that sum * (dw * dx), in float32.
+ * Q4_0 weights (`--quantization w8a8|w4a8`): each row of x is rounded per block of 32 values (d = amax / 127,
+ * q = roundf(x * (1 / d)), in float32, `round_rows`), each block's dot product with the weight's block is summed in
+ * integers (exact), and y[r, j] = sum over blocks of that sum * (dw * dx), in float32. The reference it is checked
+ * against is `layout.dequantized_linear(rounded=True)`; the results agree up to float32 rounding.
  *
  * Why: a weight-only product widens every weight to float before it multiplies; at 4 bits that widening, not
- * memory, bounds a decode step. Here 32 weights meet 32 activations in one `maddubs` (AVX2), as in ggml's
- * `ggml_vec_dot_q4_0_q8_0`. The integer sums are exact, so the result is the dequantized product of the rounded
- * activations (`activations.rounded_linear`, the reference it is checked against) up to float32 rounding.
+ * memory, bounds a decode step, and in a prefill piece a float32 product does 8 multiplications per instruction
+ * where `maddubs` does 32. The weights are taken 8 rows at a time (a "set"), one output a lane: a block's integer
+ * sums of the 8 rows end in one vector, so converting, scaling and adding cost one instruction each per 8 outputs
+ * (ggml's repacked Q4_0 products do the same; here the rows are read where layout.py holds them, not repacked, so
+ * int4 and w4a8 hold the same bytes and a GGUF file's blocks serve as they are).
  *
  * Each output takes the same operations in the same order whatever the number of rows or threads: a row's
- * result does not depend on its batch (batched == single, cache on == cache off). The weights are held as
- * quant/layout.py holds them (Q8_0: int8 q [n, k]; Q4_0: bytes [n, k / 2], low nibbles weights 0-15 of a block,
- * high nibbles 16-31, u standing for u - 8; one float16 d per block). Instruction set: AVX2 (`-march=native`)
- * or portable C; `-DA8_ISA=0` picks the portable one (the tests build each the CPU runs). Each C file of hyserve is
- * built alone (kernels.native.build; the tests build copies of it elsewhere), so the float16 and bfloat16
- * conversions below repeat products.c's.
+ * result does not depend on its batch or its piece's length (batched == single, cache on == cache off). The
+ * weights are held as quant/layout.py holds them (Q8_0: int8 q [n, k]; Q4_0: bytes [n, k / 2], low nibbles weights
+ * 0-15 of a block, high nibbles 16-31, u standing for u - 8; one float16 d per block). Instruction set: AVX2
+ * (`-march=native`) or portable C; `-DA8_ISA=0` picks the portable one (the tests build each the CPU runs). Each C
+ * file of hyserve is built alone (kernels.native.build; the tests build copies of it elsewhere), so the float16
+ * and bfloat16 conversions below repeat products.c's.
  */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
@@ -28,8 +31,6 @@
 #include <string.h>
 
 #define BLOCK 32
-#define TILE_ROWS 8 /* input rows sharing one pass over a tile's weight blocks */
-#define GROUP 16    /* weight rows whose blocks stay in the core's cache while every input row passes */
 
 #ifndef A8_ISA
 #if defined(__AVX2__) && defined(__FMA__)
@@ -81,11 +82,11 @@ static inline uint16_t f2bf(float f) { /* to nearest even, as torch's .to(torch.
 }
 
 /* Rows of x (float32, or bfloat16 when `bf16`) rounded to Q8_0 blocks: q [rows, k] int8, d [rows, k / 32] float32,
- * and per block eight int32 `corr` [rows, k / 32, 8]: 8 times the sum of each four consecutive q (the Q4_0 products
- * multiply the unsigned nibbles u and take 8 * x back, lane by lane: the same integers as (u - 8) * x). Per block:
- * amax = max |x|, d = amax / 127, q = roundf(x * (1 / d)) (0 when d is 0): ggml's `quantize_row_q8_0_ref`, but d
- * kept in float32. A NaN or infinity in a block makes its d NaN or infinite (never hidden). */
-int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *q, float *d, int32_t *corr) {
+ * and `sum8` [rows, k / 32] int32, 8 times each block's sum of q (the Q4_0 products multiply the unsigned nibbles u
+ * and take 8 * x back: the same integers as (u - 8) * x). Per block: amax = max |x|, d = amax / 127,
+ * q = roundf(x * (1 / d)) (0 when d is 0): ggml's `quantize_row_q8_0_ref`, but d kept in float32. A NaN or infinity
+ * in a block makes its d NaN or infinite (never hidden). */
+int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *q, float *d, int32_t *sum8) {
     if (k % BLOCK) return -1;
     const int blocks = k / BLOCK;
     for (int r = 0; r < rows; r++)
@@ -99,176 +100,187 @@ int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *
             }
             const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
             int8_t *qb = q + (long)r * k + (long)b * BLOCK;
+            int32_t sum = 0;
             for (int i = 0; i < BLOCK; i++) {
                 const float t = roundf(v[i] * inv);
                 qb[i] = (int8_t)(t > 127.0f ? 127 : t < -127.0f ? -127 : (t == t ? t : 0));
+                sum += qb[i];
             }
             d[(long)r * blocks + b] = db;
-            for (int lane = 0; lane < 8; lane++)
-                corr[((long)r * blocks + b) * 8 + lane] =
-                    8 * (qb[4 * lane] + qb[4 * lane + 1] + qb[4 * lane + 2] + qb[4 * lane + 3]);
+            sum8[(long)r * blocks + b] = 8 * sum;
         }
     return 0;
 }
 
-/* Per instruction set: `acc_t` (an output's accumulator), `wblock_t` (a weight block made ready: Q4_0's nibbles as
- * unsigned bytes, Q8_0's values with their magnitudes), `block_dot` (acc + (the block's integer dot with an
- * activation block) * scale), `acc_sum`. Each lane's integer sum is exact, so either form gives the same integers. */
-#if A8_ISA == 1
-typedef __m256 acc_t;
-typedef struct { __m256i v, mag; } wblock_t;
-static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-static inline wblock_t weight_block(const int four_bit, const void *q, long j, int b, int blocks) {
-    wblock_t w;
-    if (four_bit) { /* weights 0-15 the low nibbles, 16-31 the high ones: 32 bytes u in 0..15 */
-        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (j * blocks + b) * (BLOCK / 2)));
-        w.v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
-        w.mag = w.v;
-    } else {
-        w.v = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + (j * blocks + b) * BLOCK));
-        w.mag = _mm256_abs_epi8(w.v);
-    }
-    return w;
-}
-/* Q4_0: u times x (u unsigned, `maddubs`: each pair summed into 16 bits, at most 2 * 15 * 127), pairs of those
- * into 32 bits, minus 8 times x's four (`corr`). Q8_0: |w| times x with w's sign (at most 2 * 128 * 127, no
- * saturation). Then the eight exact sums as floats, times the scale, added. */
-static inline acc_t block_dot(const int four_bit, acc_t acc, wblock_t w, const int8_t *xb, const int32_t *cb,
-                              __m256 scale) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xb);
-    const __m256i pairs = four_bit ? _mm256_maddubs_epi16(w.v, x) : _mm256_maddubs_epi16(w.mag, _mm256_sign_epi8(x, w.v));
-    __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    if (four_bit) sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i *)cb));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
-}
-static inline __m256 scale_of(float s) { return _mm256_set1_ps(s); }
-static inline float acc_sum(acc_t v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 p = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
-}
-#else
-typedef float acc_t;
-typedef struct { int8_t v[BLOCK]; } wblock_t;
-static inline acc_t acc_zero(void) { return 0.0f; }
-static inline wblock_t weight_block(const int four_bit, const void *q, long j, int b, int blocks) {
-    wblock_t w;
-    if (four_bit) {
-        const uint8_t *qb = (const uint8_t *)q + (j * blocks + b) * (BLOCK / 2);
-        for (int i = 0; i < BLOCK / 2; i++) {
-            w.v[i] = (int8_t)((qb[i] & 0x0f) - 8);
-            w.v[BLOCK / 2 + i] = (int8_t)((qb[i] >> 4) - 8);
-        }
-    } else {
-        memcpy(w.v, (const int8_t *)q + (j * blocks + b) * BLOCK, BLOCK);
-    }
-    return w;
-}
-static inline acc_t block_dot(const int four_bit, acc_t acc, wblock_t w, const int8_t *xb, const int32_t *cb,
-                              float scale) {
-    (void)four_bit, (void)cb;
-    int32_t s = 0;
-    for (int i = 0; i < BLOCK; i++) s += (int32_t)w.v[i] * xb[i];
-    return acc + (float)s * scale;
-}
-static inline float scale_of(float s) { return s; }
-static inline float acc_sum(acc_t v) { return v; }
+#define SET 8 /* weight rows whose outputs share one vector, a lane each */
+#ifndef TILE
+#define TILE 8 /* input rows passing each of a set's blocks while it is unpacked (at most 8) */
 #endif
-
+#ifndef GROUP
+#define GROUP 8 /* sets (64 weight rows) kept in the core's cache while every tile of input rows passes them */
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
-/* y[r, j0 .. j0 + J) for input rows r < R over all blocks: each weight block made ready once for the R rows. The
- * scales of eight blocks at a time are converted and multiplied as vectors (AVX2), the same products as one by
- * one. The next tile's weights (the rows after these) are fetched ahead, a block's share per block: the hardware
- * prefetchers do not keep J interleaved rows streaming. */
-INLINE void tile(const int four_bit, const int J, const int R, const void *q, const uint16_t *d, long j0, int blocks,
-                 const int8_t *xq, const float *xd, const int32_t *corr, long k, float *y, long n) {
-    acc_t acc[4][TILE_ROWS];
-#pragma GCC unroll 4
-    for (int jj = 0; jj < J; jj++)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[jj][r] = acc_zero();
-    const int block_bytes = four_bit ? BLOCK / 2 : BLOCK;
-    const char *next = (const char *)q + (j0 + J) * (long)blocks * block_bytes;
-    int b = 0;
+/* The outputs of input rows x[0 .. R) and one set's 8 weight rows (q: the set's first row, rows `row_bytes` apart;
+ * d: its scales, rows `blocks` apart) into out[r * 8 + row]. Each output is, over its blocks in order,
+ * acc += (the block's exact integer dot product) * (dw * dx) in float32: the same operations whatever R, the set's
+ * neighbours or the threads (a row's result does not depend on its batch). */
 #if A8_ISA == 1
-    for (; b + 8 <= blocks; b += 8) {
-        __m256 dw8[4];
-#pragma GCC unroll 4
-        for (int jj = 0; jj < J; jj++)
-            dw8[jj] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (j0 + jj) * blocks + b)));
+/* The scales of rows 0-7 for blocks b .. b + nb (nb <= 8) as floats, one vector per block: eight rows' eight
+ * float16 scales transposed as 16-bit values, then converted. */
+INLINE void set_scales(const uint16_t *d, int blocks, int b, int nb, __m256 *dw) {
+    if (nb == 8) {
+        __m128i r[8], t[8], u[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm_loadu_si128((const __m128i *)(d + (long)j * blocks + b));
+        for (int j = 0; j < 4; j++) {
+            t[2 * j] = _mm_unpacklo_epi16(r[2 * j], r[2 * j + 1]);
+            t[2 * j + 1] = _mm_unpackhi_epi16(r[2 * j], r[2 * j + 1]);
+        }
+        for (int h = 0; h < 2; h++) /* rows 0-3, then 4-7 */
+            for (int j = 0; j < 2; j++) {
+                u[4 * h + 2 * j] = _mm_unpacklo_epi32(t[4 * h + j], t[4 * h + 2 + j]);
+                u[4 * h + 2 * j + 1] = _mm_unpackhi_epi32(t[4 * h + j], t[4 * h + 2 + j]);
+            }
+        for (int j = 0; j < 4; j++) { /* u[j]: rows 0-3 of blocks 2j, 2j + 1; u[4 + j]: rows 4-7 */
+            dw[2 * j] = _mm256_cvtph_ps(_mm_unpacklo_epi64(u[j], u[4 + j]));
+            dw[2 * j + 1] = _mm256_cvtph_ps(_mm_unpackhi_epi64(u[j], u[4 + j]));
+        }
+    } else {
+        for (int i = 0; i < nb; i++) {
+            uint16_t h[8];
+            for (int j = 0; j < 8; j++) h[j] = d[(long)j * blocks + b + i];
+            dw[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        }
+    }
+}
+
+/* Rows p and p + 4's 16 bytes at `at` as one vector (row p the low half). */
+INLINE __m256i row_pair(const uint8_t *q, long row_bytes, int p, long at) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(q + p * row_bytes + at));
+    const __m128i hi = _mm_loadu_si128((const __m128i *)(q + (p + 4) * row_bytes + at));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* Q4_0: each pair of rows' nibbles as unsigned bytes, weights 0-15 (`w[p]`) against x's first 16 values in both
+ * halves and 16-31 (`w[4 + p]`) against its last 16: `maddubs` (at most 2 * 15 * 127 a pair), the two halves
+ * added in 16 bits (at most 4 * 15 * 127), pairs into 32 bits. Q8_0: the magnitudes against x with the weights'
+ * signs (at most 2 * 128 * 127 a pair, so each half into 32 bits on its own). Then the four rows' partial sums of
+ * each vector added across (`hadd`, twice): rows 0-7 in lanes 0-7; Q4_0 takes 8 * x's block sum back. */
+INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row_bytes, const uint16_t *d,
+                     int blocks, const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+    __m256 acc[8];
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
-            const __m256i at = _mm256_set1_epi32(i);
-            for (int line = 0; line < J * block_bytes; line += 64)
-                __builtin_prefetch(next + (long)(b + i) * J * block_bytes + line, 0, 3);
-#pragma GCC unroll 4
-            for (int jj = 0; jj < J; jj++) {
-                const wblock_t w = weight_block(four_bit, q, j0 + jj, b + i, blocks);
-                const __m256 dw = _mm256_permutevar8x32_ps(dw8[jj], at);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    const __m256 dx = _mm256_set1_ps(xd[r * blocks + b + i]);
-                    acc[jj][r] = block_dot(four_bit, acc[jj][r], w, xq + r * k + (long)(b + i) * BLOCK,
-                                           corr + ((long)r * blocks + b + i) * 8, _mm256_mul_ps(dw, dx));
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int bb = four_bit ? BLOCK / 2 : BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    const uint8_t *next = q + SET * row_bytes; /* the next set's rows, fetched ahead a line at a time */
+    for (int b = 0; b < blocks; b += 8) {
+        const int nb = blocks - b < 8 ? blocks - b : 8;
+        __m256 dw[8];
+        set_scales(d, blocks, b, nb, dw);
+        for (int i = 0; i < nb; i++) {
+            const long at = (long)(b + i) * bb;
+            if (!(at & 63))
+                for (int j = 0; j < SET; j++) __builtin_prefetch(next + j * row_bytes + at, 0, 3);
+            __m256i w[8], mag[8];
+            for (int p = 0; p < 4; p++) {
+                if (four_bit) {
+                    const __m256i raw = row_pair(q, row_bytes, p, at);
+                    w[p] = _mm256_and_si256(raw, low4);
+                    w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                } else {
+                    w[p] = row_pair(q, row_bytes, p, at);
+                    w[4 + p] = row_pair(q, row_bytes, p, at + BLOCK / 2);
+                    mag[p] = _mm256_abs_epi8(w[p]);
+                    mag[4 + p] = _mm256_abs_epi8(w[4 + p]);
                 }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + r * k + (long)(b + i) * BLOCK;
+                const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+                __m256i s[4];
+                for (int p = 0; p < 4; p++)
+                    if (four_bit)
+                        s[p] = _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[p], xlo), _mm256_maddubs_epi16(w[4 + p], xhi)),
+                            ones);
+                    else
+                        s[p] = _mm256_add_epi32(
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(mag[p], _mm256_sign_epi8(xlo, w[p])), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(mag[4 + p], _mm256_sign_epi8(xhi, w[4 + p])),
+                                              ones));
+                __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+                if (four_bit) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i]));
+                const __m256 scale = _mm256_mul_ps(dw[i], _mm256_set1_ps(xd[r * blocks + b + i]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
             }
         }
     }
-#endif
-    for (; b < blocks; b++) {
-        for (int line = 0; line < J * block_bytes; line += 64)
-            __builtin_prefetch(next + (long)b * J * block_bytes + line, 0, 3);
-#pragma GCC unroll 4
-        for (int jj = 0; jj < J; jj++) {
-            const wblock_t w = weight_block(four_bit, q, j0 + jj, b, blocks);
-            const float dw = h2f(d[(j0 + jj) * blocks + b]);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++)
-                acc[jj][r] = block_dot(four_bit, acc[jj][r], w, xq + r * k + (long)b * BLOCK,
-                                       corr + ((long)r * blocks + b) * 8, scale_of(dw * xd[r * blocks + b]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * SET, acc[r]);
+}
+#else
+INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row_bytes, const uint16_t *d,
+                     int blocks, const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+    (void)xs;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < SET; j++) {
+            float acc = 0.0f;
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *wb = q + j * row_bytes + (long)b * (four_bit ? BLOCK / 2 : BLOCK);
+                const int8_t *xb = xq + r * k + (long)b * BLOCK;
+                int32_t s = 0;
+                for (int i = 0; i < BLOCK / 2; i++)
+                    s += four_bit ? ((wb[i] & 0x0f) - 8) * xb[i] + ((wb[i] >> 4) - 8) * xb[BLOCK / 2 + i]
+                                  : (int8_t)wb[i] * xb[i] + (int8_t)wb[BLOCK / 2 + i] * xb[BLOCK / 2 + i];
+                acc = acc + (float)s * (h2f(d[(long)j * blocks + b]) * xd[r * blocks + b]);
+            }
+            out[r * SET + j] = acc;
         }
-    }
-#pragma GCC unroll 4
-    for (int jj = 0; jj < J; jj++)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[r * n + j0 + jj] = acc_sum(acc[jj][r]);
 }
+#endif
 
-/* Weight rows side by side for R input rows: their J * R accumulators fit the registers. */
-#define WEIGHT_ROWS(R) ((R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
-
-/* Weight rows [first, last) for R input rows, WEIGHT_ROWS(R) at a time, then the rest one by one. */
-INLINE void stretch(const int four_bit, const int R, const void *q, const uint16_t *d, long first, long last,
-                    int blocks, const int8_t *xq, const float *xd, const int32_t *corr, long k, float *y, long n) {
-    const int J = WEIGHT_ROWS(R);
-    long j = first;
-    for (; j + J <= last; j += J) tile(four_bit, J, R, q, d, j, blocks, xq, xd, corr, k, y, n);
-    for (; j < last; j++) tile(four_bit, 1, R, q, d, j, blocks, xq, xd, corr, k, y, n);
-}
-
-/* Weight rows [first, last) for every input row: by groups of GROUP weight rows, each group passed by all the
- * input rows, TILE_ROWS at a time, while its blocks are in the core's cache (a prefill piece reads each weight
- * from memory once, not once per TILE_ROWS rows). */
-INLINE void rows_stretch(const int four_bit, int rows, const void *q, const uint16_t *d, long first, long last,
-                         int blocks, const int8_t *xq, const float *xd, const int32_t *corr, long k, float *y,
-                         long n) {
+/* Sets [first, last) of weight rows for every input row: GROUP sets at a time, each group passed by all the input
+ * rows, TILE at a time, while its blocks are in the core's cache (a prefill piece reads each weight from memory
+ * once). The last set, when n is not a multiple of 8, reads `pad` (its rows, then zeros). The outputs with the
+ * bias added, written in y's dtype. */
+INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq, const float *xd, const int32_t *xs,
+                 const uint8_t *q, const uint16_t *d, const uint8_t *pad_q, const uint16_t *pad_d, const float *bias,
+                 void *y, int bf16, long first, long last) {
+    const int blocks = (int)(k / BLOCK);
+    const long row_bytes = four_bit ? k / 2 : k;
+    float out[8 * SET];
     for (long g = first; g < last; g += GROUP) {
         const long end = g + GROUP < last ? g + GROUP : last;
-        for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+        for (int r0 = 0; r0 < rows; r0 += TILE) {
+            const int R = rows - r0 < TILE ? rows - r0 : TILE;
             const int8_t *xr = xq + (long)r0 * k;
             const float *dr = xd + (long)r0 * blocks;
-            const int32_t *cr = corr + (long)r0 * blocks * 8;
-            float *yr = y + (long)r0 * n;
-            switch (rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS) {
-            case 1: stretch(four_bit, 1, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 2: stretch(four_bit, 2, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 3: stretch(four_bit, 3, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 4: stretch(four_bit, 4, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 5: stretch(four_bit, 5, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 6: stretch(four_bit, 6, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            case 7: stretch(four_bit, 7, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
-            default: stretch(four_bit, TILE_ROWS, q, d, g, end, blocks, xr, dr, cr, k, yr, n); break;
+            const int32_t *sr = xs + (long)r0 * blocks;
+            for (long s = g; s < end; s++) {
+                const int whole = (s + 1) * SET <= n;
+                const uint8_t *qs = whole ? q + s * SET * row_bytes : pad_q;
+                const uint16_t *ds = whole ? d + s * SET * blocks : pad_d;
+                switch (R) { /* R a constant in each: the accumulators stay in registers */
+                case 1: set_rows(four_bit, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 2: set_rows(four_bit, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 3: set_rows(four_bit, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 4: set_rows(four_bit, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 5: set_rows(four_bit, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 6: set_rows(four_bit, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 7: set_rows(four_bit, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                default: set_rows(four_bit, 8, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                }
+                const int outputs = whole ? SET : (int)(n - s * SET);
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < outputs; j++) {
+                        const long at = (long)(r0 + r) * n + s * SET + j;
+                        const float v = bias ? out[r * SET + j] + bias[s * SET + j] : out[r * SET + j];
+                        if (bf16) ((uint16_t *)y)[at] = f2bf(v);
+                        else ((float *)y)[at] = v;
+                    }
             }
         }
     }
@@ -279,35 +291,45 @@ int a8_isa(void) { return A8_ISA; }
 
 /* x [rows, k] (rows `x_stride` elements apart; bfloat16 when `bf16`, else float32) times the weight (`four_bit`:
  * Q4_0 bytes, else Q8_0 int8; d float16 [n, k / 32]), plus `bias` (float32, or NULL), into y [rows, n] in x's
- * dtype. `scratch`: room for rows * k int8 and rows * k / 32 float32 (the rounded rows), or NULL to allocate it.
+ * dtype. The threads round their share of x's rows, then compute their share of the sets of 8 weight rows.
  * 0, or -1 when k is not a whole number of blocks or memory runs out (nothing written). */
 int a8_linear(int four_bit, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
               const uint16_t *d, const float *bias, void *y, int threads) {
     if (k % BLOCK) return -1;
     const int blocks = k / BLOCK;
-    const size_t xq_bytes = ((size_t)rows * k + 63) / 64 * 64; /* then corr (as many bytes), xd, y in float32 */
-    char *scratch = malloc(2 * xq_bytes + sizeof(float) * (size_t)rows * blocks + (bf16 ? sizeof(float) * (size_t)rows * n : 0));
+    const long row_bytes = four_bit ? k / 2 : k, tail = n % SET;
+    const size_t xq_bytes = ((size_t)rows * k + 63) / 64 * 64, per_row = sizeof(float) + sizeof(int32_t);
+    const size_t pad_q_bytes = tail ? ((size_t)SET * row_bytes + 63) / 64 * 64 : 0;
+    char *scratch = malloc(xq_bytes + per_row * (size_t)rows * blocks + pad_q_bytes +
+                           (tail ? sizeof(uint16_t) * SET * (size_t)blocks : 0));
     if (!scratch) return -1;
     int8_t *xq = (int8_t *)scratch;
-    int32_t *corr = (int32_t *)(scratch + xq_bytes);
-    float *xd = (float *)(scratch + 2 * xq_bytes), *yf = bf16 ? xd + (size_t)rows * blocks : (float *)y;
-    round_rows(rows, k, x, x_stride, bf16, xq, xd, corr);
+    float *xd = (float *)(scratch + xq_bytes);
+    int32_t *xs = (int32_t *)(xd + (size_t)rows * blocks);
+    uint8_t *pad_q = (uint8_t *)(xs + (size_t)rows * blocks);
+    uint16_t *pad_d = (uint16_t *)(pad_q + pad_q_bytes);
+    if (tail) { /* the last set's rows, then zero rows (their outputs are not written) */
+        memset(pad_q, 0, pad_q_bytes);
+        memset(pad_d, 0, sizeof(uint16_t) * SET * (size_t)blocks);
+        memcpy(pad_q, (const uint8_t *)q + (n - tail) * row_bytes, tail * row_bytes);
+        memcpy(pad_d, d + (n - tail) * blocks, sizeof(uint16_t) * tail * blocks);
+    }
+    const long all_sets = (n + SET - 1) / SET;
+    const size_t x_size = bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long per = ((n + nt - 1) / nt + 3) / 4 * 4, first = t * per < n ? t * per : n,
-                   last = first + per < n ? first + per : n;
+        const int per_t = (rows + nt - 1) / nt, r_first = t * per_t < rows ? t * per_t : rows,
+                  r_last = r_first + per_t < rows ? r_first + per_t : rows;
+        round_rows(r_last - r_first, k, (const char *)x + (size_t)r_first * x_stride * x_size, x_stride, bf16,
+                   xq + (size_t)r_first * k, xd + (size_t)r_first * blocks, xs + (size_t)r_first * blocks);
+#pragma omp barrier
+        const long per = (all_sets + nt - 1) / nt, first = t * per < all_sets ? t * per : all_sets,
+                   last = first + per < all_sets ? first + per : all_sets;
         if (four_bit) /* a constant in each: the format's branch leaves the inner loops */
-            rows_stretch(1, rows, q, d, first, last, blocks, xq, xd, corr, k, yf, n);
+            sets(1, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last);
         else
-            rows_stretch(0, rows, q, d, first, last, blocks, xq, xd, corr, k, yf, n);
-        if (bf16 || bias)
-            for (int r = 0; r < rows; r++)
-                for (long j = first; j < last; j++) {
-                    const float v = bias ? yf[(long)r * n + j] + bias[j] : yf[(long)r * n + j];
-                    if (bf16) ((uint16_t *)y)[(long)r * n + j] = f2bf(v);
-                    else yf[(long)r * n + j] = v;
-                }
+            sets(0, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last);
     }
     free(scratch);
     return 0;

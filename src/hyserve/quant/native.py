@@ -2,7 +2,7 @@
 `decode_step.c` (same flags, cache folder, OpenMP guard and `HYSERVE_NATIVE=0` switch), then checked on every weight
 shape of the model against `dequantized_linear`; off, with the reason, when they cannot be built or do not match:
 - `products.c` (`Products`): weight-only schemes (int8, int4), a decode step's few rows, activations as they are;
-- `a8_products.c` (`A8Products`): w8a8 / w4a8, up to 64 rows, activations rounded to Q8_0 blocks and multiplied
+- `a8_products.c` (`A8Products`): w8a8 / w4a8, every row count, activations rounded to Q8_0 blocks and multiplied
   in integers. Off, the layers compute the same rounding in PyTorch (`dequantized_linear(rounded=True)`)."""
 
 from __future__ import annotations
@@ -180,14 +180,13 @@ def held_args(layer: QuantLinear) -> tuple:
 
 
 class A8Products:
-    """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), up to `ROWS` rows, either format: what
+    """x @ W^T (+ bias) with x rounded to Q8_0 blocks (`a8_products.c`), any number of rows, either format: what
     `dequantized_linear(x, ..., rounded=True)` computes, up to float32 rounding, each row alone."""
 
-    # Rows it takes in one call; more (a long prefill piece) are left to `dequantized_linear(rounded=True)`, whose
-    # float32 matrix product is faster there: it dequantizes each weight once for the piece, and its FMAs then
-    # carry 8 products each, against the C loop's per-row scaling of every block. Either gives the rounded
-    # reference's numbers up to float32 rounding (cache on == cache off, as for int8 / int4).
-    ROWS = 64
+    # Rows it takes in one call: all of them. A prefill piece's integer products beat dequantizing the weight and
+    # multiplying in float32 (docs/quantization.md), and one product for every row count keeps a token's numbers
+    # the same whichever piece it is in (cache on == cache off).
+    ROWS = 1 << 30
 
     def __init__(self, lib):
         self.lib = lib
@@ -199,8 +198,6 @@ class A8Products:
         if not (x.is_cpu and x.dtype in DIRECT and x.shape[-1] == k and x.numel()):
             return None
         rows = x.numel() // k
-        if rows > self.ROWS:
-            return None
         threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
         return _linear_call(self.lib.a8_linear, (qs.dtype == torch.uint8,), x, rows, qs, d, bias, threads)
 
