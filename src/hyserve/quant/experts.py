@@ -10,7 +10,8 @@ expert that many rows hit), and a token's top-k outputs are added in its own slo
 elementwise operations, rounded once to the activation's dtype.
 
 A prefill piece hits each expert with a few rows: up to `C_ROWS` of them run the C product `Products.ROWS` at a
-time, streaming the expert's quantized values, rather than dequantizing the whole expert for them (each prefill
+time (under w8a8 / w4a8 any number, in one call), streaming the expert's quantized values, rather than
+dequantizing the whole expert for them (each prefill
 piece would otherwise dequantize every expert it hits); the (token, slot) pairs are grouped by expert with one
 sort, not one comparison over every pair per expert.
 """

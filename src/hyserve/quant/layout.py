@@ -11,9 +11,9 @@ The dtype of the values says which (int8: Q8_0, uint8: Q4_0). A GGUF file's bloc
 quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`) make of it.
 
 The modules hold the quantized form only (no float copy of the weight): a decode step's few rows run the C
-product over it (`native.Products`, once checked at load), anything else dequantizes and multiplies in
-float32 (`dequantized_linear`), a slice of output rows at a time so that a 248k-row head never holds a whole
-float copy.
+product over it (`native.Products`, once checked at load; under w8a8 / w4a8 every row count runs
+`native.A8Products`), anything else dequantizes and multiplies in float32 (`dequantized_linear`), a slice of output
+rows at a time so that a 248k-row head never holds a whole float copy.
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ class A8Products:
     `dequantized_linear(x, ..., rounded=True)` computes, up to float32 rounding, each row alone."""
 
     # Rows it takes in one call: all of them. A prefill piece's integer products beat dequantizing the weight and
-    # multiplying in float32 (docs/quantization.md), and one product for every row count keeps a token's numbers
-    # the same whichever piece it is in (cache on == cache off).
+    # multiplying in float32 (`bench_quant.py --a8-kernels`), and one product for every row count keeps a token's
+    # numbers the same whichever piece it is in (cache on == cache off).
     ROWS = 1 << 30
 
     def __init__(self, lib):
