@@ -98,21 +98,21 @@ def kernel_rows(schemes: list[str], shapes: list[tuple[int, int]], blocks: int, 
                         for _ in range(reps):
                             product(*args)
                         times[side].append((time.perf_counter() - t0) / reps)
-                flops = 2 * n * k * rows
-                rows_out.append(
-                    {
-                        "format": scheme,
-                        "n": n,
-                        "k": k,
-                        "rows": rows,
-                        "before_s": C.median(times["before"]),
-                        "after_s": C.median(times["after"]),
-                        "before_gflops": flops / C.median(times["before"]) / 1e9,
-                        "after_gflops": flops / C.median(times["after"]) / 1e9,
-                        "speedup": C.median_ratio(times["after"], times["before"]),
-                    }
-                )
+                head = {"format": scheme, "n": n, "k": k, "rows": rows}
+                rows_out.append(_two_sides(head, times, "after", "before", 2 * n * k * rows, "gflops"))
     return rows_out
+
+
+def _two_sides(head: dict, times: dict, fast: str, slow: str, ops: int, rate: str) -> dict:
+    """A kernel table's row: `head`, each side's median seconds and billions of `ops` a second (`{side}_{rate}`),
+    and `speedup`, the median over blocks of slow's time over fast's."""
+    row = dict(head)
+    for side in (slow, fast):
+        row[f"{side}_s"] = C.median(times[side])
+    for side in (slow, fast):
+        row[f"{side}_{rate}"] = ops / row[f"{side}_s"] / 1e9
+    row["speedup"] = C.median_ratio(times[fast], times[slow])
+    return row
 
 
 def tiles_ab_times(rt, prompt: int, batch: int, blocks: int, steps: int) -> dict:
@@ -263,20 +263,8 @@ def a8_kernels_main(args) -> int:
                             for _ in range(reps):
                                 call()
                             times[side].append((time.perf_counter() - t0) / reps)
-                ops = 2 * n * k * rows
-                rows_out.append(
-                    {
-                        "format": "w4a8" if scheme == "int4" else "w8a8",
-                        "n": n,
-                        "k": k,
-                        "rows": rows,
-                        "c_s": C.median(times["c"]),
-                        "torch_s": C.median(times["torch"]),
-                        "c_gops": ops / C.median(times["c"]) / 1e9,
-                        "torch_gops": ops / C.median(times["torch"]) / 1e9,
-                        "speedup": C.median_ratio(times["c"], times["torch"]),
-                    }
-                )
+                head = {"format": "w4a8" if scheme == "int4" else "w8a8", "n": n, "k": k, "rows": rows}
+                rows_out.append(_two_sides(head, times, "c", "torch", 2 * n * k * rows, "gops"))
                 print(rows_out[-1], flush=True)
     result = {"isa": products.isa, "threads": args.threads, "blocks": blocks, "rows": rows_out}
     print(a8_table(result))

@@ -8,17 +8,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quant_quick_writes_every_side(tmp_path):
+def _quick(tmp_path, *args: str) -> dict:
+    """The result `bench_quant.py --quick *args` writes."""
     out = tmp_path / "quant.json"
     r = subprocess.run(
-        [sys.executable, "benchmarks/bench_quant.py", "--quick", "--json", str(out)],
+        [sys.executable, "benchmarks/bench_quant.py", "--quick", *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_quant_quick_writes_every_side(tmp_path):
+    result = _quick(tmp_path)
     assert [row["requests"] for row in result["rows"]] == [1, 2]
     assert all(row[f"{x}_step_s"] > 0 for row in result["rows"] for x in ("bfloat16", "int8", "int4"))
     memory = result["memory"]
@@ -29,16 +34,7 @@ def test_quant_quick_writes_every_side(tmp_path):
 
 def test_a8_kernels_quick_times_both_sides(tmp_path):
     """`--a8-kernels --quick`: each format, shape and row count timed on both sides, and bench_report's table."""
-    out = tmp_path / "a8.json"
-    r = subprocess.run(
-        [sys.executable, "benchmarks/bench_quant.py", "--a8-kernels", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = _quick(tmp_path, "--a8-kernels")
     assert [(row["format"], row["rows"]) for row in result["rows"]] == [
         (f, rows) for f in ("w8a8", "w4a8") for _ in range(2) for rows in (1, 9)
     ]
