@@ -113,12 +113,8 @@ int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *
 }
 
 #define SET 8 /* weight rows whose outputs share one vector, a lane each */
-#ifndef TILE
-#define TILE 8 /* input rows passing each of a set's blocks while it is unpacked (at most 8) */
-#endif
-#ifndef GROUP
+#define TILE 8  /* input rows passing each of a set's blocks while it is unpacked (`sets` has a case for each count) */
 #define GROUP 8 /* sets (64 weight rows) kept in the core's cache while every tile of input rows passes them */
-#endif
 #define INLINE static inline __attribute__((always_inline))
 
 /* The outputs of input rows x[0 .. R) and one set's 8 weight rows (q: the set's first row, rows `row_bytes` apart;
@@ -168,7 +164,7 @@ INLINE __m256i row_pair(const uint8_t *q, long row_bytes, int p, long at) {
  * each vector added across (`hadd`, twice): rows 0-7 in lanes 0-7; Q4_0 takes 8 * x's block sum back. */
 INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row_bytes, const uint16_t *d,
                      int blocks, const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
-    __m256 acc[8];
+    __m256 acc[TILE];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int bb = four_bit ? BLOCK / 2 : BLOCK;
@@ -254,7 +250,7 @@ INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq,
                  void *y, int bf16, long first, long last) {
     const int blocks = (int)(k / BLOCK);
     const long row_bytes = four_bit ? k / 2 : k;
-    float out[8 * SET];
+    float out[TILE * SET];
     for (long g = first; g < last; g += GROUP) {
         const long end = g + GROUP < last ? g + GROUP : last;
         for (int r0 = 0; r0 < rows; r0 += TILE) {
@@ -274,7 +270,7 @@ INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq,
                 case 5: set_rows(four_bit, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
                 case 6: set_rows(four_bit, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
                 case 7: set_rows(four_bit, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                default: set_rows(four_bit, 8, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                default: set_rows(four_bit, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
                 }
                 const int outputs = whole ? SET : (int)(n - s * SET);
                 for (int r = 0; r < R; r++)
