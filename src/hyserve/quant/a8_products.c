@@ -171,10 +171,14 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
     /* The next set's rows (8 whole rows, one stretch of memory) fetched ahead in the order they lie, each block its
      * share: the hardware prefetchers do not keep 8 interleaved row streams going, nor did fetching each row's next
-     * line (a one-row product over a Q8_0 head ran a third slower so). */
+     * line (a one-row product over a Q8_0 head ran a third slower so). Its scales too (also one stretch): without,
+     * a one-row product over 1024 x 3584 Q4_0 weights ran 15% slower. */
     const uint8_t *next = q + SET * row_bytes;
+    const char *next_d = (const char *)(d + SET * blocks);
     for (int b = 0; b < blocks; b += 8) {
         const int nb = blocks - b < 8 ? blocks - b : 8;
+        __builtin_prefetch(next_d + (long)b * 2 * SET, 0, 3); /* 8 blocks' scales of 8 rows: 128 bytes */
+        __builtin_prefetch(next_d + (long)b * 2 * SET + 64, 0, 3);
         __m256 dw[8];
         set_scales(d, blocks, b, nb, dw);
         for (int i = 0; i < nb; i++) {
