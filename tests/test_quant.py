@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from hyserve import model_thread, quant
+from hyserve.kernels import linear
 from hyserve.models.runtime import ModelRuntime
 from hyserve.quant import experts as qexperts
 from hyserve.quant import layout
 from hyserve.quant import native as qnative
+from hyserve.quant import siblings as qsiblings
 from hyserve.testing.tiny import ARCHS
 
 from .conftest import FAMILIES
@@ -193,6 +195,56 @@ def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
             for r in range(products.ROWS):
                 assert torch.equal(products(x[r : r + 1], m), got[r : r + 1])
             assert products(torch.zeros(products.ROWS + 1, 1, k), m) is None
+
+
+SIBLING_NAMES = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj"}
+SIBLING_NAMES |= {"gate_proj", "up_proj"}
+
+
+def _logits_of_a_chat(rt, n=6):
+    """A prompt's logits and those of `n` greedy decode steps after it, one request."""
+
+    def run():
+        ad = rt.adapter
+        state = ad.new_state()
+        out = [ad.forward(state, list(range(5, 40)))]
+        for _ in range(n):
+            out.append(ad.forward_batch([state], [int(out[-1].reshape(-1, out[-1].shape[-1])[-1].argmax())])[0])
+        ad.drop_batch()
+        return out
+
+    return model_thread.run(run)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w4a8"])
+def test_sibling_projections_run_one_product_over_their_blocks_stacked(quantized, model_dirs, monkeypatch, scheme):
+    """A Gated DeltaNet's input projections, attention's q/k/v and an MLP's gate and up are one product: the members'
+    values are views of the stack (held once), and a prompt's and its decode steps' logits are those of the members
+    run apart, bit for bit."""
+    rt = quantized("qwen3_5", "bfloat16", scheme)
+    grouped = {n: m for n, m in rt.model.named_modules() if linear.GROUP in m.__dict__}
+    assert {n.rsplit(".", 1)[-1] for n in grouped} == SIBLING_NAMES
+    for m in grouped.values():
+        stacked = m.__dict__[linear.GROUP].stacked
+        assert m.qs.untyped_storage().data_ptr() == stacked.qs.untyped_storage().data_ptr()
+        assert m.d.untyped_storage().data_ptr() == stacked.d.untyped_storage().data_ptr()
+    monkeypatch.setenv("HYSERVE_GROUPED_LINEAR", "0")
+    apart = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu", quantization=scheme)
+    assert not any(linear.GROUP in m.__dict__ for m in apart.model.modules())
+    got, want = _logits_of_a_chat(rt), _logits_of_a_chat(apart)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_stack_that_differs_from_its_members_is_left_apart(model_dirs, monkeypatch, caplog):
+    """The load-time check of the stacked product: one that gives other numbers than its members' own leaves every
+    group apart (each member's own product runs), with a line saying so."""
+    own = qsiblings.QuantSiblings.product
+    monkeypatch.setattr(qsiblings.QuantSiblings, "product", lambda self, x: own(self, x) * 1.01)
+    with caplog.at_level(logging.INFO, logger="hyserve.quant"):
+        rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu", quantization="int4")
+    assert not any(linear.GROUP in m.__dict__ for m in rt.model.modules())
+    assert "left apart" in caplog.text
+    assert rt.kernels.on("native_int4")
 
 
 def _greedy(rt, n=10, together=True):

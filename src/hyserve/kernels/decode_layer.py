@@ -37,31 +37,39 @@ ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
 class Stack:
-    """Linear layers that read the same input, as one product: the stacked weight `linear.group` made of
-    them, or a lone layer's packed weight (`linear.pack`), for a bfloat16 input (each member's columns a
-    view of it); else each member's own forward."""
+    """Linear layers that read the same input, as one product: their sibling group's stacked product
+    (`linear.Siblings`: bfloat16 weights stacked by `linear.group`, quantized ones by `quant.siblings`), or a lone
+    layer's packed weight (`linear.pack`), for an input of a dtype it takes (each member's columns a view of
+    it); else each member's own forward."""
 
-    def __init__(self, members: list[torch.nn.Linear]):
+    def __init__(self, members: list[torch.nn.Module]):
         self.members = members
         group = members[0].__dict__.get(linear.GROUP)
-        self.packed, self.columns, self.bias = None, None, None
+        self.product, self.columns, self.dtypes = None, None, ()
         if (
             group is not None
             and group.size == len(members)
             and all(m.__dict__.get(linear.GROUP) is group for m in members)
         ):
-            self.packed, self.columns = group.packed, [group.columns[id(m)] for m in members]
+            self.product, self.dtypes = group.product, group.dtypes
+            self.columns = [group.columns[id(m)] for m in members]
         elif len(members) == 1 and linear.PACKED in members[0].__dict__:
-            self.packed, self.bias = members[0].__dict__[linear.PACKED], members[0].bias
+            self.product = functools.partial(members[0].__dict__[linear.PACKED], bias=members[0].bias)
+            self.dtypes = (torch.bfloat16,)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.packed is not None and x.dtype == torch.bfloat16:
-            y = self.packed(x, self.bias)
+        if self.product is not None and x.dtype in self.dtypes:
+            y = self.product(x)
             return [y[..., a:b] for a, b in self.columns] if self.columns else [y]
         return [m.forward(x) for m in self.members]
 
     def one(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)[0]
+
+
+def _linear(module) -> bool:
+    """A plain `nn.Linear`, or a module that stands for one (`linear_like`: a quantized linear layer)."""
+    return type(module) is torch.nn.Linear or getattr(type(module), "linear_like", False)
 
 
 def _norm(module):
@@ -77,31 +85,42 @@ class Parts:
     def __init__(self, layer, conv_step, recurrent_step):
         self.conv_step, self.recurrent_step = conv_step, recurrent_step
         self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-        mlp = layer.mlp
-        self.mlp = None
-        if all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
-            self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, Stack([mlp.down_proj]).one)
         self.gdn = self.attn = self.native = None
         gdn, attn = getattr(layer, "linear_attn", None), getattr(layer, "self_attn", None)
         self.index = (gdn if gdn is not None else attn).layer_idx
         if type(gdn).__name__ in GATED_DELTANET and conv_step is not None and recurrent_step is not None:
             self.gdn = gdn
-            self.in_proj = Stack([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
             self.neg_a = -gdn.A_log.detach().float().exp()  # as transformers: -A_log.float().exp()
             self.dt_bias = gdn.dt_bias.detach().float()  # a.float() + dt_bias promotes it to float32 anyway
             self.taps = gdn.conv1d.weight.detach().squeeze(1).float()  # conv_step's products run in float32
             self.conv_bias = gdn.conv1d.bias
             self.dims = (gdn.key_dim, gdn.value_dim, gdn.num_k_heads, gdn.head_k_dim, gdn.num_v_heads, gdn.head_v_dim)
-            self.out_proj, self.gated_norm = Stack([gdn.out_proj]).one, _norm(gdn.norm)
+            self.gated_norm = _norm(gdn.norm)
         home = sys.modules.get(type(attn).__module__)
         if type(attn).__name__ in ATTENTION and all(
             hasattr(home, n) for n in ("ALL_ATTENTION_FUNCTIONS", "apply_rotary_pos_emb", "eager_attention_forward")
         ):
             self.attn = attn
-            self.qkv = Stack([attn.q_proj, attn.k_proj, attn.v_proj])
-            self.q_norm, self.k_norm, self.o_proj = _norm(attn.q_norm), _norm(attn.k_norm), Stack([attn.o_proj]).one
+            self.q_norm, self.k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
             self.rotary, self.interfaces = home.apply_rotary_pos_emb, home.ALL_ATTENTION_FUNCTIONS
             self.eager = home.eager_attention_forward
+        self.stack(layer)
+
+    def stack(self, layer) -> None:
+        """The layer's products (`Stack`s), as its linear layers are grouped now: again after a later grouping
+        (`restack`)."""
+        mlp = layer.mlp
+        self.mlp = None
+        if all(_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
+            self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, Stack([mlp.down_proj]).one)
+        if self.gdn is not None:
+            gdn = self.gdn
+            self.in_proj = Stack([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
+            self.out_proj = Stack([gdn.out_proj]).one
+        if self.attn is not None:
+            attn = self.attn
+            self.qkv = Stack([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.o_proj = Stack([attn.o_proj]).one
 
 
 def fits(layer) -> bool:
@@ -257,6 +276,13 @@ def install(model, conv_step=None, recurrent_step=None) -> int:
             registry.set("decode_layer", module, "forward", types.MethodType(decode_forward, module))
             done += 1
     return done
+
+
+def restack(model) -> None:
+    """Rebuild the lean layers' products after their linear layers were grouped anew (`quant.siblings`)."""
+    for module in model.modules():
+        if PARTS in module.__dict__:
+            module.__dict__[PARTS].stack(module)
 
 
 def install_native(model) -> str | None:

@@ -112,8 +112,9 @@ SIBLINGS = (
 GROUP = "_hyserve_group"
 
 
-class SiblingGroup:
-    """Packed linear layers that read the same input, as one product over their weights stacked (`group`).
+class Siblings:
+    """Linear layers that read the same input, as one product over their weights stacked: `product(x)` gives
+    every member's columns (`columns[id(member)]`) at once.
 
     A decode step's products are one row against each weight: a Qwen3.5 Gated DeltaNet layer ran four, two of
     them 16 x 1024, each paying a call's fixed cost and streaming its weight at a fraction of the bandwidth a
@@ -122,34 +123,59 @@ class SiblingGroup:
     product for that one. (The models call the siblings back to back on one input that nothing changes in
     between; inference tensors keep no version counter to check that by.) Each column is the same dot
     product either way: the load-time check requires the stacked result to equal the members' own, bit for
-    bit."""
+    bit. `dtypes`: the inputs the stacked product takes (others run each member's own product)."""
 
-    def __init__(self, members: list[torch.nn.Linear]):
-        weight = torch.cat([m.weight.detach() for m in members])
-        self.packed = Packed(weight)
+    dtypes: tuple[torch.dtype, ...] = ()
+
+    def __init__(self, members: list[torch.nn.Module]):
         self.columns, start = {}, 0
         for m in members:
             self.columns[id(m)] = (start, start + m.out_features)
-            m.weight.data = weight[start : start + m.out_features]  # a view of the stack: held once
             start += m.out_features
         self.size = len(members)
         self._last = None  # [input, stacked output, reads left]
 
-    def output(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def output(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         last = self._last
         if last is None or last[0] is not x:
-            last = [x, self.packed(x), self.size]
+            last = [x, self.product(x), self.size]
         last[2] -= 1
         self._last = last if last[2] else None  # the last member's read lets the input and output go
         a, b = self.columns[id(module)]
         return last[1][..., a:b]
 
 
+class SiblingGroup(Siblings):
+    """Packed bfloat16 siblings (`pack`): their weights stacked and packed once, each member's weight a view of
+    the stack (held once)."""
+
+    dtypes = (torch.bfloat16,)
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        super().__init__(members)
+        weight = torch.cat([m.weight.detach() for m in members])
+        self.packed = Packed(weight)
+        for m in members:
+            a, b = self.columns[id(m)]
+            m.weight.data = weight[a:b]  # a view of the stack: held once
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x)
+
+
+def grouping_enabled() -> bool:
+    """Whether sibling layers may be stacked (`HYSERVE_GROUPED_LINEAR=0`: each runs its own product)."""
+    return os.environ.get("HYSERVE_GROUPED_LINEAR", "1") != "0"
+
+
 def group(model) -> list[SiblingGroup]:
     """Stack the packed, bias-free sibling layers (`SIBLINGS`) of every module of `model` into groups
     (none with `HYSERVE_GROUPED_LINEAR=0`)."""
     made = []
-    if os.environ.get("HYSERVE_GROUPED_LINEAR", "1") == "0":
+    if not grouping_enabled():
         return made
     registry = seam.patches(model)
     for parent in model.modules():

@@ -172,6 +172,9 @@ def runs_all_experts(model) -> bool:
 def install_products(model, dtype: torch.dtype) -> dict[str, str]:
     """The C products for a decode step's few rows over the quantized weights (`native.install`): per kernel
     name, "" or why off."""
-    from . import native
+    from . import native, siblings
 
-    return native.install(model, dtype)
+    decided = native.install(model, dtype)
+    if stacks := siblings.group(model):
+        log.info("quantized sibling projections stacked: %d groups, one product each", stacks)
+    return decided

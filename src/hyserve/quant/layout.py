@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.linear import GROUP
 from ..kernels.seam import active
 
 BLOCK = 32
@@ -130,7 +131,9 @@ def format_of(qs: torch.Tensor) -> str:
 
 class QuantLinear(torch.nn.Module):
     """An `nn.Linear` whose weight is held as Q8_0 or Q4_0 values (`quantize`), computing in `dtype` (the
-    model's)."""
+    model's). Sibling layers stacked by `siblings.group` hold views of the stack and run its product."""
+
+    linear_like = True  # the lean decode layers take it as they take an `nn.Linear` (`kernels.decode_layer`)
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -149,6 +152,9 @@ class QuantLinear(torch.nn.Module):
         return dequantize(self.qs, self.d, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get(GROUP)
+        if siblings is not None and active():
+            return siblings.output(self, x)
         if self.native is not None and active() and (y := self.native(x, self)) is not None:
             return y
         return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations)
