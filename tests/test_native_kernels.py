@@ -1,6 +1,6 @@
-"""The C kernels of a bfloat16 decode step (`kernels.native`, `decode_step.c`): the few-row products, the Gated
-DeltaNet step and the decode attention give the results of what they replace, a decode step runs them, each
-is checked at load (a wrong build is refused), and they are off without a compiler."""
+"""The C kernels of a bfloat16 decode step (`kernels.native`, `decode_step.c`): the few-row products, the
+zero-centered norm, the Gated DeltaNet step and the decode attention give the results of what they replace, a
+decode step runs them, each is checked at load (a wrong build is refused), and they are off without a compiler."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hyserve import model_thread
-from hyserve.kernels import attention, decode_layer, linear, native
+from hyserve.kernels import attention, decode_layer, linear, native, norm, seam
 from hyserve.models.runtime import ModelRuntime
 
 
@@ -194,13 +194,51 @@ def test_greedy_tokens_with_and_without_the_c_kernels_are_the_same(model_dirs):
     attention.uninstall_native(rt.model)
     for w in linear.every_packed(rt.model):  # (none where oneDNN packs no bfloat16 weights)
         w.native = None
+    norm.uninstall_native(rt.model)
     assert _greedy(rt) == with_c
+
+
+def _norms(rt):
+    return [m for m in rt.model.modules() if getattr(m.__dict__.get("forward"), "form", None) is norm.zero_centered]
+
+
+def test_the_c_norm_gives_the_pytorch_operations_results(model_dirs):
+    """Every zero-centered norm of a Qwen3.5 model runs it, for 1 to ROWS rows of a stride of their own, with the
+    PyTorch form's numbers but for a rare last-place rounding of bfloat16 (its mean is summed in another order); a
+    row's result is the same in any batch; more rows are left to PyTorch."""
+    rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
+    assert rt.adapter.kernels.on("native_norm"), rt.adapter.kernels.status
+    norms = _norms(rt)
+    assert norms and all(norm.NATIVE in m.__dict__ for m in norms)
+    g = torch.Generator().manual_seed(1)
+
+    def run():
+        for m in norms:
+            c = m.__dict__[norm.NATIVE]
+            width = m.weight.shape[-1]
+            x = (torch.randn(c.ROWS, 1, width + 5, generator=g) * 4).to(torch.bfloat16)[..., 2 : 2 + width]
+            got = m(x)
+            with seam.reference_only():
+                want = m(x)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+            assert (got == want).float().mean() > 0.99
+            assert all(torch.equal(c(x[r : r + 1]), got[r : r + 1]) for r in range(c.ROWS))
+            assert c(torch.zeros(c.ROWS + 1, 1, width, dtype=torch.bfloat16)) is None
+
+    with torch.inference_mode():
+        model_thread.run(run)
 
 
 @pytest.mark.parametrize(
     "kernel,right,wrong",
     [
         ("native_gdn_step", "const float decay = expf(g);", "const float decay = 1.0f;"),  # the state's decay left out
+        (
+            "native_norm",
+            "const float inv = 1.0f / sqrtf((float)(sum / n) + eps);",  # epsilon taken as 0.5
+            "const float inv = 1.0f / sqrtf((float)(sum / n) + 0.5f);",
+        ),
         (
             "native_attention",
             "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
@@ -225,8 +263,9 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     status = rt.adapter.kernels.status
     assert status[kernel].startswith("off: max |diff|"), status
     assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")  # the rest stays on
-    others = ("native_gdn_step", "native_attention") + (("native_linear",) if packs_bfloat16() else ())
+    others = ("native_gdn_step", "native_attention", "native_norm") + (("native_linear",) if packs_bfloat16() else ())
     assert all(rt.adapter.kernels.on(other) for other in others if other != kernel)
+    assert all((norm.NATIVE in m.__dict__) == (kernel != "native_norm") for m in _norms(rt))
     assert all((p.native is None) == (kernel == "native_gdn_step") for p in _gdn_parts(rt))
     assert all((attention.NATIVE in m.__dict__) == (kernel != "native_attention") for m in _attention_layers(rt))
     assert all((w.native is None) == (kernel == "native_linear") for w in linear.every_packed(rt.model))
@@ -245,6 +284,8 @@ def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(
     assert rt.adapter.kernels.status["native_gdn_step"].startswith(reason), rt.adapter.kernels.status
     assert rt.adapter.kernels.status["native_attention"].startswith(reason), rt.adapter.kernels.status
     assert rt.adapter.kernels.status["native_linear"].startswith(reason), rt.adapter.kernels.status
+    assert rt.adapter.kernels.status["native_norm"].startswith(reason), rt.adapter.kernels.status
+    assert not any(norm.NATIVE in m.__dict__ for m in _norms(rt))
     assert rt.adapter.kernels.on("decode_layer") and rt.adapter.kernels.on("attention")
     assert all(w.native is None for w in linear.every_packed(rt.model)) and rt.adapter.kernels.on("linear")
     assert all(p.native is None for p in _gdn_parts(rt))
@@ -253,6 +294,6 @@ def test_without_a_compiler_or_switched_off_the_pytorch_operations_run(
 
 def test_float32_models_keep_the_pytorch_operations(runtimes):
     rt = runtimes("qwen3_5")
-    assert not {"native_gdn_step", "native_attention", "native_linear"} & set(rt.adapter.kernels.status)
+    assert not {"native_gdn_step", "native_attention", "native_linear", "native_norm"} & set(rt.adapter.kernels.status)
     assert not any(attention.NATIVE in m.__dict__ for m in _attention_layers(rt))
     assert all(p.native is None for p in _gdn_parts(rt))

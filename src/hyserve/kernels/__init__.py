@@ -5,10 +5,11 @@
 - `delta_rule`: the Gated DeltaNet decode step and chunked prefill.
 - `conv`: the depthwise causal conv1d of Gated DeltaNet and Mamba2 layers.
 - `linear`: skinny linear layers (a decode batch's few dozen rows).
-- `norm`: RMSNorm layers in fewer operations.
+- `norm`: RMSNorm layers in fewer operations (Qwen3.5's zero-centered one in C for a few bfloat16 rows).
 - `decode_layer`: Qwen3.5's decoder layers for one decode token, without the module dispatch around them.
 - `native`: C kernels built at load for bfloat16 models (`decode_step.c`): a few rows' products with a weight,
-  the Gated DeltaNet decode step between its products, and a decode step's attention over grouped KV heads.
+  a zero-centered RMSNorm, the Gated DeltaNet decode step between its products, and a decode step's attention
+  over grouped KV heads.
 - `capture`: states from inside a prefill piece, handed out by the delta-rule and conv kernels.
 
 `seam` is where they are hooked into a model (transformers' per-layer kernel slots, as `kernelize` uses
@@ -44,6 +45,7 @@ ALL = (
     "linear",
     "native_linear",
     "norm",
+    "native_norm",
     *(k.name for k in FUNCTIONS),
     "decode_layer",
     "native_gdn_step",
@@ -100,6 +102,11 @@ def install(model, adapter, vocab: int) -> KernelReport:
         report.set("native_linear", not why, why)
     if norm.install(model, dtype):
         report.set("norm", True)
+        if dtype == torch.bfloat16:
+            lib, why = native.library()
+            why = why if lib is None else norm.install_native(model, lib)
+            if why is not None:
+                report.set("native_norm", not why, why)
     for kernel in FUNCTIONS:
         _install_function(model, kernel, report)
     fast = {k.name: k.fast for k in FUNCTIONS if report.on(k.name)}  # the decode layer runs these

@@ -1,5 +1,5 @@
 /* Parts of a bfloat16 decode step, one call each (kernels/native.py builds and checks them):
- * `products`, a few rows against a linear layer's weight,
+ * `products`, a few rows against a linear layer's weight, `zero_centered_norm`, Qwen3.5's RMSNorm,
  * `gdn_step`, Qwen3.5's Gated DeltaNet between its two products (the causal conv step, the delta rule and the
  * gated norm), and `decode_attention`, one query token per row against grouped KV heads.
  *
@@ -54,6 +54,24 @@ static inline float vexp(float x) {
 
 static inline float silu(float x) { return x / (1.0f + vexp(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* beta 1, threshold 20 */
+
+/* Zero-centered RMSNorm (Qwen3.5's, Gemma's; `norm.zero_centered`) of `rows` bfloat16 rows of width n, `stride`
+ * apart: y = bf16(x * (1 / sqrt(mean(x^2) + eps)) * scale), scale = 1 + weight in float32. The mean's sum runs in
+ * double (PyTorch sums float32 in another order), the rest as PyTorch's `rms_norm` does it in float32. One call
+ * where PyTorch dispatches eight operations for a decode row. */
+int zero_centered_norm(int rows, int n, const uint16_t *x, long stride, const float *scale, float eps, uint16_t *y) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (long)r * stride;
+        double sum = 0.0;
+        for (int i = 0; i < n; i++) {
+            const float v = bf(xr[i]);
+            sum += (double)(v * v);
+        }
+        const float inv = 1.0f / sqrtf((float)(sum / n) + eps);
+        for (int i = 0; i < n; i++) y[(long)r * n + i] = to_bf(bf(xr[i]) * inv * scale[i]);
+    }
+    return 0;
+}
 
 typedef struct {
     int rows, hk, dk, hv, dv, kernel, state_len, threads;

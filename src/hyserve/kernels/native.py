@@ -159,6 +159,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         ctypes.c_int,
     ]
     lib.products.restype = ctypes.c_int
+    lib.zero_centered_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.zero_centered_norm.argtypes += [ctypes.c_float, ctypes.c_void_p]
+    lib.zero_centered_norm.restype = ctypes.c_int
     return lib, ""
 
 
@@ -318,3 +321,25 @@ class Products:
         ):
             return None
         return out
+
+
+class ZeroCenteredNorm:
+    """A zero-centered RMSNorm (`norm.zero_centered`) of a few bfloat16 rows, in C (`zero_centered_norm`): a
+    Qwen3.5 decode step runs some 60 norms of one row, each eight PyTorch operations' dispatch for 1,024 values."""
+
+    ROWS = 64  # up to this many rows (a decode batch, a speculation's draft); more take PyTorch's operations
+
+    def __init__(self, lib, scale: torch.Tensor, eps: float):
+        self.lib, self.scale, self.eps = lib, scale.float().contiguous(), eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., n] -> its norm, or None (nothing done) for inputs of another form."""
+        n = x.shape[-1]
+        rows = x.numel() // n if n else 0
+        if not (0 < rows <= self.ROWS and x.dtype == torch.bfloat16 and n == self.scale.numel() and x.stride(-1) == 1):
+            return None
+        flat = x.reshape(rows, n)
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        args = (flat.data_ptr(), flat.stride(0), self.scale.data_ptr(), self.eps, y.data_ptr())
+        self.lib.zero_centered_norm(rows, n, *args)
+        return y

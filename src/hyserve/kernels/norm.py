@@ -17,11 +17,12 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import seam
+from . import seam, verify
 from .seam import active
 
 SCALE = "_hyserve_norm_scale"  # a zero-centered norm's `1 + weight` in float32
 EPS = "_hyserve_norm_eps"  # the norm's epsilon, whichever attribute its class keeps it in
+NATIVE = "_hyserve_norm_native"  # a zero-centered norm's C form (`native.ZeroCenteredNorm`), once checked
 
 
 def _eps(module) -> float | None:
@@ -39,7 +40,11 @@ def weight_after_cast(self, hidden_states):
 
 
 def zero_centered(self, hidden_states):
-    """Qwen3.5's and Gemma's: (normed * (1 + weight)).to(input dtype), in float32."""
+    """Qwen3.5's and Gemma's: (normed * (1 + weight)).to(input dtype), in float32; a few bfloat16 rows in C once
+    checked (`install_native`)."""
+    native = self.__dict__.get(NATIVE)
+    if native is not None and (y := native(hidden_states)) is not None:
+        return y
     return (_rms(hidden_states.float(), self.__dict__[EPS]) * self.__dict__[SCALE]).type_as(hidden_states)
 
 
@@ -122,5 +127,46 @@ def _dispatch(form, own):
     return forward
 
 
+def install_native(model, lib) -> str | None:
+    """Give every zero-centered bfloat16 norm of `model` (`zero_centered`) its C form (`native.ZeroCenteredNorm`)
+    once it gives the PyTorch form's results on probes of each width (1, 3 and `ROWS` rows): "" when on, why not
+    when not, None when there is no such norm (nothing to report)."""
+    from .native import ZeroCenteredNorm
+
+    norms = [
+        m
+        for m in model.modules()
+        if getattr(m.__dict__.get("forward"), "form", None) is zero_centered and m.weight.dtype == torch.bfloat16
+    ]
+    if not norms:
+        return None
+    forms = {m: ZeroCenteredNorm(lib, m.__dict__[SCALE], m.__dict__[EPS]) for m in norms}
+    g = torch.Generator().manual_seed(0)
+    checked = set()
+    for m in norms:
+        width = m.weight.shape[-1]
+        if (width, m.__dict__[EPS]) in checked:
+            continue
+        checked.add((width, m.__dict__[EPS]))
+        for rows in (1, 3, ZeroCenteredNorm.ROWS):
+            x = (torch.randn(rows, 1, width, generator=g) * 3).to(torch.bfloat16)
+            x[-1, 0, : width // 2] *= 1e-3  # a row of small and large values
+            with torch.inference_mode():
+                got, want = forms[m](x), zero_centered(m, x)
+            if got is None:
+                return "it refused the norm's own shapes"
+            if why := verify.mismatch(got, want, torch.bfloat16):
+                return why
+    registry = seam.patches(model)
+    for m, form in forms.items():
+        registry.set("native_norm", m, NATIVE, form)
+    return ""
+
+
+def uninstall_native(model) -> None:
+    seam.revert(model, "native_norm")
+
+
 def uninstall(model) -> None:
+    uninstall_native(model)
     seam.revert(model, "norm")
