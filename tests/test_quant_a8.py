@@ -60,6 +60,32 @@ def test_the_c_rounding_is_pytorchs_value_for_value(builds, dtype):
         assert (q.abs() <= 127).all() and q.abs().amax() == 127
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_rounding_is_pytorchs_on_exact_halves_and_every_magnitude(builds, dtype):
+    """Blocks whose scaled values are exact halves (d = 1: roundf takes them away from zero, torch's round would
+    take them to even), and 64 rows of 1,024 values whose blocks span twelve orders of magnitude."""
+    g = torch.Generator().manual_seed(2)
+    halves = torch.cat([torch.tensor([127.0]), torch.arange(-62, 62, 4) + 0.5, torch.tensor([-0.5])])
+    spread = torch.randn(64, 1024, generator=g) * 10 ** torch.randint(-6, 7, (64, 32, 1), generator=g).float().repeat(
+        1, 1, 32
+    ).reshape(64, 1024)
+    for x in (halves[None, : 32 * (halves.numel() // 32)].to(dtype), spread.to(dtype)):
+        rows, k = x.shape
+        want = layout.round_activations(x)
+        for lib in builds:
+            q = torch.empty(rows, k, dtype=torch.int8)
+            d = torch.empty(rows, k // 32, dtype=torch.float32)
+            sum8 = torch.empty(rows, k // 32, dtype=torch.int32)
+            assert (
+                lib.round_rows(
+                    rows, k, x.data_ptr(), k, x.dtype == torch.bfloat16, q.data_ptr(), d.data_ptr(), sum8.data_ptr()
+                )
+                == 0
+            )
+            assert torch.equal((q.float().view(rows, -1, 32) * d[..., None]).view(rows, k), want)
+            assert torch.equal(sum8, 8 * q.view(rows, -1, 32).int().sum(-1))
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, scheme, dtype):

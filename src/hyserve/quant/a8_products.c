@@ -31,6 +31,7 @@
 #include <string.h>
 
 #define BLOCK 32
+#define INLINE static inline __attribute__((always_inline))
 
 #ifndef A8_ISA
 #if defined(__AVX2__) && defined(__FMA__)
@@ -85,37 +86,86 @@ static inline uint16_t f2bf(float f) { /* to nearest even, as torch's .to(torch.
  * and `sum8` [rows, k / 32] int32, 8 times each block's sum of q (the Q4_0 products multiply the unsigned nibbles u
  * and take 8 * x back: the same integers as (u - 8) * x). Per block: amax = max |x|, d = amax / 127,
  * q = roundf(x * (1 / d)) (0 when d is 0): ggml's `quantize_row_q8_0_ref`, but d kept in float32. A NaN or infinity
- * in a block makes its d NaN or infinite (never hidden). */
+ * in a block makes its d NaN or infinite (never hidden). The AVX2 build takes a block in four vectors, roundf as
+ * trunc plus one away from zero where the dropped part is a half or more (exact: x - trunc(x) is); every call of
+ * a product rounds its input, and libm's roundf, one call a value, cost a decode step's product more than its
+ * weights did at 1,024 columns. */
+#if A8_ISA == 1
+INLINE __m256 load8(const void *x, long at, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + at))), 16));
+    return _mm256_loadu_ps((const float *)x + at);
+}
+
+static void round_block(const void *x, long at, int bf16, int8_t *qb, float *d, int32_t *sum8) {
+    __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < 4; j++) {
+        v[j] = load8(x, at + 8 * j, bf16);
+        const __m256 a = _mm256_andnot_ps(sign, v[j]);
+        amax = _mm256_max_ps(amax, a);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    float m[8];
+    _mm256_storeu_ps(m, amax);
+    float top = m[0];
+    for (int i = 1; i < 8; i++) top = m[i] > top ? m[i] : top;
+    if (_mm256_movemask_ps(nan)) top = NAN;
+    const float db = top / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256 p = _mm256_mul_ps(v[j], vinv);
+        const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+        __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p))));
+        r = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(r, lo), hi), _mm256_cmp_ps(r, r, _CMP_ORD_Q)); /* NaN: 0 */
+        q[j] = _mm256_cvttps_epi32(r);
+        total = _mm256_add_epi32(total, q[j]);
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *d = db;
+    *sum8 = 8 * _mm_cvtsi128_si32(s4);
+}
+#else
+static void round_block(const void *x, long at, int bf16, int8_t *qb, float *d, int32_t *sum8) {
+    float v[BLOCK], amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) {
+        v[i] = bf16 ? bf2f(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+        const float a = fabsf(v[i]);
+        amax = (a > amax || a != a) ? a : amax;
+    }
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        const float t = roundf(v[i] * inv);
+        qb[i] = (int8_t)(t > 127.0f ? 127 : t < -127.0f ? -127 : (t == t ? t : 0));
+        sum += qb[i];
+    }
+    *d = db;
+    *sum8 = 8 * sum;
+}
+#endif
+
 int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *q, float *d, int32_t *sum8) {
     if (k % BLOCK) return -1;
     const int blocks = k / BLOCK;
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++) {
-            float v[BLOCK], amax = 0.0f;
-            for (int i = 0; i < BLOCK; i++) {
-                const long at = (long)r * x_stride + (long)b * BLOCK + i;
-                v[i] = bf16 ? bf2f(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-                const float a = fabsf(v[i]);
-                amax = (a > amax || a != a) ? a : amax;
-            }
-            const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
-            int8_t *qb = q + (long)r * k + (long)b * BLOCK;
-            int32_t sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                const float t = roundf(v[i] * inv);
-                qb[i] = (int8_t)(t > 127.0f ? 127 : t < -127.0f ? -127 : (t == t ? t : 0));
-                sum += qb[i];
-            }
-            d[(long)r * blocks + b] = db;
-            sum8[(long)r * blocks + b] = 8 * sum;
-        }
+        for (int b = 0; b < blocks; b++)
+            round_block(x, (long)r * x_stride + (long)b * BLOCK, bf16, q + (long)r * k + (long)b * BLOCK,
+                        d + (long)r * blocks + b, sum8 + (long)r * blocks + b);
     return 0;
 }
 
 #define SET 8 /* weight rows whose outputs share one vector, a lane each */
 #define TILE 8  /* input rows passing each of a set's blocks while it is unpacked (`sets` has a case for each count) */
 #define GROUP 8 /* sets (64 weight rows) kept in the core's cache while every tile of input rows passes them */
-#define INLINE static inline __attribute__((always_inline))
 
 /* The outputs of input rows x[0 .. R) and one set's 8 weight rows (q: the set's first row, rows `row_bytes` apart;
  * d: its scales, rows `blocks` apart) into out[r * 8 + row]. Each output is, over its blocks in order,

@@ -100,11 +100,12 @@ class Products:
     def _direct(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """`q*_linear`: x read and y written in their dtype by the C code, the bias added there (one C call, no
         conversions in PyTorch); bit for bit `_converted`."""
-        qs, d, bias, n, k, threads = held_args(layer)
+        held = held_args(layer)
+        k, threads = held[4], held[5]
         rows = x.numel() // k if k and x.shape[-1] == k else 0
         if not 0 < rows <= self.ROWS:
             return None
-        return _linear_call(self.linear, (), x, rows, qs, d, bias, threads or torch.get_num_threads())
+        return _linear_call(self.linear, (), x, rows, held, threads or torch.get_num_threads())
 
     def _converted(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """Other dtypes: x converted to float32 in PyTorch, the product, the bias, y converted back."""
@@ -141,40 +142,33 @@ class Products:
         return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
-def _linear_call(fn, lead: tuple, x: torch.Tensor, rows: int, qs, d, bias, threads: int) -> torch.Tensor | None:
+def _linear_call(fn, lead: tuple, x: torch.Tensor, rows: int, held: tuple, threads: int) -> torch.Tensor | None:
     """One C linear call (`q*_linear`, `a8_linear` after its `lead` arguments) on x's `rows` rows, into a new y in x's
-    dtype; None when the C code refused."""
-    k, n = x.shape[-1], d.shape[0]
-    flat = x.reshape(rows, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    code = fn(
-        *lead,
-        rows,
-        n,
-        k,
-        flat.data_ptr(),
-        flat.stride(0),
-        x.dtype == torch.bfloat16,
-        qs.data_ptr(),
-        d.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        threads,
-    )
+    dtype; None when the C code refused. `held`: the layer's `held_args`. A decode step makes about a hundred of
+    these calls: the work in Python around each is kept to a few tensor queries."""
+    n, k, pointers = held[3], held[4], held[6]
+    if x.is_contiguous():
+        x_ptr, stride = x.data_ptr(), k
+    else:
+        flat = x.reshape(rows, k)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        x_ptr, stride = flat.data_ptr(), flat.stride(0)
+    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+    code = fn(*lead, rows, n, k, x_ptr, stride, x.dtype == torch.bfloat16, *pointers, y.data_ptr(), threads)
     return y if code == 0 else None
 
 
 def held_args(layer: QuantLinear) -> tuple:
-    """(qs, d, bias as float32 or None, n, k, threads: 0 for all, or 1 below `Products.ONE_THREAD_BELOW` weights),
-    kept on the layer once made (the tensors with them, so that the pointers passed stay theirs); both kinds of
-    products read them."""
-    held = layer.__dict__.get("c_args")
-    if held is None or held[0] is not layer.qs or held[1] is not layer.d:
+    """(qs, d, bias as float32 or None, n, k, threads: 0 for all, or 1 below `Products.ONE_THREAD_BELOW` weights,
+    the pointers of qs, d and bias), kept on the layer once made (the tensors with them, so that the pointers passed
+    stay theirs); both kinds of products read them."""
+    held, buffers = layer.__dict__.get("c_args"), layer._buffers  # (the buffers' dict: `layer.qs` costs a lookup chain)
+    if held is None or held[0] is not buffers["qs"] or held[1] is not buffers["d"]:
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         n, k = layer.out_features, layer.in_features
-        held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1)
+        pointers = (layer.qs.data_ptr(), layer.d.data_ptr(), None if bias is None else bias.data_ptr())
+        held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1, pointers)
         layer.__dict__["c_args"] = held
     return held
 
@@ -194,12 +188,13 @@ class A8Products:
 
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another dtype or device."""
-        qs, d, bias, n, k, _ = held_args(layer)
-        if not (x.is_cpu and x.dtype in DIRECT and x.shape[-1] == k and x.numel()):
+        held = held_args(layer)
+        n, k = held[3], held[4]
+        if not (x.dtype in DIRECT and x.shape[-1] == k and x.is_cpu and x.numel()):
             return None
         rows = x.numel() // k
         threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
-        return _linear_call(self.lib.a8_linear, (qs.dtype == torch.uint8,), x, rows, qs, d, bias, threads)
+        return _linear_call(self.lib.a8_linear, (held[0].dtype == torch.uint8,), x, rows, held, threads)
 
 
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
