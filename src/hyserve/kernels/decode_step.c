@@ -185,11 +185,14 @@ static void attention_chunk(const Attention *a, int r, int kh, int c, float *par
     for (int s = s0; s < s1; s++) {
         const int open = !a->mask || a->mask[r * a->m_row + s * a->m_key];
         const uint16_t *ks = a->k + r * a->k_row + kh * a->k_head + s * a->k_seq;
+        float kf[dim];
+        if (open) /* the key widened once, not once per query head of the group */
+            for (int d = 0; d < dim; d++) kf[d] = bf(ks[d]);
         for (int i = 0; i < g; i++) {
             float dot = 0.0f;
             if (open) {
 #pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < dim; d++) dot += q[i][d] * bf(ks[d]);
+                for (int d = 0; d < dim; d++) dot += q[i][d] * kf[d];
             }
             const float sc = open ? dot * a->scale : -INFINITY;
             scores[i][s - s0] = sc;
