@@ -7,6 +7,8 @@ weight applied after the cast back, as Llama; `1 + weight` applied before it, ze
 Gemma; a gated one after Gated DeltaNet's delta rule); each `FORMS` entry is one of them. A norm class gets
 the first form that equals its own `forward` bit for bit on probes of its width (`matching_form`), checked
 once per class at load; a class no form matches keeps its own forward. `HYSERVE_RMS_NORM=0` keeps them all.
+In bfloat16 models the zero-centered form of a few rows runs as one C call (`install_native`), once it gives the
+form's results on probes of each width.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import seam, verify
+from .native import ZeroCenteredNorm
 from .seam import active
 
 SCALE = "_hyserve_norm_scale"  # a zero-centered norm's `1 + weight` in float32
@@ -131,8 +134,6 @@ def install_native(model, lib) -> str | None:
     """Give every zero-centered bfloat16 norm of `model` (`zero_centered`) its C form (`native.ZeroCenteredNorm`)
     once it gives the PyTorch form's results on probes of each width (1, 3 and `ROWS` rows): "" when on, why not
     when not, None when there is no such norm (nothing to report)."""
-    from .native import ZeroCenteredNorm
-
     norms = [
         m
         for m in model.modules()
