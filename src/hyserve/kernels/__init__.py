@@ -97,16 +97,11 @@ def install(model, adapter, vocab: int) -> KernelReport:
     _install_attention(model, report, dtype)
     _install_linear(model, report)
     if report.on("linear") and dtype == torch.bfloat16:
-        lib, why = native.library()
-        why = why if lib is None else linear.install_native(model, native.Products(lib))
-        report.set("native_linear", not why, why)
+        _install_native(report, "native_linear", lambda lib: linear.install_native(model, native.Products(lib)))
     if norm.install(model, dtype):
         report.set("norm", True)
         if dtype == torch.bfloat16:
-            lib, why = native.library()
-            why = why if lib is None else norm.install_native(model, lib)
-            if why is not None:
-                report.set("native_norm", not why, why)
+            _install_native(report, "native_norm", lambda lib: norm.install_native(model, lib))
     for kernel in FUNCTIONS:
         _install_function(model, kernel, report)
     fast = {k.name: k.fast for k in FUNCTIONS if report.on(k.name)}  # the decode layer runs these
@@ -115,10 +110,7 @@ def install(model, adapter, vocab: int) -> KernelReport:
         if (why := decode_layer.install_native(model)) is not None:
             report.set("native_gdn_step", not why, why)
     if report.on("attention") and dtype == torch.bfloat16:
-        lib, why = native.library()
-        why = why if lib is None else attention.install_native(model, lib)
-        if why is not None:
-            report.set("native_attention", not why, why)
+        _install_native(report, "native_attention", lambda lib: attention.install_native(model, lib))
     hooked = [k for k in ALL if report.on(k)]
     if hooked and (why := verify.check_model(adapter, vocab, dtype)):
         seam.revert_all(model)
@@ -137,6 +129,15 @@ def install(model, adapter, vocab: int) -> KernelReport:
             "; ".join(f"{k}: {v[5:]}" for k, v in report.refused.items()),
         )
     return report
+
+
+def _install_native(report: KernelReport, name: str, install) -> None:
+    """`install(lib)` with `decode_step.c`'s library, reported as `name`: "" on, why not (the library's own reason
+    when it cannot be built), or None, nothing it is written for (then not reported)."""
+    lib, why = native.library()
+    why = why if lib is None else install(lib)
+    if why is not None:
+        report.set(name, not why, why)
 
 
 def _install_attention(model, report: KernelReport, dtype) -> None:

@@ -155,6 +155,10 @@ class QuantLinear(torch.nn.Module):
         siblings = self.__dict__.get(GROUP)
         if siblings is not None and active():
             return siblings.output(self, x)
+        return self.own(x)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """Its own product, not its sibling group's: the C product where it applies, else the reference."""
         if self.native is not None and active() and (y := self.native(x, self)) is not None:
             return y
         return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations)

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..kernels import decode_layer, linear, seam
-from .layout import QuantLinear, dequantized_linear
+from .layout import QuantLinear
 
 log = logging.getLogger("hyserve.quant")
 
@@ -44,7 +44,7 @@ class QuantSiblings(linear.Siblings):
                 m.bias.data = bias[a:b]
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stacked.forward(x)  # (not through `nn.Module.__call__`: no hooks are ever put on it)
+        return self.stacked.own(x)  # (not through `nn.Module.__call__`: no hooks are ever put on it)
 
 
 def _alike(members: list) -> bool:
@@ -54,14 +54,6 @@ def _alike(members: list) -> bool:
         return False
     keys = {(m.in_features, m.qs.dtype, m.dtype, m.rounds_activations, id(m.native), m.bias is None) for m in members}
     return len(keys) == 1
-
-
-def _own(member: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """The member's product alone: its C product, else the reference it is checked against."""
-    y = member.native(x, member) if member.native is not None else None
-    if y is None:
-        y = dequantized_linear(x, member.qs, member.d, member.bias, member.rounds_activations)
-    return y
 
 
 def group(model) -> int:
@@ -90,7 +82,7 @@ def group(model) -> int:
         x = torch.randn(rows, 1, members[0].in_features, generator=g).to(members[0].dtype)
         with torch.inference_mode():
             got = siblings.product(x)
-            if not all(torch.equal(got[..., slice(*siblings.columns[id(m)])], _own(m, x)) for m in members):
+            if not all(torch.equal(got[..., slice(*siblings.columns[id(m)])], m.own(x)) for m in members):
                 seam.revert(model, KERNEL)
                 log.info("quantized sibling projections left apart: their stacked product differs from their own")
                 return 0
