@@ -124,6 +124,45 @@ def test_the_layout_holds_q4_0_blocks_as_they_are():
     assert d1.item() == 1.0 and qs1[0, 0].item() == 0 | (8 << 4) and qs1[0, 1].item() == 8 | (11 << 4)
 
 
+def _q6_0_blocks(w: torch.Tensor) -> bytes:
+    """ik_llama.cpp's quantize_row_q6_0_ref for the values: per 32 weights d = (the weight of largest magnitude)
+    / -32, u = min(63, (int8_t)(w * (1 / d) + 32.5f)) in float32; then d and the 24 bytes as layout.py lays them out:
+    byte i < 16 is u[i] | (u[16 + i] >> 4) << 6, byte 16 + j is (u[16 + j] & 15) | (u[24 + j] & 15) << 4."""
+    out = b""
+    for block in w.float().reshape(-1, 32):
+        d = block[int(block.abs().argmax())] / -32
+        u = [min(63, int(v)) for v in ((block * (1 / d if d else torch.zeros(()))) + 32.5).tolist()]
+        first = bytes(u[i] | (u[16 + i] >> 4) << 6 for i in range(16))
+        out += struct.pack("<e", d.item()) + first + bytes((u[16 + j] & 15) | (u[24 + j] & 15) << 4 for j in range(8))
+    return out
+
+
+def test_the_layout_holds_q6_0_blocks_of_ik_llamas_values():
+    """w4a8's head: ik_llama.cpp's Q6_0 values and scales, byte for byte as the module docstring lays them out,
+    dequantized within half a step (a whole one where +32 steps clamp to +31); each weight's 6 bits where that
+    docstring says."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(5, 96, generator=g) * 0.05
+    w[3, 32:64] = 0
+    blocks = torch.frombuffer(bytearray(_q6_0_blocks(w)), dtype=torch.uint8).reshape(-1, 26)
+    d = blocks[:, :2].clone().view(torch.float16).reshape(5, 3)
+    qs = blocks[:, 2:].clone().reshape(5, 72)
+    got_qs, got_d = layout.quantize(w, "int6")
+    assert layout.format_of(got_qs, got_d) == "q6_0" and torch.equal(got_qs, qs) and torch.equal(got_d, d)
+    back = layout.dequantize(qs, d, torch.float32)
+    step = d.float().abs().repeat_interleave(32, 1)
+    err = (back - w).abs()
+    assert torch.all(err <= step + 1e-6) and (err <= step * 0.51 + 1e-6).float().mean() > 0.95
+    assert torch.equal(back[3, 32:64], torch.zeros(32))
+    one = torch.zeros(1, 32)
+    one[0, 0], one[0, 9], one[0, 17], one[0, 30] = -32.0, 31.0, 5.0, -17.0  # d = 1: u = w + 32
+    (qs1,), _ = layout.quantize(one, "int6")
+    assert qs1[0] == 0 | 2 << 6 and qs1[9] == 63 | 2 << 6 and qs1[1] == 32 | 2 << 6  # weights 16, 25, 17 (37)
+    assert qs1[14] == 32 | 0 << 6  # weight 30: u 15
+    assert qs1[16 + 1] == (37 & 15) | (32 & 15) << 4 and qs1[16 + 6] == (32 & 15) | (15 & 15) << 4
+    assert layout.dequantize(qs1[None], torch.ones(1, 1, dtype=torch.float16), torch.float32).equal(one)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("arch", FAMILIES + MOE)
 def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
@@ -145,7 +184,7 @@ def test_the_weights_are_held_once_quantized(quantized, arch, scheme):
     ]  # a router's shape may be a projection's
     assert not floats, floats
     head, embedding = rt.model.get_output_embeddings(), rt.model.get_input_embeddings()
-    assert head.qs.dtype == torch.int8  # the head at Q8_0 under every scheme
+    assert head.qs.dtype == torch.int8  # the head at Q8_0 under both weight-only schemes
     if rt.model.config.get_text_config().tie_word_embeddings:
         assert head.qs is embedding.qs and head.d is embedding.d  # one tensor for both
     else:
@@ -172,14 +211,14 @@ def test_the_c_product_gives_dequantize_then_matmul(quantized, dtype, scheme):
     in; more rows than ROWS left to the reference."""
     rt = quantized("qwen3_5", dtype, scheme)
     layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
-    assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs) for m in layers)
+    assert layers and all(m.native is not None and m.native.format == layout.format_of(m.qs, m.d) for m in layers)
     g = torch.Generator().manual_seed(0)
     extra = layout.QuantLinear(
         *layout.quantize(torch.randn(300, 1024, generator=g) * 0.05, scheme),
         torch.randn(300, generator=g),
         torch.float32,
     )
-    extra.native = next(m.native for m in layers if m.native.format == layout.format_of(extra.qs))
+    extra.native = next(m.native for m in layers if m.native.format == layout.format_of(extra.qs, extra.d))
     tol = 1e-4 if dtype == "float32" else 2e-2
     with torch.inference_mode():
         for m in [*layers, extra]:
@@ -344,7 +383,7 @@ def test_a_wrong_build_is_refused_at_load(model_dirs, monkeypatch, tmp_path, fre
     other = "native_int4" if kernel == "native_int8" else "native_int8"
     assert rt.kernels.on(other), status
     layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
-    assert all((m.native is None) == (qnative.KERNELS[layout.format_of(m.qs)] == kernel) for m in layers)
+    assert all((m.native is None) == (qnative.KERNELS[layout.format_of(m.qs, m.d)] == kernel) for m in layers)
     assert any(f"the C product {kernel} is off" in r.message for r in caplog.records)
     assert _greedy(rt, n=3)  # still serves
 
@@ -436,7 +475,7 @@ def test_the_disk_cache_tells_quantized_states_from_others(quantized, runtimes):
     assert len(prints) == 3
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int6"])
 def test_a_weight_is_quantized_the_same_a_slice_of_rows_at_a_time(monkeypatch, scheme):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 96, generator=g) * 0.03
@@ -491,7 +530,7 @@ def test_quantized_experts_compute_transformers_eager_loop_and_a_token_alone_as_
         torch.testing.assert_close(held(x, index, weights), module(x, index, weights), atol=1e-5, rtol=1e-5)
     lib, why = qnative.library()
     assert lib is not None, why
-    fmt = layout.format_of(held.up_qs[0])
+    fmt = layout.format_of(held.up_qs[0], held.up_d[0])
     assert qnative._install(qnative.Products(lib, fmt), held.linears(), torch.float32) == ""
     rows = qnative.Products.ROWS
     hits = torch.bincount(index[:28].reshape(-1), minlength=6)[:5]

@@ -86,7 +86,7 @@ def test_the_c_rounding_is_pytorchs_on_exact_halves_and_every_magnitude(builds, 
             assert torch.equal(sum8, 8 * q.view(rows, -1, 32).int().sum(-1))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, scheme, dtype):
     """Widths of 8 blocks and not (the scales taken 8 at a time, then one by one), weight rows in whole sets of 8
@@ -117,15 +117,15 @@ def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, sche
 
 
 def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs, monkeypatch, tmp_path, caplog):
-    """The source with one mistake (Q4_0's products without the 8 * x taken back) builds and runs; the load-time
-    check refuses it with a warning, every layer rounds its input in PyTorch instead, and the tokens are the C
-    product's."""
-    right = "if (four_bit) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i]));"
+    """The source with one mistake (Q4_0's and Q6_0's products without the nibbles' offset taken back) builds and
+    runs; the load-time check refuses it with a warning, every layer rounds its input in PyTorch instead, and the
+    tokens are the C product's."""
+    right = "sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i] * (fmt == Q6 ? 4 : 1)));"
     source = qnative.A8_SOURCE.read_text()
     if qnative.a8_library()[0].a8_isa() == 0:
         pytest.skip("the portable build takes no 8 * x back")
     assert source.count(right) == 1
-    (tmp_path / "a8_products.c").write_text(source.replace(right, ""))
+    (tmp_path / "a8_products.c").write_text(source.replace(right, ";"))
     good = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="w4a8")
     assert good.kernels.on(qnative.A8_KERNEL), good.kernels.status
     monkeypatch.setattr(qnative, "A8_SOURCE", tmp_path / "a8_products.c")
@@ -163,12 +163,15 @@ def test_a_batched_decode_step_equals_each_row_alone_with_int8_activations(model
 
 
 def test_int8_activations_change_the_numbers_and_keep_the_weights(model_dirs):
-    """w4a8 holds int4's weights byte for byte; its logits differ from int4's by the activations' rounding, far
-    less than from the float model's."""
+    """w4a8 holds int4's body byte for byte and its head at Q6_0 (int4's at Q8_0); its logits differ from int4's
+    by the activations' rounding and the head's, far less than from the float model's."""
     rts = {s: ModelRuntime.load(model_dirs["qwen3_5"], device="cpu", quantization=s) for s in ("int4", "w4a8")}
     rts["float"] = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu")
+    heads = {s: rts[s].model.get_output_embeddings() for s in ("int4", "w4a8")}
+    assert [layout.format_of(h.qs, h.d) for h in heads.values()] == ["q8_0", "q6_0"]
     a, b = (dict(rts[s].model.named_buffers()) for s in ("int4", "w4a8"))
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    body = [n for n in a if a[n] is not heads["int4"].qs and a[n] is not heads["int4"].d]
+    assert a.keys() == b.keys() and len(body) == len(a) - 2 and all(torch.equal(a[n], b[n]) for n in body)
     ids = list(range(5, 40))
     logits = {s: rt.adapter.forward(rt.adapter.new_state(), ids).float() for s, rt in rts.items()}
     rounding = (logits["w4a8"] - logits["int4"]).abs().max()
@@ -194,7 +197,7 @@ def test_hyserve_env_reports_int8_activations(model_dirs, capsys):
 
     assert main(["env", str(model_dirs["qwen3"]), "--quantization", "w4a8"]) == 0
     out = capsys.readouterr().out
-    assert "quantization: w4a8 (Q4_0, the head Q8_0; each product's input rounded to Q8_0 blocks" in out
+    assert "quantization: w4a8 (Q4_0, the head Q6_0; each product's input rounded to Q8_0 blocks" in out
     assert f"kernel {qnative.A8_KERNEL}: on" in out and "native_int4" not in out
     assert f"quantized products: {qnative.A8_ISAS[qnative.a8_library()[0].a8_isa()]}" in out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hyserve import model_thread, quant
-from hyserve.quant import loading, mapped_pages
+from hyserve.quant import layout, loading, mapped_pages
 from hyserve.testing.tiny import ARCHS
 
 
@@ -23,20 +23,21 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w4a8"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantizing_while_loading_makes_the_blocks_a_load_then_apply_makes(model_dirs, arch, scheme, dtype):
     """Every tensor of the model (values, scales, the weights kept in float, buffers), what `describe` says, and
     which tensors are one (a tied head and embedding) are the same either way."""
-    if dtype == "float32" and arch not in ("qwen3_5", "qwen3_5_moe"):
-        pytest.skip("the cast is the other dtype's: one dense and one MoE family suffice")
+    if (dtype == "float32" or scheme == "w4a8") and arch not in ("qwen3_5", "qwen3_5_moe"):
+        pytest.skip("the cast (w4a8's head) is the others': one dense and one MoE family suffice")
     _same_either_way(model_dirs[arch], scheme, getattr(torch, dtype))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w4a8"])
 def test_a_tied_head_is_quantized_while_loading_as_the_head(model_dirs, tmp_path, scheme):
     """The tiny models' heads are their own weights; real Qwen3.5 ties its head to the embedding, which transformers
-    ties only at the end of the load: the embedding is still quantized at the head's format (int8 under int4)."""
+    ties only at the end of the load: the embedding is still quantized at the head's format (Q8_0 under int4, Q6_0
+    under w4a8), one tensor with the head."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dirs["qwen3_5"])
@@ -45,7 +46,9 @@ def test_a_tied_head_is_quantized_while_loading_as_the_head(model_dirs, tmp_path
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     model.save_pretrained(tmp_path)
     _copy_tokenizer(model_dirs["qwen3_5"], tmp_path)
-    _same_either_way(tmp_path, scheme, torch.bfloat16)
+    got = _same_either_way(tmp_path, scheme, torch.bfloat16)
+    head, embedding = got.get_output_embeddings(), got.get_input_embeddings()
+    assert head.qs is embedding.qs and layout.format_of(head.qs, head.d) == ("q6_0" if scheme == "w4a8" else "q8_0")
 
 
 def _copy_tokenizer(src, out) -> None:
@@ -55,7 +58,8 @@ def _copy_tokenizer(src, out) -> None:
             shutil.copy(f, out / f.name)
 
 
-def _same_either_way(folder, scheme: str, torch_dtype: torch.dtype) -> None:
+def _same_either_way(folder, scheme: str, torch_dtype: torch.dtype):
+    """The model quantized while loading, once checked against a load then `apply`."""
     from transformers import AutoModelForCausalLM
 
     def after() -> tuple:
@@ -78,6 +82,7 @@ def _same_either_way(folder, scheme: str, torch_dtype: torch.dtype) -> None:
     shared = lambda state: {n: t.data_ptr() for n, t in state.items() if t.numel()}  # noqa: E731
     same = lambda state: {(a, b) for a in shared(state) for b in shared(state) if shared(state)[a] == shared(state)[b]}  # noqa: E731
     assert same(got_state) == same(want_state)
+    return got
     assert not getattr(got, "hf_quantizer", None) and not hasattr(got.config, "quantization_config")
 
 

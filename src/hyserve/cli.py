@@ -47,9 +47,9 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=["int8", "int4", "w8a8", "w4a8"],
         help="hold the weights as int8 or int4 (GGUF Q8_0 / Q4_0 blocks: 32 weights, one scale; the head "
-        "Q8_0), made at load from the folder's weights; int8/int4 keep the activations in --dtype, w8a8/w4a8 "
-        "round each product's input to Q8_0 blocks and multiply in integers, as llama.cpp does (faster at 4 bits); "
-        "CPU only",
+        "Q8_0, w4a8's 6-bit Q6_0), made at load from the folder's weights; int8/int4 keep the activations in "
+        "--dtype, w8a8/w4a8 round each product's input to Q8_0 blocks and multiply in integers, as llama.cpp "
+        "does (faster at 4 bits); CPU only",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     p = parser.add_argument_group("prefix cache")

@@ -32,14 +32,15 @@ def _file_part(h, path: Path) -> None:
 
 
 def fingerprint(runtime, template: str) -> str:
-    """A hex digest of the model (config, weights, dtype), tokenizer, chat template and transformers version,
-    and of what computes the state: the device type and which of hyserve's kernels run (a state computed
+    """A hex digest of the model (config, weights, dtype, quantization), tokenizer, chat template and transformers
+    version, and of what computes the state: the device type and which of hyserve's kernels run (a state computed
     another way may differ in its last bits, and cache-on output must equal cache-off output exactly)."""
     h = hashlib.blake2b(digest_size=16)
     model = runtime.model
     dtype = next((p.dtype for p in model.parameters()), None)
     device = next((p.device.type for p in model.parameters()), "cpu")
     kernels = sorted(getattr(runtime.kernels, "status", {}).items())
+    quantized = getattr(runtime, "quantization", None)  # its formats (the head's among them) and what it kept
     for part in (
         FORMAT,
         transformers.__version__,
@@ -47,6 +48,7 @@ def fingerprint(runtime, template: str) -> str:
         str(dtype),
         device,
         repr(kernels),
+        quantized.describe() if quantized else "",
         template,
         model.config.to_json_string(use_diff=False),
     ):

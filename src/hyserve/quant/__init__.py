@@ -6,9 +6,10 @@ and one float16 scale each):
   Q8_0 for int8, Q4_0 for int4;
 - the routed experts of MoE blocks (transformers' fused 3-D expert weights), at the body's format, each
   expert's slice as a linear layer's weight (`experts.QuantExperts`);
-- the output head at Q8_0 for both: its errors land on every logit, so llama.cpp never puts it below the
-  body's bits (Q8_0 in a Q8_0 file, Q6_K in Q4_0 and Q4_K_M files; Q8_0 is the nearest format here that is
-  not below Q6_K);
+- the output head at 6 bits or more (`formats.HEADS`): its errors land on every logit, so llama.cpp never puts
+  it below the body's bits (Q8_0 in a Q8_0 file, Q6_K in Q4_0 and Q4_K_M files). Q8_0 for int8 and w8a8; w4a8's
+  at Q6_0 (`layout`), as fine as Q6_K and a quarter fewer bytes than Q8_0 for the one product that reads a
+  248k-row head every step; int4's at Q8_0 (the weight-only products take no 6-bit weights);
 - the token embedding at the body's format (llama.cpp's `token_embd` is Q8_0 in Q8_0 files, Q4_0 in Q4_0
   files): a lookup dequantizes only the rows it reads, so it costs no time. A head tied to the embedding is
   one tensor, quantized as the head (as llama.cpp quantizes `token_embd` when there is no `output`).
@@ -31,8 +32,8 @@ import torch
 from ..logs import human_bytes
 from . import checkpoint, loading  # noqa: F401  (quant.checkpoint.refusal, quant.loading.load)
 from .experts import QuantExperts, fits_blocks, fused_weights, quantized_linears
-from .formats import HEAD, INT8_ACTIVATIONS, ROUTERS, SCHEMES, WEIGHTS
-from .layout import BLOCK, QuantEmbedding, QuantLinear, quantize
+from .formats import FORMATS, HEADS, INT8_ACTIVATIONS, ROUTERS, SCHEMES, WEIGHTS
+from .layout import BLOCK, QuantEmbedding, QuantLinear, format_of, quantize
 
 log = logging.getLogger("hyserve.quant")
 
@@ -48,7 +49,8 @@ class Quantized:
     kept: dict[str, str] = field(default_factory=dict)  # a weight left in the model's dtype -> why
 
     def describe(self) -> str:
-        blocks = "Q8_0" if WEIGHTS[self.scheme] == "int8" else "Q4_0, the head Q8_0"
+        body, head = FORMATS[WEIGHTS[self.scheme]].upper(), FORMATS[HEADS[self.scheme]].upper()
+        blocks = body if head == body else f"{body}, the head {head}"
         if self.scheme in INT8_ACTIVATIONS:
             blocks += "; each product's input rounded to Q8_0 blocks"
         line = (
@@ -82,6 +84,7 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
     if device.type != "cpu":
         raise ValueError(f"--quantization {scheme} runs on CPU only (the model is on {device.type})")
     done = Quantized(scheme)
+    head_format = HEADS[scheme]
     scheme = WEIGHTS[scheme]  # the weights' format; the activations' rounding is set on the layers at the end
     # ids, not references: a float weight is freed as soon as its module is replaced (peak: float + one layer)
     embedding_id = id(model.get_input_embeddings())
@@ -94,13 +97,13 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
         if id(weight) not in held:
             return quantize(weight, scheme)
         made_at_load = held[id(weight)]
-        if made_at_load[0].dtype != (torch.uint8 if scheme == "int4" else torch.int8):
+        if format_of(*made_at_load) != FORMATS[scheme]:
             raise RuntimeError(f"a weight was quantized at load in another format than {scheme}'s")
         return made_at_load
 
     def q(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(weight) not in made:
-            made[id(weight)] = blocks(weight, HEAD if id(weight) == head_weight_id else scheme)
+            made[id(weight)] = blocks(weight, head_format if id(weight) == head_weight_id else scheme)
             done.bytes_before += _nbytes(weight)
             done.bytes_after += _nbytes(*made[id(weight)])
         return made[id(weight)]

@@ -14,7 +14,9 @@
  * Each output takes the same operations in the same order whatever the number of rows or threads: a row's
  * result does not depend on its batch or its piece's length (batched == single, cache on == cache off). The
  * weights are held as quant/layout.py holds them (Q8_0: int8 q [n, k]; Q4_0: bytes [n, k / 2], low nibbles weights
- * 0-15 of a block, high nibbles 16-31, u standing for u - 8; one float16 d per block). Instruction set: AVX2
+ * 0-15 of a block, high nibbles 16-31, u standing for u - 8; Q6_0: 24 bytes a block, byte i < 16 weight i's 6 bits
+ * and weight 16 + i's top two, bytes 16-23 the low nibbles of weights 16-23 and (high) 24-31, u standing for
+ * u - 32; one float16 d per block). Instruction set: AVX2
  * (`-march=native`) or portable C; `-DA8_ISA=0` picks the portable one (the tests build each the CPU runs). Each C
  * file of hyserve is built alone (kernels.native.build; the tests build copies of it elsewhere), so the float16
  * and bfloat16 conversions below repeat products.c's.
@@ -31,6 +33,10 @@
 #include <string.h>
 
 #define BLOCK 32
+#define Q8 0 /* the formats, as `a8_linear` takes them */
+#define Q4 1
+#define Q6 2
+#define BLOCK_BYTES(f) ((f) == Q4 ? BLOCK / 2 : (f) == Q6 ? BLOCK * 3 / 4 : BLOCK)
 #define INLINE static inline __attribute__((always_inline))
 
 #ifndef A8_ISA
@@ -207,18 +213,28 @@ INLINE __m256i row_pair(const uint8_t *q, long row_bytes, int p, long at) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
+/* Rows p and p + 4's 8 bytes at `at` as one vector, each twice (row p the low half). */
+INLINE __m256i row_pair_8(const uint8_t *q, long row_bytes, int p, long at) {
+    long long lo, hi;
+    memcpy(&lo, q + p * row_bytes + at, 8);
+    memcpy(&hi, q + (p + 4) * row_bytes + at, 8);
+    return _mm256_blend_epi32(_mm256_set1_epi64x(lo), _mm256_set1_epi64x(hi), 0xf0);
+}
+
 /* Q4_0: each pair of rows' nibbles as unsigned bytes, weights 0-15 (`w[p]`) against x's first 16 values in both
  * halves and 16-31 (`w[4 + p]`) against its last 16: `maddubs` (at most 2 * 15 * 127 a pair), the two halves
- * added in 16 bits (at most 4 * 15 * 127), pairs into 32 bits. Q8_0: the magnitudes against x with the weights'
+ * added in 16 bits (at most 4 * 15 * 127), pairs into 32 bits. Q6_0: the same over 6-bit values, weights 0-15
+ * as they lie, 16-31 each nibble with its top bits put above it (at most 4 * 63 * 127 = 32004 in 16 bits). Q8_0: the magnitudes against x with the weights'
  * signs (at most 2 * 128 * 127 a pair, so each half into 32 bits on its own). Then the four rows' partial sums of
- * each vector added across (`hadd`, twice): rows 0-7 in lanes 0-7; Q4_0 takes 8 * x's block sum back. */
-INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row_bytes, const uint16_t *d,
-                     int blocks, const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+ * each vector added across (`hadd`, twice): rows 0-7 in lanes 0-7; Q4_0 takes 8 * x's block sum back, Q6_0 32 *. */
+INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_bytes, const uint16_t *d, int blocks,
+                     const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
     __m256 acc[TILE];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const int bb = four_bit ? BLOCK / 2 : BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    const int bb = BLOCK_BYTES(fmt);
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i low6 = _mm256_set1_epi8(0x3f), nibbles = _mm256_setr_epi64x(0, 4, 0, 4);
     /* The next set's rows (8 whole rows, one stretch of memory) fetched ahead in the order they lie, each block its
      * share: the hardware prefetchers do not keep 8 interleaved row streams going, nor did fetching each row's next
      * line (a one-row product over a Q8_0 head ran a third slower so). Its scales too (also one stretch): without,
@@ -237,7 +253,13 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
                 __builtin_prefetch(next + line, 0, 3);
             __m256i w[8], mag[8];
             for (int p = 0; p < 4; p++) {
-                if (four_bit) {
+                if (fmt == Q6) { /* 16-23: the low nibbles of bytes 16-23, 24-31 their high ones (one lane each) */
+                    const __m256i raw = row_pair(q, row_bytes, p, at);
+                    w[p] = _mm256_and_si256(raw, low6);
+                    const __m256i rest = _mm256_srlv_epi64(row_pair_8(q, row_bytes, p, at + BLOCK / 2), nibbles);
+                    w[4 + p] = _mm256_or_si256(_mm256_and_si256(rest, low4),
+                                               _mm256_and_si256(_mm256_srli_epi16(raw, 2), top2));
+                } else if (fmt == Q4) {
                     const __m256i raw = row_pair(q, row_bytes, p, at);
                     w[p] = _mm256_and_si256(raw, low4);
                     w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -255,7 +277,7 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
                 const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
                 __m256i s[4];
                 for (int p = 0; p < 4; p++)
-                    if (four_bit)
+                    if (fmt != Q8)
                         s[p] = _mm256_madd_epi16(
                             _mm256_add_epi16(_mm256_maddubs_epi16(w[p], xlo), _mm256_maddubs_epi16(w[4 + p], xhi)),
                             ones);
@@ -265,7 +287,8 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
                             _mm256_madd_epi16(_mm256_maddubs_epi16(mag[4 + p], _mm256_sign_epi8(xhi, w[4 + p])),
                                               ones));
                 __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-                if (four_bit) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i]));
+                if (fmt != Q8) /* the nibbles' offset: 8 * x's block sum (Q4_0), 32 * (Q6_0) */
+                    sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i] * (fmt == Q6 ? 4 : 1)));
                 const __m256 scale = _mm256_mul_ps(dw[i], _mm256_set1_ps(xd[r * blocks + b + i]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
             }
@@ -275,19 +298,26 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * SET, acc[r]);
 }
 #else
-INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row_bytes, const uint16_t *d,
-                     int blocks, const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+/* Weight i of a block (`wb`: its bytes) as a signed integer. */
+static inline int weight(const int fmt, const uint8_t *wb, int i) {
+    if (fmt == Q8) return (int8_t)wb[i];
+    if (fmt == Q4) return (i < BLOCK / 2 ? wb[i] & 0x0f : wb[i - BLOCK / 2] >> 4) - 8;
+    if (i < BLOCK / 2) return (wb[i] & 0x3f) - 32;
+    const int j = i - BLOCK / 2, low = j < 8 ? wb[BLOCK / 2 + j] & 0x0f : wb[BLOCK / 2 + j - 8] >> 4;
+    return (low | (wb[j] >> 6) << 4) - 32;
+}
+
+INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_bytes, const uint16_t *d, int blocks,
+                     const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
     (void)xs;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < SET; j++) {
             float acc = 0.0f;
             for (int b = 0; b < blocks; b++) {
-                const uint8_t *wb = q + j * row_bytes + (long)b * (four_bit ? BLOCK / 2 : BLOCK);
+                const uint8_t *wb = q + j * row_bytes + (long)b * BLOCK_BYTES(fmt);
                 const int8_t *xb = xq + r * k + (long)b * BLOCK;
                 int32_t s = 0;
-                for (int i = 0; i < BLOCK / 2; i++)
-                    s += four_bit ? ((wb[i] & 0x0f) - 8) * xb[i] + ((wb[i] >> 4) - 8) * xb[BLOCK / 2 + i]
-                                  : (int8_t)wb[i] * xb[i] + (int8_t)wb[BLOCK / 2 + i] * xb[BLOCK / 2 + i];
+                for (int i = 0; i < BLOCK; i++) s += weight(fmt, wb, i) * xb[i];
                 acc = acc + (float)s * (h2f(d[(long)j * blocks + b]) * xd[r * blocks + b]);
             }
             out[r * SET + j] = acc;
@@ -299,11 +329,11 @@ INLINE void set_rows(const int four_bit, const int R, const uint8_t *q, long row
  * rows, TILE at a time, while its blocks are in the core's cache (a prefill piece reads each weight from memory
  * once). The last set, when n is not a multiple of 8, reads `pad` (its rows, then zeros). The outputs with the
  * bias added, written in y's dtype. */
-INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq, const float *xd, const int32_t *xs,
+INLINE void sets(const int fmt, int rows, long n, long k, const int8_t *xq, const float *xd, const int32_t *xs,
                  const uint8_t *q, const uint16_t *d, const uint8_t *pad_q, const uint16_t *pad_d, const float *bias,
                  void *y, int bf16, long first, long last) {
     const int blocks = (int)(k / BLOCK);
-    const long row_bytes = four_bit ? k / 2 : k;
+    const long row_bytes = (long)blocks * BLOCK_BYTES(fmt);
     float out[TILE * SET];
     for (long g = first; g < last; g += GROUP) {
         const long end = g + GROUP < last ? g + GROUP : last;
@@ -317,14 +347,14 @@ INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq,
                 const uint8_t *qs = whole ? q + s * SET * row_bytes : pad_q;
                 const uint16_t *ds = whole ? d + s * SET * blocks : pad_d;
                 switch (R) { /* R a constant in each: the accumulators stay in registers */
-                case 1: set_rows(four_bit, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 2: set_rows(four_bit, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 3: set_rows(four_bit, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 4: set_rows(four_bit, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 5: set_rows(four_bit, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 6: set_rows(four_bit, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 7: set_rows(four_bit, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                default: set_rows(four_bit, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 1: set_rows(fmt, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 2: set_rows(fmt, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 3: set_rows(fmt, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 4: set_rows(fmt, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 5: set_rows(fmt, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 6: set_rows(fmt, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                case 7: set_rows(fmt, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                default: set_rows(fmt, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
                 }
                 const int outputs = whole ? SET : (int)(n - s * SET);
                 for (int r = 0; r < R; r++)
@@ -342,15 +372,15 @@ INLINE void sets(const int four_bit, int rows, long n, long k, const int8_t *xq,
 /* The instruction set this build runs: 1 AVX2, 0 portable C (for `hyserve env`). */
 int a8_isa(void) { return A8_ISA; }
 
-/* x [rows, k] (rows `x_stride` elements apart; bfloat16 when `bf16`, else float32) times the weight (`four_bit`:
- * Q4_0 bytes, else Q8_0 int8; d float16 [n, k / 32]), plus `bias` (float32, or NULL), into y [rows, n] in x's
+/* x [rows, k] (rows `x_stride` elements apart; bfloat16 when `bf16`, else float32) times the weight (`fmt`: Q8
+ * int8 values, Q4 or Q6 bytes; d float16 [n, k / 32]), plus `bias` (float32, or NULL), into y [rows, n] in x's
  * dtype. The threads round their share of x's rows, then compute their share of the sets of 8 weight rows.
  * 0, or -1 when k is not a whole number of blocks or memory runs out (nothing written). */
-int a8_linear(int four_bit, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
+int a8_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
               const uint16_t *d, const float *bias, void *y, int threads) {
-    if (k % BLOCK) return -1;
+    if (k % BLOCK || fmt < Q8 || fmt > Q6) return -1;
     const int blocks = k / BLOCK;
-    const long row_bytes = four_bit ? k / 2 : k, tail = n % SET;
+    const long row_bytes = (long)blocks * BLOCK_BYTES(fmt), tail = n % SET;
     const size_t xq_bytes = ((size_t)rows * k + 63) / 64 * 64, per_row = sizeof(float) + sizeof(int32_t);
     const size_t pad_q_bytes = tail ? ((size_t)SET * row_bytes + 63) / 64 * 64 : 0;
     char *scratch = malloc(xq_bytes + per_row * (size_t)rows * blocks + pad_q_bytes +
@@ -379,10 +409,11 @@ int a8_linear(int four_bit, int rows, int n, int k, const void *x, long x_stride
 #pragma omp barrier
         const long per = (all_sets + nt - 1) / nt, first = t * per < all_sets ? t * per : all_sets,
                    last = first + per < all_sets ? first + per : all_sets;
-        if (four_bit) /* a constant in each: the format's branch leaves the inner loops */
-            sets(1, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last);
-        else
-            sets(0, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last);
+        switch (fmt) { /* a constant in each: the format's branches leave the inner loops */
+        case Q4: sets(Q4, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
+        case Q6: sets(Q6, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
+        default: sets(Q8, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
+        }
     }
     free(scratch);
     return 0;

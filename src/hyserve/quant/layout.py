@@ -1,14 +1,20 @@
-"""Weights as GGUF's Q8_0 and Q4_0 blocks hold them: one float16 scale `d` per block of 32 weights along the input
-dimension, no zero point.
+"""Weights as GGUF's Q8_0 and Q4_0 blocks hold them, and a 6-bit Q6_0 for w4a8's head: one float16 scale `d` per
+block of 32 weights along the input dimension, no zero point.
 
 - int8, Q8_0: a block is (d, 32 x int8 in [-127, 127]); here the values of a weight [n, k] are one int8 tensor
   [n, k] and the scales one float16 tensor [n, k / 32].
 - int4, Q4_0: a block is (d, 16 bytes): byte i holds weight i in its low nibble and weight 16 + i in its high
   one, a nibble u standing for u - 8; here one uint8 tensor [n, k / 2] of those bytes, block after block.
+- int6, Q6_0 (w4a8's head): ik_llama.cpp's 6-bit blocks of 32 (d = the weight of largest magnitude / -32, a 6-bit u
+  standing for u - 32), its bytes laid out for the AVX2 product, which then unpacks a block in fewer instructions:
+  byte i < 16 holds weight i's 6 bits and weight 16 + i's top two (bits 6-7), bytes 16-23 the low nibbles of
+  weights 16-23 (low) and 24-31 (high). One uint8 tensor [n, k * 3 / 4]. As fine as llama.cpp's Q6_K head (6.5 bits
+  a weight against 6.56), and its block of 32 fits every width Q8_0 fits (Q6_K's of 256 does not).
 
-The dtype of the values says which (int8: Q8_0, uint8: Q4_0). A GGUF file's blocks can be held as they are
+The bytes a block takes say which (`format_of`). A GGUF file's Q8_0 / Q4_0 blocks can be held as they are
 (split into values and scales, not re-quantized), and a weight quantized here is what ggml's reference
-quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`) make of it.
+quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`; ik_llama.cpp's `quantize_row_q6_0_ref` for the
+values of Q6_0) make of it.
 
 The modules hold the quantized form only (no float copy of the weight): a decode step's few rows run the C
 product over it (`native.Products`, once checked at load; under w8a8 / w4a8 every row count runs
@@ -23,8 +29,10 @@ import torch.nn.functional as F
 
 from ..kernels.linear import GROUP
 from ..kernels.seam import active
+from .formats import FORMATS
 
 BLOCK = 32
+BLOCK_BYTES = {"q8_0": 32, "q4_0": 16, "q6_0": 24}  # the values' bytes of a block of 32 weights
 CHUNK = 1 << 22  # weights dequantized at once by `dequantized_linear` (16 MiB in float32)
 
 
@@ -33,7 +41,8 @@ def quantize(weight: torch.Tensor, scheme: str = "int8") -> tuple[torch.Tensor, 
     of rows at a time (`CHUNK`), so that a 248k-row head needs no whole float32 copy."""
     n, k = weight.shape
     step = max(1, CHUNK // k)
-    qs = torch.empty(n, k // 2 if scheme == "int4" else k, dtype=torch.uint8 if scheme == "int4" else torch.int8)
+    per_block = BLOCK_BYTES[FORMATS[scheme]]
+    qs = torch.empty(n, k // BLOCK * per_block, dtype=torch.int8 if scheme == "int8" else torch.uint8)
     d = torch.empty(n, k // BLOCK, dtype=torch.float16)
     for a in range(0, n, step):  # into the result, not into parts then joined: no second copy of the values
         qs[a : a + step], d[a : a + step] = _quantize(
@@ -46,6 +55,8 @@ def _quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]
     n, blocks, _ = w.shape
     if scheme == "int4":
         return _q4_0(w, n, blocks * BLOCK)
+    if scheme == "int6":
+        return _q6_0(w, n, blocks * BLOCK)
     q, d = _q8_0(w)  # d stored as float16
     return q.to(torch.int8).reshape(n, blocks * BLOCK), d.to(torch.float16)
 
@@ -75,11 +86,33 @@ def _q4_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.reshape(n, k // 2), d.to(torch.float16)
 
 
+def _q6_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_0: as Q4_0 with 6 bits, d = (the weight of largest magnitude, its sign kept) / -32 and
+    u = min(63, trunc(w / d + 32.5)), laid out as the module docstring says."""
+    top = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]
+    d = top / -32
+    inv = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
+    u = (w * inv[..., None] + 32.5).floor().clamp_(0, 63).to(torch.uint8)
+    first, second = u[..., : BLOCK // 2], u[..., BLOCK // 2 :]
+    rest = second & 0x0F
+    packed = (first | (second >> 4) << 6, rest[..., :8] | rest[..., 8:] << 4)
+    return torch.cat(packed, -1).reshape(n, k // BLOCK * 24), d.to(torch.float16)
+
+
 def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float weight [n, k] in `dtype`: value * d in float32 (exact), rounded once. Into one float32 tensor,
     in place: a prefill piece dequantizes every weight it runs through."""
     n, blocks = d.shape
-    if qs.dtype == torch.uint8:  # Q4_0
+    fmt = format_of(qs, d)
+    if fmt == "q6_0":
+        q = qs.reshape(n, blocks, 24)
+        first, rest, top = q[..., : BLOCK // 2], q[..., BLOCK // 2 :], q[..., : BLOCK // 2] >> 6 << 4
+        values = torch.empty(n, blocks, BLOCK, dtype=torch.float32)
+        values[..., : BLOCK // 2] = first & 0x3F
+        values[..., 16:24] = (rest & 0x0F) | top[..., :8]
+        values[..., 24:] = (rest >> 4) | top[..., 8:]
+        values.sub_(32)
+    elif fmt == "q4_0":
         q = qs.reshape(n, blocks, BLOCK // 2)
         values = torch.empty(n, blocks, BLOCK, dtype=torch.float32)
         values[..., : BLOCK // 2] = q & 0x0F
@@ -125,12 +158,15 @@ def dequantized_linear(
     return torch.cat(parts, dim=-1)
 
 
-def format_of(qs: torch.Tensor) -> str:
-    return "q4_0" if qs.dtype == torch.uint8 else "q8_0"
+def format_of(qs: torch.Tensor, d: torch.Tensor) -> str:
+    """ "q8_0", "q4_0" or "q6_0": the values' bytes per block of 32 weights say which."""
+    if qs.dtype == torch.int8:
+        return "q8_0"
+    return "q6_0" if qs.shape[-1] * 4 == d.shape[-1] * 96 else "q4_0"
 
 
 class QuantLinear(torch.nn.Module):
-    """An `nn.Linear` whose weight is held as Q8_0 or Q4_0 values (`quantize`), computing in `dtype` (the
+    """An `nn.Linear` whose weight is held as Q8_0, Q4_0 or Q6_0 values (`quantize`), computing in `dtype` (the
     model's). Sibling layers stacked by `siblings.group` hold views of the stack and run its product."""
 
     linear_like = True  # the lean decode layers take it as they take an `nn.Linear` (`kernels.decode_layer`)
@@ -165,13 +201,12 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.rounds_activations else ""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, {format_of(self.qs)}, {self.dtype}{a8}"
-        )
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, {format_of(self.qs, self.d)}, {self.dtype}{a8}"
 
 
 class QuantEmbedding(torch.nn.Module):
-    """An `nn.Embedding` held as Q8_0 or Q4_0 values: a lookup dequantizes only the rows it reads."""
+    """An `nn.Embedding` held as Q8_0, Q4_0 or Q6_0 values: a lookup dequantizes only the rows it reads."""
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype):
         super().__init__()
@@ -191,4 +226,4 @@ class QuantEmbedding(torch.nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {format_of(self.qs)}, {self.dtype}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {format_of(self.qs, self.d)}, {self.dtype}"

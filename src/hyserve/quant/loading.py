@@ -25,27 +25,28 @@ import torch
 
 from . import mapped_pages
 from .experts import fits_blocks, fused_weights, quantize_3d
-from .formats import HEAD, ROUTERS, WEIGHTS
+from .formats import HEADS, ROUTERS, WEIGHTS
 from .layout import BLOCK, quantize
 
 METHOD = "hyserve"  # the quant_method under which transformers finds `OnLoad`
 
 
 def format_for(model, name: str, scheme: str) -> str | None:
-    """The scheme `apply` quantizes the parameter `name` of `model` (on the meta device) at, or None for one it
-    keeps in float: `apply` checks the blocks made here against its own choice."""
+    """The weight format (`formats.WEIGHTS`, `formats.HEADS`) `apply` quantizes the parameter `name` of `model` (on
+    the meta device) at under `scheme`, or None for one it keeps in float: `apply` checks the blocks made here
+    against its own choice."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     if type(module) is torch.nn.Linear and attr == "weight":
         if module_name.rpartition(".")[2] in ROUTERS or module.in_features % BLOCK:
             return None
-        return HEAD if module is model.get_output_embeddings() else scheme
+        return HEADS[scheme] if module is model.get_output_embeddings() else WEIGHTS[scheme]
     if type(module) is torch.nn.Embedding and attr == "weight" and module is model.get_input_embeddings():
         if module.embedding_dim % BLOCK:
             return None
-        return HEAD if _tied_head(model, module) else scheme
+        return HEADS[scheme] if _tied_head(model, module) else WEIGHTS[scheme]
     if attr in (fused_weights(module) or ()) and fits_blocks(module):
-        return scheme
+        return WEIGHTS[scheme]
     return None
 
 
@@ -151,7 +152,7 @@ def load(model_dir: Path, dtype: torch.dtype, scheme: str):
     made.held)`; `made` keeps the placeholders alive until then."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    settings = _settings_class()(WEIGHTS[scheme])  # the weights' format (w4a8: int4)
+    settings = _settings_class()(scheme)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_class = _model_class(config)
     with mapped_pages.released(safetensors_files(model_dir) if model_class else None) as state_dict:

@@ -1,6 +1,7 @@
-"""The C products over Q8_0 and Q4_0 weights, built at load with the machine's compiler as `kernels.native` builds
-`decode_step.c` (same flags, cache folder, OpenMP guard and `HYSERVE_NATIVE=0` switch), then checked on every weight
-shape of the model against `dequantized_linear`; off, with the reason, when they cannot be built or do not match:
+"""The C products over Q8_0, Q4_0 (and, with int8 activations, Q6_0) weights, built at load with the machine's
+compiler as `kernels.native` builds `decode_step.c` (same flags, cache folder, OpenMP guard and `HYSERVE_NATIVE=0`
+switch), then checked on every weight shape of the model against `dequantized_linear`; off, with the reason, when
+they cannot be built or do not match:
 - `products.c` (`Products`): weight-only schemes (int8, int4), a decode step's few rows, activations as they are;
 - `a8_products.c` (`A8Products`): w8a8 / w4a8, every row count, activations rounded to Q8_0 blocks and multiplied
   in integers. Off, the layers compute the same rounding in PyTorch (`dequantized_linear(rounded=True)`)."""
@@ -116,7 +117,7 @@ class Products:
             and k == layer.in_features
             and x.is_floating_point()
             and x.device.type == "cpu"
-            and format_of(layer.qs) == self.format
+            and format_of(layer.qs, layer.d) == self.format
         ):
             return None
         flat = x.reshape(rows, k).float().contiguous()  # a few rows: the copy costs nothing next to the weight
@@ -161,14 +162,15 @@ def _linear_call(fn, lead: tuple, x: torch.Tensor, rows: int, held: tuple, threa
 
 def held_args(layer: QuantLinear) -> tuple:
     """(qs, d, bias as float32 or None, n, k, threads: 0 for all, or 1 below `Products.ONE_THREAD_BELOW` weights,
-    the pointers of qs, d and bias), kept on the layer once made (the tensors with them, so that the pointers passed
-    stay theirs); both kinds of products read them."""
+    the pointers of qs, d and bias, the format's code in `a8_linear`), kept on the layer once made (the tensors with
+    them, so that the pointers passed stay theirs); both kinds of products read them."""
     held, buffers = layer.__dict__.get("c_args"), layer._buffers  # (the buffers' dict: `layer.qs` costs a lookup chain)
     if held is None or held[0] is not buffers["qs"] or held[1] is not buffers["d"]:
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         n, k = layer.out_features, layer.in_features
         pointers = (layer.qs.data_ptr(), layer.d.data_ptr(), None if bias is None else bias.data_ptr())
-        held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1, pointers)
+        code = A8_FORMATS[format_of(layer.qs, layer.d)]
+        held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1, pointers, code)
         layer.__dict__["c_args"] = held
     return held
 
@@ -194,11 +196,12 @@ class A8Products:
             return None
         rows = x.numel() // k
         threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
-        return _linear_call(self.lib.a8_linear, (held[0].dtype == torch.uint8,), x, rows, held, threads)
+        return _linear_call(self.lib.a8_linear, (held[7],), x, rows, held, threads)
 
 
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
 KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
+A8_FORMATS = {"q8_0": 0, "q4_0": 1, "q6_0": 2}  # `a8_linear`'s code of each format
 
 
 def kernel_names(model) -> set[str]:
@@ -207,7 +210,7 @@ def kernel_names(model) -> set[str]:
     layers = quantized_linears(model)
     if any(m.rounds_activations for m in layers):
         return {A8_KERNEL}
-    return {KERNELS[format_of(m.qs)] for m in layers}
+    return {KERNELS[format_of(m.qs, m.d)] for m in layers}
 
 
 def install(model, dtype: torch.dtype) -> dict[str, str]:
@@ -220,7 +223,7 @@ def install(model, dtype: torch.dtype) -> dict[str, str]:
         lib, why = a8_library()
         # one row, a decode batch and a short piece's rows (tiles of 8 and a rest)
         return {A8_KERNEL: why if lib is None else _install(A8Products(lib), layers, dtype, (1, 8, 19), True)}
-    formats = {fmt: [m for m in layers if format_of(m.qs) == fmt] for fmt in KERNELS}
+    formats = {fmt: [m for m in layers if format_of(m.qs, m.d) == fmt] for fmt in KERNELS}
     formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
     if lib is None:
@@ -240,7 +243,9 @@ def _install(
     g = torch.Generator().manual_seed(0)
     shapes = {}
     for layer in layers:
-        shapes.setdefault((layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs)), layer)
+        shapes.setdefault(
+            (layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs, layer.d)), layer
+        )
     for layer in shapes.values():
         for n in rows:
             x = torch.randn(n, 1, layer.in_features, generator=g).to(dtype)

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..kernels import decode_layer, linear, seam
-from .layout import QuantLinear
+from .layout import QuantLinear, format_of
 
 log = logging.getLogger("hyserve.quant")
 
@@ -52,7 +52,10 @@ def _alike(members: list) -> bool:
     rounding and C product, all with a bias or none."""
     if not all(type(m) is QuantLinear for m in members):
         return False
-    keys = {(m.in_features, m.qs.dtype, m.dtype, m.rounds_activations, id(m.native), m.bias is None) for m in members}
+    keys = {
+        (m.in_features, format_of(m.qs, m.d), m.dtype, m.rounds_activations, id(m.native), m.bias is None)
+        for m in members
+    }
     return len(keys) == 1
 
 
