@@ -27,6 +27,7 @@ TARGETS = [
     ("decode, concurrent requests (tokens/s, all)", "concurrent_tok_s", True, 1.3),
     ("cold prefill (tokens/s)", "cold_tok_s", True, 1.0),
     ("peak resident memory (MiB)", "peak_rss_mib", False, 1.1),
+    ("resident memory less the prompt cache (MiB)", "rss_less_cache_mib", False, 1.1),
     (f"warm turn: TTFT + {WARM_TOKENS} tokens (s)", "warm_turn_s", False, 0.6),
 ]
 # the instruction sets that decide which kernels either side can use
@@ -133,7 +134,13 @@ def peer_values(result: dict) -> dict[str, dict[str, dict[str, float | None]]]:
             got = got or {}
             for key in ("decode_tok_s", "concurrent_tok_s", "cold_tok_s"):
                 sides[side][key] = got.get(key)
-            sides[side]["peak_rss_mib"] = (got.get("memory_mib") or {}).get("VmHWM")
+            memory = got.get("memory_mib") or {}
+            sides[side]["peak_rss_mib"] = memory.get("VmHWM")
+            # each server's prompt cache held at the end (hyserve's prefix cache, llama-server's --cache-ram one)
+            cache = got.get("prompt_cache_mib")
+            sides[side]["rss_less_cache_mib"] = (
+                None if cache is None or memory.get("VmRSS") is None else memory["VmRSS"] - cache
+            )
             turns = (chats.get(qtype) or {}).get("turns") or []
             sides[side]["warm_turn_s"] = warm_turn_s(turns, side) if len(turns) > 1 else None
         out[qtype] = sides

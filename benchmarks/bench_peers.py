@@ -675,10 +675,12 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
                 got[label].append(one_round(i, client, llama=True))
         res["hyserve"] = medians(got["hyserve"])
         res["hyserve"]["memory_mib"] = _rss_mib(hy.proc.pid)
+        res["hyserve"]["prompt_cache_mib"] = round(hy.metric("hyserve_cache_bytes") / 2**20, 1)
         per = {}
         for label, ll in llamas.items():
             per[label] = medians(got[label])
             per[label]["memory_mib"] = _rss_mib(ll.proc.pid)
+            per[label]["prompt_cache_mib"] = llama_prompt_cache_mib(ll.log_path)
         first = peers[0][0]
         res["llama"], res["llama_command"] = per[first], llamas[first].cmd
         if args.quantization:
@@ -691,10 +693,17 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
         print(
             f"  {k}: cold prefill {r['cold_prompt_tokens']} tokens {r['cold_tok_s']:.0f} tok/s, decode "
             f"{r['decode_tok_s']:.1f} tok/s, {args.concurrent} concurrent {r['concurrent_tok_s'] or 0:.1f} tok/s, "
-            f"memory {r['memory_mib']}",
+            f"memory {r['memory_mib']}, prompt cache {r.get('prompt_cache_mib')} MiB",
             flush=True,
         )
     return res
+
+
+def llama_prompt_cache_mib(log_path: Path) -> float | None:
+    """The MiB llama-server's prompt cache (`--cache-ram`) held at its last update, from its log's
+    "cache state: N prompts, X MiB" line; None where it logged none."""
+    found = re.findall(r"cache state: \d+ prompts, ([\d.]+) MiB", log_path.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 def throughput_table(t: dict) -> str:

@@ -38,6 +38,8 @@ def test_warm_turn_is_ttft_plus_256_tokens_at_the_replys_pace_over_warm_turns_on
 def test_table_marks_each_target_met_or_missed_in_its_direction():
     hy = {"decode_tok_s": 20.0, "concurrent_tok_s": 60.0, "cold_tok_s": 100.0, "memory_mib": {"VmHWM": 1000.0}}
     llama = {"decode_tok_s": 10.0, "concurrent_tok_s": 50.0, "cold_tok_s": 200.0, "memory_mib": {"VmHWM": 2000.0}}
+    hy["memory_mib"]["VmRSS"], hy["prompt_cache_mib"] = 900.0, 600.0  # 300 MiB apart from the cache
+    llama["memory_mib"]["VmRSS"], llama["prompt_cache_mib"] = 2000.0, 1500.0  # 500
     # hyserve's warm turn 1 + 256 * 0.01 = 3.56 s, llama's 2 + 256 * 0.1 = 27.6 s
     text = Q.quant_table(_result(hy, llama, _turn(1.0, 1.1, 11), _turn(2.0, 3.0, 11)))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[2:]}
@@ -45,6 +47,7 @@ def test_table_marks_each_target_met_or_missed_in_its_direction():
     assert rows["decode, concurrent requests (tokens/s, all)"][2] == "1.20x (missed)"  # target 1.3x
     assert rows["cold prefill (tokens/s)"][2] == "0.50x (missed)"
     assert rows["peak resident memory (MiB)"] == ["1000.0", "2000.0", "0.50x (met)", "<= 1.1x"]
+    assert rows["resident memory less the prompt cache (MiB)"] == ["300.0", "500.0", "0.60x (met)", "<= 1.1x"]
     assert rows["warm turn: TTFT + 256 tokens (s)"][2] == f"{3.56 / 27.6:.2f}x (met)"
 
 

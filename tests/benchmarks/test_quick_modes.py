@@ -147,6 +147,9 @@ def test_peers_quantized_quick_against_llama_quantize(results):
     # measured (not their size: on the tiny model a few tokens' time is noise, and decode rates can even be < 0)
     assert all(isinstance(p[k], float) for p in peers.values() for k in ("decode_tok_s", "concurrent_tok_s"))
     assert all(p["cold_tok_s"] > 0 and p["memory_mib"]["VmHWM"] > 0 for p in peers.values())
+    # each server's prompt cache, for the resident memory apart from it: hyserve's from /metrics, llama's from its log
+    assert result["throughput"]["hyserve"]["prompt_cache_mib"] >= 0
+    assert all(p["prompt_cache_mib"] is None or p["prompt_cache_mib"] >= 0 for p in peers.values())
     assert all(len(c["turns"]) == 3 and c["command"][2].endswith(f"-{t}.gguf") for t, c in result["peers_chat"].items())
     assert result["quantization"]["llama_quantize"]["binary"] and result["machine"]["cpu_flags"] is not None
 
