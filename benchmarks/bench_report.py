@@ -178,7 +178,11 @@ def peers_quant(r: dict) -> str:
         [
             Q.quant_table(r),
             "",
-            f"Throughput: medians of {rounds} rounds alternating between the servers; "
+            (
+                f"Throughput: medians of {rounds} rounds alternating between the servers; "
+                if rounds
+                else "Throughput: not measured in this run (no `--throughput`); "
+            )
             + (
                 f"warm turn: median over turns 2 on of {repeats} chat repeat(s) against each type, "
                 f"TTFT + {Q.WARM_TOKENS} x the reply's seconds per token. "
@@ -412,6 +416,7 @@ REPORTS = {
     "peers-real-0.8b-w4a8": ("peers-real-0.8b-w4a8.json", peers_quant),
     "peers-real-4b-w8a8": ("peers-real-4b-w8a8.json", peers_quant),
     "peers-real-4b-w4a8": ("peers-real-4b-w4a8.json", peers_quant),
+    "peers-real-4b-w4a8-chat": ("peers-real-4b-w4a8-chat.json", peers_quant),
     "speculative": ("speculative.json", speculative),
     "speculative-smollm2": ("speculative-smollm2.json", speculative_trained),
     "load": ("load.json", load),

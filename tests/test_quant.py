@@ -433,6 +433,27 @@ def test_a_layer_that_does_not_fit_the_blocks_stays_unquantized_and_is_named():
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
 
 
+def test_a_head_already_held_as_blocks_stays_so_and_is_named_as_it_is():
+    """A GGUF file's Q8_0 head is kept as the file's blocks (the loader made it a `QuantLinear`): w4a8 does not
+    re-quantize it to its Q6_0, and the start-up line names the head's format as held."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    kept = layout.QuantLinear(*layout.quantize(model.lm_head.weight, "int8"), None, torch.float32)
+    model.lm_head = kept
+    done = quant.apply(model, "w4a8")
+    assert model.get_output_embeddings() is kept and layout.format_of(kept.qs, kept.d) == "q8_0"
+    assert done.describe().startswith("w4a8 (Q4_0, the head Q8_0;")
+    fresh = Qwen3ForCausalLM(config).eval()
+    assert quant.apply(fresh, "w4a8").describe().startswith("w4a8 (Q4_0, the head Q6_0;")
+    head = fresh.get_output_embeddings()
+    assert layout.format_of(head.qs, head.d) == "q6_0"
+
+
 def test_a_scheme_or_device_it_cannot_serve_is_one_clear_error(model_dirs):
     with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
         ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="fp8")

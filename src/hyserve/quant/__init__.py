@@ -47,9 +47,10 @@ class Quantized:
     bytes_before: int = 0  # of the weights quantized, in the model's dtype
     bytes_after: int = 0  # of their int8 values and scales
     kept: dict[str, str] = field(default_factory=dict)  # a weight left in the model's dtype -> why
+    head: str | None = None  # the head's blocks as held ("q6_0", ...; a GGUF file's own where it kept them)
 
     def describe(self) -> str:
-        body, head = FORMATS[WEIGHTS[self.scheme]].upper(), FORMATS[HEADS[self.scheme]].upper()
+        body, head = FORMATS[WEIGHTS[self.scheme]].upper(), (self.head or FORMATS[HEADS[self.scheme]]).upper()
         blocks = body if head == body else f"{body}, the head {head}"
         if self.scheme in INT8_ACTIVATIONS:
             blocks += "; each product's input rounded to Q8_0 blocks"
@@ -154,6 +155,8 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
     made.clear()
     if held and (left := [n for n, t in model.named_parameters(remove_duplicate=False) if id(t) in held]):
         raise RuntimeError(f"weights quantized at load but not replaced: {', '.join(left[:3])}")
+    if isinstance(head := model.get_output_embeddings(), QuantLinear):
+        done.head = format_of(head.qs, head.d)
     if done.scheme in INT8_ACTIVATIONS:
         for layer in quantized_linears(model):
             layer.rounds_activations = True
