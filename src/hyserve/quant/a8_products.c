@@ -224,8 +224,9 @@ INLINE __m256i row_pair_8(const uint8_t *q, long row_bytes, int p, long at) {
 /* Q4_0: each pair of rows' nibbles as unsigned bytes, weights 0-15 (`w[p]`) against x's first 16 values in both
  * halves and 16-31 (`w[4 + p]`) against its last 16: `maddubs` (at most 2 * 15 * 127 a pair), the two halves
  * added in 16 bits (at most 4 * 15 * 127), pairs into 32 bits. Q6_0: the same over 6-bit values, weights 0-15
- * as they lie, 16-31 each nibble with its top bits put above it (at most 4 * 63 * 127 = 32004 in 16 bits). Q8_0: the magnitudes against x with the weights'
- * signs (at most 2 * 128 * 127 a pair, so each half into 32 bits on its own). Then the four rows' partial sums of
+ * as they lie, 16-31 each nibble with its top bits put above it (at most 4 * 63 * 127 = 32004 in 16 bits). Q8_0:
+ * the magnitudes against x with the weights' signs (at most 2 * 128 * 127 a pair, so each half into 32 bits on
+ * its own). Then the four rows' partial sums of
  * each vector added across (`hadd`, twice): rows 0-7 in lanes 0-7; Q4_0 takes 8 * x's block sum back, Q6_0 32 *. */
 INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_bytes, const uint16_t *d, int blocks,
                      const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
