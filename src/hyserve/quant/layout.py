@@ -96,7 +96,7 @@ def _q6_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     first, second = u[..., : BLOCK // 2], u[..., BLOCK // 2 :]
     rest = second & 0x0F
     packed = (first | (second >> 4) << 6, rest[..., :8] | rest[..., 8:] << 4)
-    return torch.cat(packed, -1).reshape(n, k // BLOCK * 24), d.to(torch.float16)
+    return torch.cat(packed, -1).reshape(n, k // BLOCK * BLOCK_BYTES["q6_0"]), d.to(torch.float16)
 
 
 def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +105,7 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.T
     n, blocks = d.shape
     fmt = format_of(qs, d)
     if fmt == "q6_0":
-        q = qs.reshape(n, blocks, 24)
+        q = qs.reshape(n, blocks, BLOCK_BYTES[fmt])
         first, rest, top = q[..., : BLOCK // 2], q[..., BLOCK // 2 :], q[..., : BLOCK // 2] >> 6 << 4
         values = torch.empty(n, blocks, BLOCK, dtype=torch.float32)
         values[..., : BLOCK // 2] = first & 0x3F
@@ -162,7 +162,7 @@ def format_of(qs: torch.Tensor, d: torch.Tensor) -> str:
     """ "q8_0", "q4_0" or "q6_0": the values' bytes per block of 32 weights say which."""
     if qs.dtype == torch.int8:
         return "q8_0"
-    return "q6_0" if qs.shape[-1] * 4 == d.shape[-1] * 96 else "q4_0"
+    return "q6_0" if qs.shape[-1] == d.shape[-1] * BLOCK_BYTES["q6_0"] else "q4_0"
 
 
 class QuantLinear(torch.nn.Module):
