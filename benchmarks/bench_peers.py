@@ -10,6 +10,9 @@ client (`multiturn.stream_chat`) to two servers on 127.0.0.1 that serve the same
   llama.cpp's own `convert_hf_to_gguf.py`, started with one slot, `-t 2`, its prompt cache, context
   checkpoints and `--cache-reuse` (the exact command line is printed and stored in the JSON).
 
+Both servers' prompt caches get the same budget (`--prompt-cache-mib`, default 1 GiB: hyserve's `--cache-bytes`,
+llama-server's `--cache-ram`), so their peak memory compares at equal footing.
+
 Each server's history carries its *own* replies, as a chat client would send them back; the user
 messages are identical. The replies are greedy and the weights the same, but llama.cpp also ends a reply
 at `<|endoftext|>` (an end-of-generation token to it) while hyserve stops at `eos_token_id` only, so
@@ -174,6 +177,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server --ctx-size (default: fits the chat)")
     p.add_argument("--llama-extra", default="", help='more llama-server options, e.g. "-ctk f32 -ctv f32"')
+    p.add_argument(
+        "--prompt-cache-mib",
+        type=int,
+        default=1024,
+        help="both servers' prompt-cache budget: hyserve --cache-bytes, llama-server --cache-ram (default 1024)",
+    )
     p.add_argument(
         "--wait-quiet",
         type=float,
@@ -355,7 +364,15 @@ def _stop_all() -> None:
 
 class LlamaServer:
     def __init__(
-        self, binary: str, gguf: Path, alias: str, ctx_size: int, threads: int, log_path: Path, extra: list[str] = ()
+        self,
+        binary: str,
+        gguf: Path,
+        alias: str,
+        ctx_size: int,
+        threads: int,
+        log_path: Path,
+        extra: list[str] = (),
+        cache_mib: int = 1024,
     ):
         from hyserve.server.run import free_port
 
@@ -380,6 +397,8 @@ class LlamaServer:
             str(threads),
             "--cache-reuse",
             "256",
+            "--cache-ram",
+            str(cache_mib),
             "--ctx-checkpoints",
             "32",
             "--no-webui",
@@ -660,6 +679,7 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
                     args.threads,
                     log,
                     ["-np", str(args.concurrent), "--kv-unified", *shlex.split(args.llama_extra)],
+                    args.prompt_cache_mib,
                 )
             )
         clients = {
@@ -842,7 +862,7 @@ def main(argv=None) -> int:
     )
 
     runs, cmds, through = {label: [] for label, _ in peers}, {}, None
-    hy_args = ["--cache-bytes", str(2 << 30), "--dtype", args.dtype]
+    hy_args = ["--cache-bytes", str(args.prompt_cache_mib << 20), "--dtype", args.dtype]
     if args.quantization:
         hy_args += ["--quantization", args.quantization]
     with C.ServerProcess(model_dir, name, *hy_args, threads=threads, idle_limit=60.0 if args.quick else 900.0) as hy:
@@ -855,7 +875,14 @@ def main(argv=None) -> int:
                 quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
                 peer_log = log_path if len(peers) == 1 else log_path.with_suffix(f".{label}.log")
                 with LlamaServer(
-                    binary, peer_gguf, name, args.ctx_size, args.threads, peer_log, shlex.split(args.llama_extra)
+                    binary,
+                    peer_gguf,
+                    name,
+                    args.ctx_size,
+                    args.threads,
+                    peer_log,
+                    shlex.split(args.llama_extra),
+                    args.prompt_cache_mib,
                 ) as llama:
                     cmds[label] = llama.cmd
                     if rep == 0:
@@ -910,7 +937,7 @@ def main(argv=None) -> int:
             "log": str(log_path),
             "llama_cpp_src": args.llama_cpp_src or os.environ.get("LLAMA_CPP_SRC"),
         },
-        "hyserve": {"cache_bytes": 2 << 30, "command": hy.cmd},
+        "hyserve": {"cache_bytes": args.prompt_cache_mib << 20, "command": hy.cmd},
         "turns": summary,
         "runs": runs[first],
         "throughput": through,

@@ -189,6 +189,11 @@ def peers_quant(r: dict) -> str:
                 if repeats
                 else "warm turn: not measured in this run (`--no-chat`). "
             )
+            + (
+                f"Prompt caches: {mib} MiB each (hyserve `--cache-bytes`, llama-server `--cache-ram`). "
+                if (mib := r["args"].get("prompt_cache_mib"))
+                else "Prompt caches: hyserve's 2 GiB, llama-server's at its default `--cache-ram` (8 GiB). "
+            )
             + f"hyserve `--quantization {q['scheme']}`; llama-server {r['llama_server']['version']}; llama-quantize "
             f"{q['llama_quantize'].get('version') or 'of an unknown build'}, from the {q['source_type']} GGUF of "
             f"llama.cpp's converter. CPU flags: {flags}.",
