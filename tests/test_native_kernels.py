@@ -152,6 +152,29 @@ def test_the_c_decode_attention_is_as_close_to_exact_as_sdpa(model_dirs, rows, k
         assert (got == want).float().mean().item() > 0.6
 
 
+@pytest.mark.parametrize("groups,dim,keys", [(2, 64, 9), (3, 128, 301), (4, 256, 700), (5, 64, 64), (8, 128, 2)])
+def test_the_c_decode_attention_takes_any_group_of_query_heads(groups, dim, keys):
+    """Query heads per KV head four, two, then one at a time, keys two at a time (an odd count's last key alone):
+    every split against float64, with a padded row."""
+    lib, why = native.library()
+    if lib is None:
+        pytest.skip(why)
+    kernel, rows, kv_heads = native.DecodeAttention(lib), 2, 2
+    g = torch.Generator().manual_seed(groups * keys)
+    q = torch.randn(rows, kv_heads * groups, 1, dim, generator=g).to(torch.bfloat16)
+    k, v = ((torch.randn(rows, kv_heads, keys, dim, generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+    mask[1, ..., : keys // 2] = False
+    with torch.inference_mode():
+        got = kernel(q, k, v, mask, dim**-0.5)
+    scores = (q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2)) * dim**-0.5
+    exact = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(
+        1, 2
+    )
+    assert got is not None and got.shape == exact.shape
+    assert (got.double() - exact).abs().max().item() / exact.abs().max().item() < 2**-7
+
+
 def test_a_bfloat16_decode_step_runs_the_c_step(model_dirs, monkeypatch):
     rt = ModelRuntime.load(model_dirs["qwen3_5"], dtype="bfloat16", device="cpu")
     ad = rt.adapter
@@ -241,8 +264,8 @@ def test_the_c_norm_gives_the_pytorch_operations_results(model_dirs):
         ),
         (
             "native_attention",
-            "const float sc = open ? dot * a->scale : -INFINITY;",  # the scores left unscaled
-            "const float sc = open ? dot : -INFINITY;",
+            "scores[i][s + t] = open ? (t ? d1[i] : d0[i]) * a->scale : -INFINITY;",  # the scores left unscaled
+            "scores[i][s + t] = open ? (t ? d1[i] : d0[i]) : -INFINITY;",
         ),
         (
             "native_linear",

@@ -159,7 +159,7 @@ int gdn_step(const GdnStep *p) {
  * PyTorch's CPU flash kernel: scores scaled in float32, the softmax's numerators rounded to bfloat16 before
  * they weight the values, the sum of the unrounded ones dividing at the end). The keys are split into chunks
  * run on separate threads and combined after (split-K), so that both cores stream the KV even for one row
- * and two KV heads. */
+ * and two KV heads. Head dimensions are a multiple of 8 (the caller checks). */
 typedef struct {
     int rows, heads, kv_heads, dim, keys, chunk, threads;
     const uint16_t *q;
@@ -172,60 +172,147 @@ typedef struct {
     uint16_t *out;                           /* [rows, heads, dim] */
 } Attention;
 
+/* Eight floats as one vector (GCC's and clang's vector extensions: -march picks the instructions). The loops below
+ * are written on it: the compiler left their plain-C forms scalar (arrays whose sizes come at run time). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8f bf8(const uint16_t *p) { /* eight bfloat16 values widened */
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+static inline v8f pick(v8i mask, v8f yes, v8f no) { return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask)); }
+
+/* `vexp` of eight values: the same clamp, polynomial and scaling, the floor from a truncation. */
+static inline v8f vexp8(v8f x) {
+    x = pick(x < -87.33654785f, (v8f){0} - 87.33654785f, x);
+    x = pick(x > 88.0f, (v8f){0} + 88.0f, x);
+    const v8f t = x * 1.44269504f + 0.5f, whole = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
+    const v8f n = whole + __builtin_convertvector(whole > t, v8f); /* floor: less one where truncation rose */
+    v8f r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v8f y = (v8f){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    return y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* `round_bf` of eight values (a NaN stays one). */
+static inline v8f round_bf8(v8f f) {
+    const v8u u = (v8u)f, nan = (v8u)(f != f);
+    const v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (v8f)((r & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
+
+/* The scores of two keys (k0, k1: bfloat16) against H <= 4 query heads (q: H rows of `dim` floats, dim a multiple
+ * of 8): 2 * H vector sums added side by side. One dot product at a time waits on its own additions (a key then
+ * ran at the adder's latency, not its throughput). */
+static inline void qk_pair(const int H, const float *q, int dim, const uint16_t *k0, const uint16_t *k1, float *o0,
+                           float *o1) {
+    v8f a[4] = {0}, b[4] = {0};
+    for (int d = 0; d < dim; d += 8) {
+        const v8f x = bf8(k0 + d), y = bf8(k1 + d);
+        for (int i = 0; i < H; i++) {
+            const v8f w = load8(q + (long)i * dim + d);
+            a[i] += w * x;
+            b[i] += w * y;
+        }
+    }
+    for (int i = 0; i < H; i++) {
+        o0[i] = sum8(a[i]);
+        o1[i] = sum8(b[i]);
+    }
+}
+
 static void attention_chunk(const Attention *a, int r, int kh, int c, float *part) {
     const int g = a->heads / a->kv_heads, dim = a->dim;
-    const int s0 = c * a->chunk, s1 = s0 + a->chunk < a->keys ? s0 + a->chunk : a->keys;
-    float q[g][dim], scores[g][s1 - s0];
+    const int s0 = c * a->chunk, s1 = s0 + a->chunk < a->keys ? s0 + a->chunk : a->keys, n = s1 - s0;
+    float q[g][dim], scores[g][n];
     for (int i = 0; i < g; i++) {
         const uint16_t *qi = a->q + r * a->q_row + (long)(kh * g + i) * a->q_head;
         for (int d = 0; d < dim; d++) q[i][d] = bf(qi[d]);
     }
-    float m[g];
-    for (int i = 0; i < g; i++) m[i] = -INFINITY;
-    for (int s = s0; s < s1; s++) {
-        const int open = !a->mask || a->mask[r * a->m_row + s * a->m_key];
-        const uint16_t *ks = a->k + r * a->k_row + kh * a->k_head + s * a->k_seq;
-        float kf[dim];
-        if (open) /* the key widened once, not once per query head of the group */
-            for (int d = 0; d < dim; d++) kf[d] = bf(ks[d]);
-        for (int i = 0; i < g; i++) {
-            float dot = 0.0f;
-            if (open) {
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < dim; d++) dot += q[i][d] * kf[d];
-            }
-            const float sc = open ? dot * a->scale : -INFINITY;
-            scores[i][s - s0] = sc;
-            if (sc > m[i]) m[i] = sc;
+    const uint16_t *k = a->k + r * a->k_row + kh * a->k_head;
+    for (int s = 0; s < n; s += 2) { /* the keys two at a time (the last one twice when n is odd) */
+        const uint16_t *k0 = k + (s0 + s) * a->k_seq, *k1 = s + 1 < n ? k0 + a->k_seq : k0;
+        float d0[g], d1[g];
+        for (int i = 0; i < g;) { /* the group's heads four, two, then one at a time (H a constant in each) */
+            const int h = g - i >= 4 ? 4 : g - i >= 2 ? 2 : 1;
+            if (h == 4) qk_pair(4, q[i], dim, k0, k1, d0 + i, d1 + i);
+            else if (h == 2) qk_pair(2, q[i], dim, k0, k1, d0 + i, d1 + i);
+            else qk_pair(1, q[i], dim, k0, k1, d0 + i, d1 + i);
+            i += h;
+        }
+        for (int t = 0; t < 2 && s + t < n; t++) {
+            const int open = !a->mask || a->mask[r * a->m_row + (s0 + s + t) * a->m_key];
+            for (int i = 0; i < g; i++) scores[i][s + t] = open ? (t ? d1[i] : d0[i]) * a->scale : -INFINITY;
         }
     }
     /* part: per query, [max, sum, acc[dim]] */
     for (int i = 0; i < g; i++) {
         float *pi = part + (long)i * (dim + 2);
-        pi[0] = m[i];
-        pi[1] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        for (int s = 0; s < n; s++) m = scores[i][s] > m ? scores[i][s] : m;
+        if (m != -INFINITY) {
+            int s = 0;
+            v8f l8 = {0};
+            for (; s + 8 <= n; s += 8) {
+                const v8f sc = load8(&scores[i][s]);
+                const v8f e = pick(sc == -INFINITY, (v8f){0}, vexp8(sc - m));
+                l8 += e;
+                const v8f rounded = round_bf8(e);
+                memcpy(&scores[i][s], &rounded, sizeof rounded);
+            }
+            l = sum8(l8);
+            for (; s < n; s++) {
+                const float e = scores[i][s] == -INFINITY ? 0.0f : vexp(scores[i][s] - m);
+                l += e;
+                scores[i][s] = round_bf(e);
+            }
+        }
+        pi[0] = m;
+        pi[1] = l;
         for (int d = 0; d < dim; d++) pi[2 + d] = 0.0f;
     }
-    for (int i = 0; i < g; i++) {
-        if (m[i] == -INFINITY) continue;
-        float l = 0.0f;
-        for (int s = 0; s < s1 - s0; s++) {
-            const float e = scores[i][s] == -INFINITY ? 0.0f : expf(scores[i][s] - m[i]);
-            l += e;
-            scores[i][s] = round_bf(e);
-        }
-        part[(long)i * (dim + 2) + 1] = l;
-    }
-    for (int s = s0; s < s1; s++) {
-        const uint16_t *vs = a->v + r * a->v_row + kh * a->v_head + s * a->v_seq;
-        float vf[dim];
-        for (int d = 0; d < dim; d++) vf[d] = bf(vs[d]);
+    const uint16_t *v = a->v + r * a->v_row + kh * a->v_head;
+    for (int s = 0; s < n; s += 2) { /* two keys at a time: each accumulator read and written once for both */
+        const int open0 = !a->mask || a->mask[r * a->m_row + (s0 + s) * a->m_key];
+        const int open1 = s + 1 < n && (!a->mask || a->mask[r * a->m_row + (s0 + s + 1) * a->m_key]);
+        if (!open0 && !open1) continue;
+        const uint16_t *v0 = v + (s0 + s) * a->v_seq, *v1 = open1 ? v0 + a->v_seq : v0;
+        float p0[g], p1[g]; /* a closed key's weights are 0 (its values, read anyway, are then not added) */
         for (int i = 0; i < g; i++) {
-            const float p = scores[i][s - s0];
-            if (p == 0.0f) continue;
-            float *acc = part + (long)i * (dim + 2) + 2;
-#pragma omp simd
-            for (int d = 0; d < dim; d++) acc[d] += p * vf[d];
+            p0[i] = open0 ? scores[i][s] : 0.0f;
+            p1[i] = open1 ? scores[i][s + 1] : 0.0f;
+        }
+        for (int d = 0; d < dim; d += 8) {
+            const v8f x0 = bf8(v0 + d), x1 = bf8(v1 + d);
+            for (int i = 0; i < g; i++) {
+                float *acc = part + (long)i * (dim + 2) + 2 + d;
+                v8f sum = load8(acc);
+                if (open0) sum += p0[i] * x0;
+                if (open1) sum += p1[i] * x1;
+                memcpy(acc, &sum, sizeof sum);
+            }
         }
     }
 }

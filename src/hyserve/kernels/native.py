@@ -259,6 +259,7 @@ class DecodeAttention:
             and query.dtype == key.dtype == value.dtype == torch.bfloat16
             and key.shape == value.shape == (rows, kv_heads, keys, dim)
             and heads % kv_heads == 0
+            and dim % 8 == 0
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
             and keys > 0
             and (mask is None or (mask.dtype == torch.bool and mask.shape == (rows, 1, 1, keys)))
