@@ -70,7 +70,55 @@ def decode_vs_concurrency(results: Path) -> dict | None:
     }
 
 
-PLOTS = {"ttft_vs_history": ttft_vs_history, "decode_vs_concurrency": decode_vs_concurrency}
+# (result file, label's size) of the quantized runs against llama-server; a file ending in -chat adds the warm turn
+QUANT_RUNS = [
+    ("peers-real-0.8b-w8a8.json", "0.75B"),
+    ("peers-real-0.8b-w4a8.json", "0.75B"),
+    ("peers-real-4b-w8a8.json", "4.2B"),
+    ("peers-real-4b-w4a8.json", "4.2B"),
+    ("peers-real-4b-w4a8-chat.json", "4.2B"),
+]
+
+
+def quantized_vs_llama(results: Path) -> dict | None:
+    """hyserve / llama-server at the same bits for each quantized run and llama.cpp type, one panel per target of
+    `bench_llama_quant.TARGETS` (the memory less the prompt caches left out), with the target's line."""
+    import bench_llama_quant as Q
+
+    ratios: dict[str, dict[str, float]] = {}
+    for name, size in QUANT_RUNS:
+        r = _load(results, name)
+        if r is None or "quantization" not in r:
+            continue
+        for qtype, sides in Q.peer_values(r).items():
+            got = ratios.setdefault(f"{size} {r['quantization']['scheme']} / {qtype}", {})
+            for _, key, _, _ in Q.TARGETS:
+                h, ll = sides["hyserve"][key], sides["llama"][key]
+                if h is not None and ll:
+                    got.setdefault(key, _r(h / ll, 3))
+    if not ratios:
+        return None
+    return {
+        "title": "hyserve / llama-server at the same bits, 2 cores (bench_peers.py --quantization)",
+        "settings": list(ratios),
+        "panels": [
+            {
+                "metric": label.split(" (")[0],
+                "better": "higher" if higher else "lower",
+                "target": target,
+                "ratios": [ratios[s].get(key) for s in ratios],
+            }
+            for label, key, higher, target in Q.TARGETS
+            if key != "rss_less_cache_mib"
+        ],
+    }
+
+
+PLOTS = {
+    "ttft_vs_history": ttft_vs_history,
+    "decode_vs_concurrency": decode_vs_concurrency,
+    "quantized_vs_llama": quantized_vs_llama,
+}
 COLORS = {"hyserve": "#1f77b4", "llama-server": "#d62728", "hyserve --no-cache": "#7f7f7f"}
 
 
@@ -101,6 +149,31 @@ def _draw_decode(data: dict, ax) -> None:
     ax.legend()
 
 
+def _draw_quantized(data: dict, axes) -> None:
+    ys = range(len(data["settings"]))
+    for ax, panel in zip(axes, data["panels"]):
+        shown = [(y, r) for y, r in zip(ys, panel["ratios"]) if r is not None]
+        met = [(r >= panel["target"]) if panel["better"] == "higher" else (r <= panel["target"]) for _, r in shown]
+        bars = ax.barh(
+            [y for y, _ in shown],
+            [r for _, r in shown],
+            color=[COLORS["hyserve"] if m else "#ff7f0e" for m in met],
+        )
+        ax.bar_label(bars, fmt="%.2fx", fontsize=7, padding=2)
+        for y, r in zip(ys, panel["ratios"]):
+            if r is None:
+                ax.text(0.05, y, "not measured", fontsize=7, va="center", color="#7f7f7f")
+        ax.axvline(panel["target"], color="k", linestyle="--", linewidth=1)
+        ax.axvline(1.0, color="#7f7f7f", linewidth=0.8)
+        sign = ">=" if panel["better"] == "higher" else "<="
+        ax.set_title(f"{panel['metric']}\n({panel['better']} is better, target {sign} {panel['target']}x)", fontsize=8)
+        ax.set_yticks(list(ys), data["settings"] if ax is axes[0] else [""] * len(data["settings"]), fontsize=8)
+        ax.set_xlim(0, max([r for _, r in shown] + [panel["target"], 1.0]) * 1.3)
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].figure.suptitle(data["title"] + "; orange: target missed", fontsize=9)
+
+
 def draw(name: str, data: dict, path: Path) -> None:
     import matplotlib
 
@@ -110,6 +183,9 @@ def draw(name: str, data: dict, path: Path) -> None:
     if name == "ttft_vs_history":
         fig, axes = plt.subplots(1, len(data["panels"]), figsize=(11, 4))
         _draw_ttft(data, axes)
+    elif name == "quantized_vs_llama":
+        fig, axes = plt.subplots(1, len(data["panels"]), figsize=(14, 3.6))
+        _draw_quantized(data, axes)
     else:
         fig, ax = plt.subplots(figsize=(5.5, 4))
         _draw_decode(data, ax)

@@ -27,7 +27,7 @@ def test_committed_series_are_the_results(name):
 def test_a_changed_result_makes_its_plot_stale_and_write_redraws_it(tmp_path):
     results, img = tmp_path / "results", tmp_path / "img"
     results.mkdir()
-    for name in ("peers-real-chat.json", "agent.json", "peers-real.json"):
+    for name in ("peers-real-chat.json", "agent.json", "peers-real.json", *(n for n, _ in bench_plots.QUANT_RUNS)):
         shutil.copyfile(RESULTS / name, results / name)
     assert sorted(bench_plots.write(results, img)) == sorted(bench_plots.PLOTS)
     assert bench_plots.stale(results, img) == []
