@@ -32,20 +32,27 @@ static inline uint16_t to_bf(float f) { /* round to nearest even, as PyTorch */
 
 static inline float round_bf(float f) { return bf(to_bf(f)); }
 
+/* y = exp(x - n ln 2), x's remainder r after n: the reduction and the polynomial, for `vexp` and `vexp8` alike
+ * (y holds 1.9875691500e-4 going in: a float, or eight of them). */
+#define EXP_OF_REMAINDER(y, r, x, n)                                                                                   \
+    do {                                                                                                               \
+        r = x - n * 0.693359375f;                                                                                      \
+        r = r + n * 2.12194440e-4f;                                                                                    \
+        y = y * r + 1.3981999507e-3f;                                                                                  \
+        y = y * r + 8.3334519073e-3f;                                                                                  \
+        y = y * r + 4.1665795894e-2f;                                                                                  \
+        y = y * r + 1.6666665459e-1f;                                                                                  \
+        y = y * r + 5.0000001201e-1f;                                                                                  \
+        y = y * (r * r) + r + 1.0f;                                                                                    \
+    } while (0)
+
 /* exp(x) within ~2 units of float32's last place (Cephes' polynomial), branch-free so that loops of it
  * vectorize; inputs are clamped to [-87.3, 88.0] (results from 1.2e-38 to 1.6e38). */
 static inline float vexp(float x) {
     x = fminf(fmaxf(x, -87.33654785f), 88.0f);
     const float n = floorf(x * 1.44269504f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    float r, y = 1.9875691500e-4f;
+    EXP_OF_REMAINDER(y, r, x, n);
     const int32_t e = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, 4);
@@ -204,15 +211,8 @@ static inline v8f vexp8(v8f x) {
     x = pick(x > 88.0f, (v8f){0} + 88.0f, x);
     const v8f t = x * 1.44269504f + 0.5f, whole = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
     const v8f n = whole + __builtin_convertvector(whole > t, v8f); /* floor: less one where truncation rose */
-    v8f r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    v8f y = (v8f){0} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    v8f r, y = (v8f){0} + 1.9875691500e-4f;
+    EXP_OF_REMAINDER(y, r, x, n);
     return y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
