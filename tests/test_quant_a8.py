@@ -92,9 +92,10 @@ def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, sche
     """Widths of 8 blocks and not (the scales taken 8 at a time, then one by one), weight rows in whole sets of 8
     and not (the last set padded), 1 to 70 rows (tiles of 4, then the rest; a long prefill piece) with a stride of
     their own: the rounded reference's numbers but for float32 rounding, a row's result the same whatever batch it
-    is in, and far from the product of the unrounded input (the rounding is done)."""
+    is in, and far from the product of the unrounded input (the rounding is done). Over the same weights held
+    interleaved (whole sets only), the same outputs bit for bit."""
     g = torch.Generator().manual_seed(1)
-    for n, k in ((37, 96), (16, 320), (300, 1024)):
+    for n, k in ((37, 96), (16, 320), (40, 96), (300, 1024), (304, 1024)):
         layer = layout.QuantLinear(
             *layout.quantize(torch.randn(n, k, generator=g) * 0.05, scheme), torch.randn(n, generator=g), dtype
         )
@@ -102,6 +103,12 @@ def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, sche
         want = layout.dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded=True)
         unrounded = layout.dequantized_linear(x, layer.qs, layer.d, layer.bias)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
+        interleaved = None
+        if n % 8 == 0:
+            interleaved = layout.QuantLinear(layer.qs.clone(), layer.d.clone(), layer.bias, dtype)
+            layout.interleave_(interleaved.qs, interleaved.d)
+            interleaved.interleaved = True
+            assert not torch.equal(interleaved.qs, layer.qs) and not torch.equal(interleaved.d, layer.d)
         for lib in builds:
             products = qnative.A8Products(lib)
             with torch.inference_mode():
@@ -114,13 +121,49 @@ def test_the_c_product_is_the_rounded_reference_and_each_rows_alone(builds, sche
                     assert torch.equal(products(x[r : r + 1], layer), got[r : r + 1])
                 assert torch.equal(products(x[3:12], layer), got[3:12])
                 assert torch.equal(products(x[1:68], layer), got[1:68])
+                if interleaved is not None:
+                    assert torch.equal(products(x, interleaved), got)
+                    for r in (0, 8, 69):
+                        assert torch.equal(products(x[r : r + 1], interleaved), got[r : r + 1])
+                    assert torch.equal(products(x[3:12], interleaved), got[3:12])
+
+
+def test_interleaved_values_read_back_as_the_rows_they_hold():
+    """`interleave_` and back restore every byte; the dequantized weight, the reference product and an
+    embedding's lookup over interleaved values are those of the rows; the C library refuses an interleaved weight
+    whose rows are not whole sets."""
+    g = torch.Generator().manual_seed(3)
+    for scheme in ("int8", "int4", "int6"):
+        qs, d = layout.quantize(torch.randn(48, 96, generator=g), scheme)
+        held_qs, held_d = qs.clone(), d.clone()
+        layout.interleave_(held_qs, held_d)
+        assert not torch.equal(held_qs, qs)
+        weight = layout.dequantize(qs, d, torch.float32)
+        assert torch.equal(layout.dequantize(held_qs, held_d, torch.float32, interleaved=True), weight)
+        x = torch.randn(3, 96, generator=g)
+        assert torch.equal(
+            layout.dequantized_linear(x, held_qs, held_d, None, True, interleaved=True),
+            layout.dequantized_linear(x, qs, d, None, True),
+        )
+        embedding = layout.QuantEmbedding(held_qs, held_d, torch.float32)
+        embedding.interleaved = True
+        ids = torch.tensor([[0, 5, 47], [12, 12, 3]])
+        assert torch.equal(embedding(ids), weight[ids])
+        layout.interleave_(held_qs, held_d, back=True)
+        assert torch.equal(held_qs, qs) and torch.equal(held_d, d)
+    lib = qnative.a8_library()[0]
+    x, y = torch.randn(1, 96), torch.empty(1, 44)
+    qs, d = layout.quantize(torch.randn(44, 96, generator=g), "int4")
+    args = (1, 44, 96, x.data_ptr(), 96, 0, qs.data_ptr(), d.data_ptr(), None, y.data_ptr(), 1)
+    assert lib.a8_linear(qnative.A8_FORMATS["q4_0"], *args) == 0
+    assert lib.a8_linear(qnative.A8_FORMATS["q4_0"] + qnative.INTERLEAVED, *args) == -1
 
 
 def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs, monkeypatch, tmp_path, caplog):
     """The source with one mistake (Q4_0's and Q6_0's products without the nibbles' offset taken back) builds and
-    runs; the load-time check refuses it with a warning, every layer rounds its input in PyTorch instead, and the
-    tokens are the C product's."""
-    right = "sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b + i] * (fmt == Q6 ? 4 : 1)));"
+    runs; the load-time check refuses it with a warning, every layer rounds its input in PyTorch instead over its
+    values put back row after row (the C product's are interleaved), and the tokens are the C product's."""
+    right = "sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b] * (fmt == Q6 ? 4 : 1)));"
     source = qnative.A8_SOURCE.read_text()
     if qnative.a8_library()[0].a8_isa() == 0:
         pytest.skip("the portable build takes no 8 * x back")
@@ -128,6 +171,7 @@ def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs,
     (tmp_path / "a8_products.c").write_text(source.replace(right, ";"))
     good = ModelRuntime.load(model_dirs["qwen3"], device="cpu", quantization="w4a8")
     assert good.kernels.on(qnative.A8_KERNEL), good.kernels.status
+    assert all(m.interleaved for m in good.model.modules() if isinstance(m, layout.QuantLinear))
     monkeypatch.setattr(qnative, "A8_SOURCE", tmp_path / "a8_products.c")
     monkeypatch.setenv("HYSERVE_NATIVE_CACHE", str(tmp_path / "native"))
     qnative.a8_library.cache_clear()
@@ -137,7 +181,7 @@ def test_a_wrong_build_is_refused_at_load_and_pytorch_rounds_instead(model_dirs,
         qnative.a8_library.cache_clear()
     assert rt.kernels.status[qnative.A8_KERNEL].startswith("off: max |diff|"), rt.kernels.status
     layers = [m for m in rt.model.modules() if isinstance(m, layout.QuantLinear)]
-    assert layers and all(m.native is None and m.rounds_activations for m in layers)
+    assert layers and all(m.native is None and m.rounds_activations and not m.interleaved for m in layers)
     assert _greedy(rt, n=6) == _greedy(good, n=6)
 
 
@@ -163,15 +207,24 @@ def test_a_batched_decode_step_equals_each_row_alone_with_int8_activations(model
 
 
 def test_int8_activations_change_the_numbers_and_keep_the_weights(model_dirs):
-    """w4a8 holds int4's body byte for byte and its head at Q6_0 (int4's at Q8_0); its logits differ from int4's
-    by the activations' rounding and the head's, far less than from the float model's."""
+    """w4a8 holds int4's body byte for byte (interleaved for its C product, read back row after row) and its head
+    at Q6_0 (int4's at Q8_0); its logits differ from int4's by the activations' rounding and the head's, far less
+    than from the float model's."""
     rts = {s: ModelRuntime.load(model_dirs["qwen3_5"], device="cpu", quantization=s) for s in ("int4", "w4a8")}
     rts["float"] = ModelRuntime.load(model_dirs["qwen3_5"], device="cpu")
     heads = {s: rts[s].model.get_output_embeddings() for s in ("int4", "w4a8")}
     assert [layout.format_of(h.qs, h.d) for h in heads.values()] == ["q8_0", "q6_0"]
     a, b = (dict(rts[s].model.named_buffers()) for s in ("int4", "w4a8"))
-    body = [n for n in a if a[n] is not heads["int4"].qs and a[n] is not heads["int4"].d]
-    assert a.keys() == b.keys() and len(body) == len(a) - 2 and all(torch.equal(a[n], b[n]) for n in body)
+    assert a.keys() == b.keys()
+    held = (layout.QuantLinear, layout.QuantEmbedding)
+    a, b = ({n: m for n, m in rts[s].model.named_modules() if isinstance(m, held)} for s in ("int4", "w4a8"))
+    body = [n for n in a if a[n] is not heads["int4"]]
+    assert a.keys() == b.keys() and len(body) == len(a) - 1 and any(b[n].interleaved for n in body)
+    for n in body:
+        qs, d = b[n].qs.clone(), b[n].d.clone()
+        if b[n].interleaved:
+            layout.interleave_(qs, d, back=True)
+        assert torch.equal(qs, a[n].qs) and torch.equal(d, a[n].d), n
     ids = list(range(5, 40))
     logits = {s: rt.adapter.forward(rt.adapter.new_state(), ids).float() for s, rt in rts.items()}
     rounding = (logits["w4a8"] - logits["int4"]).abs().max()

@@ -8,8 +8,9 @@
  * memory, bounds a decode step, and in a prefill piece a float32 product does 8 multiplications per instruction
  * where `maddubs` does 32. The weights are taken 8 rows at a time (a "set"), one output a lane: a block's integer
  * sums of the 8 rows end in one vector, so converting, scaling and adding cost one instruction each per 8 outputs
- * (ggml's repacked Q4_0 products do the same; here the rows are read where layout.py holds them, not repacked, so
- * int4 and w4a8 hold the same bytes and a GGUF file's blocks serve as they are).
+ * (ggml's repacked Q4_0 products do the same). The model's weights are interleaved at load (`layout.interleave_`,
+ * in place: each set one stretch, 4 rows' pieces of a block in one load; `interleaved_rows`); a weight whose rows
+ * are not whole sets, or not interleaved, is read row after row as layout.py quantizes it (`set_rows`).
  *
  * Each output takes the same operations in the same order whatever the number of rows or threads: a row's
  * result does not depend on its batch or its piece's length (batched == single, cache on == cache off). The
@@ -33,10 +34,11 @@
 #include <string.h>
 
 #define BLOCK 32
-#define Q8 0 /* the formats, as `a8_linear` takes them */
+#define Q8 0 /* the formats, as `a8_linear` takes them: rows as layout.py holds them, */
 #define Q4 1
 #define Q6 2
-#define BLOCK_BYTES(f) ((f) == Q4 ? BLOCK / 2 : (f) == Q6 ? BLOCK * 3 / 4 : BLOCK)
+#define INTERLEAVED 3 /* or, added to one of those, sets of 8 rows interleaved (`layout.interleave`) */
+#define BLOCK_BYTES(f) ((f) % INTERLEAVED == Q4 ? BLOCK / 2 : (f) % INTERLEAVED == Q6 ? BLOCK * 3 / 4 : BLOCK)
 #define INLINE static inline __attribute__((always_inline))
 
 #ifndef A8_ISA
@@ -171,6 +173,8 @@ int round_rows(int rows, int k, const void *x, long x_stride, int bf16, int8_t *
 
 #define SET 8 /* weight rows whose outputs share one vector, a lane each */
 #define TILE 8  /* input rows passing each of a set's blocks while it is unpacked (`sets` has a case for each count) */
+#define AHEAD 2048 /* bytes an interleaved set is fetched ahead of its product: a one-row product over Q8_0 weights
+                    * ran 5-10% slower at none and at 1,024, as fast at 4,096 */
 #define GROUP 8 /* sets (64 weight rows) kept in the core's cache while every tile of input rows passes them */
 
 /* The outputs of input rows x[0 .. R) and one set's 8 weight rows (q: the set's first row, rows `row_bytes` apart;
@@ -298,6 +302,93 @@ INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_byte
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * SET, acc[r]);
 }
+/* The same outputs over a set whose 8 rows are interleaved (`layout.interleave`): block after block, each block's
+ * bytes as pieces of 8 (piece c: bytes 8c .. 8c + 7 of a row's block), for each piece rows 0, 1, 4, 5 then 2, 3, 6,
+ * 7; the set's scales [blocks][8]. One load takes a piece of four rows; against x's 8 values of that piece
+ * (broadcast), `maddubs` and `madd` leave each row's sum in two lanes, and one `hadd` of the two groups puts rows
+ * 0-7 in lanes 0-7 (that order is why the groups hold those rows). A set is one stretch of memory (the hardware
+ * prefetcher follows it) and its scales load as they lie: against `set_rows`, no 128-bit inserts, no scale
+ * transposes, one `hadd` a block instead of three. Q4_0: pieces 0, 1 hold weights 0-7 and 8-15 (low nibbles) and
+ * 16-31 (high), 16-bit sums at most 8 * 15 * 127; Q6_0: pieces 0, 1 weights 0-15 and the top bits of 16-31, piece 2
+ * their low nibbles, two products a 16-bit sum (at most 4 * 63 * 127); Q8_0: pieces 0-3 weights 0-31, each product
+ * into 32 bits alone. */
+INLINE void interleaved_rows(const int fmt, const int R, const uint8_t *q, const uint16_t *d, int blocks,
+                             const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+    __m256 acc[TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int bb = BLOCK_BYTES(fmt);
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i low6 = _mm256_set1_epi8(0x3f);
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *qb = q + (long)b * bb * SET;
+        for (int line = 0; line < bb * SET; line += 64) /* the set's stretch ahead of the hardware prefetcher */
+            __builtin_prefetch(qb + AHEAD + line, 0, 3);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (long)b * SET)));
+        __m256i w[2][4], mag[2][4]; /* [group][piece of 8 weights]: weights 8c .. 8c + 7 of the group's rows */
+        for (int g = 0; g < 2; g++) {
+#define PIECE(c) _mm256_loadu_si256((const __m256i *)(qb + 64 * (c) + 32 * g))
+            if (fmt == Q4) {
+                const __m256i p0 = PIECE(0), p1 = PIECE(1);
+                w[g][0] = _mm256_and_si256(p0, low4);
+                w[g][1] = _mm256_and_si256(p1, low4);
+                w[g][2] = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low4);
+                w[g][3] = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low4);
+            } else if (fmt == Q6) {
+                const __m256i p0 = PIECE(0), p1 = PIECE(1), p2 = PIECE(2);
+                w[g][0] = _mm256_and_si256(p0, low6);
+                w[g][1] = _mm256_and_si256(p1, low6);
+                w[g][2] = _mm256_or_si256(_mm256_and_si256(p2, low4), _mm256_and_si256(_mm256_srli_epi16(p0, 2), top2));
+                w[g][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p2, 4), low4),
+                                          _mm256_and_si256(_mm256_srli_epi16(p1, 2), top2));
+            } else
+                for (int c = 0; c < 4; c++) {
+                    w[g][c] = PIECE(c);
+                    mag[g][c] = _mm256_abs_epi8(w[g][c]);
+                }
+#undef PIECE
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int8_t *xb = xq + r * k + (long)b * BLOCK;
+            __m256i x[4], v[2];
+            for (int c = 0; c < 4; c++) {
+                long long piece;
+                memcpy(&piece, xb + 8 * c, 8);
+                x[c] = _mm256_set1_epi64x(piece);
+            }
+            for (int g = 0; g < 2; g++) {
+                if (fmt == Q4)
+                    v[g] = _mm256_madd_epi16(
+                        _mm256_add_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[g][0], x[0]), _mm256_maddubs_epi16(w[g][1], x[1])),
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[g][2], x[2]), _mm256_maddubs_epi16(w[g][3], x[3]))),
+                        ones);
+                else if (fmt == Q6)
+                    v[g] = _mm256_add_epi32(
+                        _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[g][0], x[0]), _mm256_maddubs_epi16(w[g][1], x[1])),
+                            ones),
+                        _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(w[g][2], x[2]), _mm256_maddubs_epi16(w[g][3], x[3])),
+                            ones));
+                else {
+                    __m256i p[4];
+                    for (int c = 0; c < 4; c++)
+                        p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[g][c], _mm256_sign_epi8(x[c], w[g][c])), ones);
+                    v[g] = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+                }
+            }
+            __m256i sums = _mm256_hadd_epi32(v[0], v[1]);
+            if (fmt != Q8) /* the offset, as in `set_rows` */
+                sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(xs[r * blocks + b] * (fmt == Q6 ? 4 : 1)));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * blocks + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * SET, acc[r]);
+}
 #else
 /* Weight i of a block (`wb`: its bytes) as a signed integer. */
 static inline int weight(const int fmt, const uint8_t *wb, int i) {
@@ -320,6 +411,30 @@ INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_byte
                 int32_t s = 0;
                 for (int i = 0; i < BLOCK; i++) s += weight(fmt, wb, i) * xb[i];
                 acc = acc + (float)s * (h2f(d[(long)j * blocks + b]) * xd[r * blocks + b]);
+            }
+            out[r * SET + j] = acc;
+        }
+}
+/* Row j's byte t of block b in an interleaved set (see the AVX2 `interleaved_rows`). */
+static inline uint8_t interleaved_byte(const uint8_t *q, int bb, int b, int j, int t) {
+    static const int group[SET] = {0, 0, 1, 1, 0, 0, 1, 1}, place[SET] = {0, 1, 0, 1, 2, 3, 2, 3};
+    return q[(long)b * bb * SET + 64 * (t / 8) + 32 * group[j] + 8 * place[j] + t % 8];
+}
+
+INLINE void interleaved_rows(const int fmt, const int R, const uint8_t *q, const uint16_t *d, int blocks,
+                             const int8_t *xq, long k, const float *xd, const int32_t *xs, float *out) {
+    (void)xs;
+    const int bb = BLOCK_BYTES(fmt);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < SET; j++) {
+            float acc = 0.0f;
+            for (int b = 0; b < blocks; b++) {
+                uint8_t wb[BLOCK];
+                for (int t = 0; t < bb; t++) wb[t] = interleaved_byte(q, bb, b, j, t);
+                const int8_t *xb = xq + r * k + (long)b * BLOCK;
+                int32_t s = 0;
+                for (int i = 0; i < BLOCK; i++) s += weight(fmt, wb, i) * xb[i];
+                acc = acc + (float)s * (h2f(d[(long)b * SET + j]) * xd[r * blocks + b]);
             }
             out[r * SET + j] = acc;
         }
@@ -347,16 +462,29 @@ INLINE void sets(const int fmt, int rows, long n, long k, const int8_t *xq, cons
                 const int whole = (s + 1) * SET <= n;
                 const uint8_t *qs = whole ? q + s * SET * row_bytes : pad_q;
                 const uint16_t *ds = whole ? d + s * SET * blocks : pad_d;
-                switch (R) { /* R a constant in each: the accumulators stay in registers */
-                case 1: set_rows(fmt, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 2: set_rows(fmt, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 3: set_rows(fmt, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 4: set_rows(fmt, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 5: set_rows(fmt, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 6: set_rows(fmt, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                case 7: set_rows(fmt, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                default: set_rows(fmt, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                }
+                if (fmt >= INTERLEAVED) { /* (the same addresses: a set's 8 rows, its 8 rows' scales) */
+                    const int f = fmt - INTERLEAVED;
+                    switch (R) { /* R a constant in each: the accumulators stay in registers */
+                    case 1: interleaved_rows(f, 1, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 2: interleaved_rows(f, 2, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 3: interleaved_rows(f, 3, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 4: interleaved_rows(f, 4, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 5: interleaved_rows(f, 5, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 6: interleaved_rows(f, 6, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    case 7: interleaved_rows(f, 7, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    default: interleaved_rows(f, TILE, qs, ds, blocks, xr, k, dr, sr, out); break;
+                    }
+                } else
+                    switch (R) { /* R a constant in each: the accumulators stay in registers */
+                    case 1: set_rows(fmt, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 2: set_rows(fmt, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 3: set_rows(fmt, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 4: set_rows(fmt, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 5: set_rows(fmt, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 6: set_rows(fmt, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    case 7: set_rows(fmt, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    default: set_rows(fmt, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
+                    }
                 const int outputs = whole ? SET : (int)(n - s * SET);
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < outputs; j++) {
@@ -374,12 +502,13 @@ INLINE void sets(const int fmt, int rows, long n, long k, const int8_t *xq, cons
 int a8_isa(void) { return A8_ISA; }
 
 /* x [rows, k] (rows `x_stride` elements apart; bfloat16 when `bf16`, else float32) times the weight (`fmt`: Q8
- * int8 values, Q4 or Q6 bytes; d float16 [n, k / 32]), plus `bias` (float32, or NULL), into y [rows, n] in x's
- * dtype. The threads round their share of x's rows, then compute their share of the sets of 8 weight rows.
- * 0, or -1 when k is not a whole number of blocks or memory runs out (nothing written). */
+ * int8 values, Q4 or Q6 bytes, d float16 [n, k / 32]; or, `fmt` + INTERLEAVED, their sets of 8 rows interleaved),
+ * plus `bias` (float32, or NULL), into y [rows, n] in x's dtype. The threads round their share of x's rows, then
+ * compute their share of the sets of 8 weight rows. 0, or -1 when k is not a whole number of blocks, an interleaved
+ * n not one of sets, or memory runs out (nothing written). */
 int a8_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
               const uint16_t *d, const float *bias, void *y, int threads) {
-    if (k % BLOCK || fmt < Q8 || fmt > Q6) return -1;
+    if (k % BLOCK || fmt < Q8 || fmt > Q6 + INTERLEAVED || (fmt >= INTERLEAVED && n % SET)) return -1;
     const int blocks = k / BLOCK;
     const long row_bytes = (long)blocks * BLOCK_BYTES(fmt), tail = n % SET;
     const size_t xq_bytes = ((size_t)rows * k + 63) / 64 * 64, per_row = sizeof(float) + sizeof(int32_t);
@@ -412,6 +541,9 @@ int a8_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, int
                    last = first + per < all_sets ? first + per : all_sets;
         switch (fmt) { /* a constant in each: the format's branches leave the inner loops */
         case Q4: sets(Q4, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
+        case Q8 + INTERLEAVED: sets(Q8 + INTERLEAVED, rows, n, k, xq, xd, xs, q, d, 0, 0, bias, y, bf16, first, last); break;
+        case Q4 + INTERLEAVED: sets(Q4 + INTERLEAVED, rows, n, k, xq, xd, xs, q, d, 0, 0, bias, y, bf16, first, last); break;
+        case Q6 + INTERLEAVED: sets(Q6 + INTERLEAVED, rows, n, k, xq, xd, xs, q, d, 0, 0, bias, y, bf16, first, last); break;
         case Q6: sets(Q6, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
         default: sets(Q8, rows, n, k, xq, xd, xs, q, d, pad_q, pad_d, bias, y, bf16, first, last); break;
         }

@@ -20,6 +20,11 @@ The modules hold the quantized form only (no float copy of the weight): a decode
 product over it (`native.Products`, once checked at load; under w8a8 / w4a8 every row count runs
 `native.A8Products`), anything else dequantizes and multiplies in float32 (`dequantized_linear`), a slice of output
 rows at a time so that a 248k-row head never holds a whole float copy.
+
+Under w8a8 / w4a8 the C product reads its weights interleaved (`interleave_`, in place, at load): each set of 8
+rows one stretch, block after block, a block's bytes in pieces of 8 taken from 4 rows at a time, as ggml's repacked
+Q4_0 x 8 blocks lie. The values and scales keep their shapes and bytes; a module holding them so says it
+(`interleaved`), and `dequantize` and the embedding's lookup read them so.
 """
 
 from __future__ import annotations
@@ -99,9 +104,55 @@ def _q6_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(packed, -1).reshape(n, k // BLOCK * BLOCK_BYTES["q6_0"]), d.to(torch.float16)
 
 
-def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+ORDER = (0, 1, 4, 5, 2, 3, 6, 7)  # a set's rows as an interleaved piece holds them (its own inverse)
+PIECE = 8  # bytes of a row's block an interleaved piece takes
+
+
+def _interleaved(qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [8m, ...] of values and scales, interleaved: per set of 8 rows, per block, per piece of 8 bytes of the
+    rows' blocks, rows 0, 1, 4, 5 then 2, 3, 6, 7 (the pieces of 4 rows that one load of `a8_products.c` takes,
+    ordered so that its sums come out in rows 0-7); the set's scales [blocks, 8]. Same shapes."""
+    n, row_bytes = qs.shape
+    blocks = d.shape[1]
+    q = qs.reshape(n // 8, 8, blocks, row_bytes // blocks // PIECE, PIECE)[:, ORDER]
+    q = q.reshape(n // 8, 2, 4, *q.shape[2:]).permute(0, 3, 4, 1, 2, 5)
+    return q.reshape(n, row_bytes), d.reshape(n // 8, 8, blocks).transpose(1, 2).reshape(n, blocks)
+
+
+def _rows(qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_interleaved`'s inverse: values and scales row after row."""
+    n, row_bytes = qs.shape
+    blocks = d.shape[1]
+    q = qs.reshape(n // 8, blocks, row_bytes // blocks // PIECE, 2, 4, PIECE).permute(0, 3, 4, 1, 2, 5)
+    q = q.reshape(n // 8, 8, *q.shape[3:])[:, ORDER]
+    return q.reshape(n, row_bytes), d.reshape(n // 8, blocks, 8).transpose(1, 2).reshape(n, blocks)
+
+
+def interleave_(qs: torch.Tensor, d: torch.Tensor, back: bool = False) -> None:
+    """Values and scales of n rows (a multiple of 8) interleaved in place (`_interleaved`; `back`: the inverse), a
+    slice of sets at a time (`CHUNK`): no second copy of a weight, a shared one (a tied embedding's) changed once."""
+    n, k = d.shape[0], d.shape[1] * BLOCK
+    step = max(8, CHUNK // k // 8 * 8)
+    for a in range(0, n, step):
+        q, s = (_rows if back else _interleaved)(qs[a : a + step], d[a : a + step])
+        qs[a : a + step], d[a : a + step] = q, s
+
+
+def interleaved_rows(qs: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` (1-D) of interleaved values and scales, row after row: an embedding's lookup."""
+    n, row_bytes = qs.shape
+    blocks = d.shape[1]
+    sets, place = ids // 8, torch.tensor(ORDER)[ids % 8]  # (ORDER is its own inverse: row j's place is ORDER[j])
+    q = qs.reshape(n // 8, blocks, row_bytes // blocks // PIECE, 2, 4, PIECE)[sets, :, :, place // 4, place % 4]
+    return q.reshape(len(ids), row_bytes), d.reshape(n // 8, blocks, 8)[sets, :, ids % 8]
+
+
+def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, interleaved: bool = False) -> torch.Tensor:
     """The float weight [n, k] in `dtype`: value * d in float32 (exact), rounded once. Into one float32 tensor,
-    in place: a prefill piece dequantizes every weight it runs through."""
+    in place: a prefill piece dequantizes every weight it runs through. `interleaved`: qs and d as `interleave_`
+    holds them."""
+    if interleaved:
+        qs, d = _rows(qs, d)
     n, blocks = d.shape
     fmt = format_of(qs, d)
     if fmt == "q6_0":
@@ -133,24 +184,29 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantized_linear(
-    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, rounded: bool = False
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    d: torch.Tensor,
+    bias: torch.Tensor | None,
+    rounded: bool = False,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """x @ W^T (+ bias) with W dequantized, in float32 whatever x's dtype, rounded once to x's dtype (`rounded`:
     x first rounded to Q8_0 blocks, `round_activations`): the
     reference every quantized product is checked against, and the prefill path. Not in bfloat16: a bfloat16
     weight cannot hold d * q exactly (up to 18 significant bits), the C product uses the exact weight, and a
     token's result must not depend on which of the two its piece took (a cached turn prefills shorter pieces:
-    cache on == cache off). A slice of output rows at a time (`CHUNK`)."""
+    cache on == cache off). A slice of output rows at a time (`CHUNK`; whole sets of 8 when `interleaved`)."""
     n, k = d.shape[0], d.shape[1] * BLOCK
     xf = round_activations(x) if rounded else x.float()
     bias = None if bias is None else bias.float()
-    step = max(1, CHUNK // k)
+    step = max(8, CHUNK // k // 8 * 8) if interleaved else max(1, CHUNK // k)
     if n <= step:
-        return F.linear(xf, dequantize(qs, d, torch.float32), bias).to(x.dtype)
+        return F.linear(xf, dequantize(qs, d, torch.float32, interleaved), bias).to(x.dtype)
     parts = [
         F.linear(
             xf,
-            dequantize(qs[a : a + step], d[a : a + step], torch.float32),
+            dequantize(qs[a : a + step], d[a : a + step], torch.float32, interleaved),
             None if bias is None else bias[a : a + step],
         ).to(x.dtype)
         for a in range(0, n, step)
@@ -180,12 +236,13 @@ class QuantLinear(torch.nn.Module):
         self.dtype = dtype
         self.native = None  # `native.Products`, set once the load-time check passed
         self.rounds_activations = False  # w8a8 / w4a8: its input rounded to Q8_0 blocks (`round_activations`)
+        self.interleaved = False  # qs and d as `interleave_` holds them (the C product with int8 activations)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, made on each access and not kept: for code that reads `.weight` (its dtype,
         its device); products run over the int8 values."""
-        return dequantize(self.qs, self.d, self.dtype)
+        return dequantize(self.qs, self.d, self.dtype, self.interleaved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self.__dict__.get(GROUP)
@@ -197,10 +254,11 @@ class QuantLinear(torch.nn.Module):
         """Its own product, not its sibling group's: the C product where it applies, else the reference."""
         if self.native is not None and active() and (y := self.native(x, self)) is not None:
             return y
-        return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations)
+        return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations, self.interleaved)
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.rounds_activations else ""
+        a8 += ", interleaved" if self.interleaved else ""
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, {format_of(self.qs, self.d)}, {self.dtype}{a8}"
 
@@ -214,16 +272,17 @@ class QuantEmbedding(torch.nn.Module):
         self.register_buffer("qs", qs)
         self.register_buffer("d", d)
         self.dtype = dtype
+        self.interleaved = False  # the values of a head tied to it, interleaved (`interleave_`)
 
     @property
     def weight(self) -> torch.Tensor:
         """As `QuantLinear.weight`: made on access, not kept."""
-        return dequantize(self.qs, self.d, self.dtype)
+        return dequantize(self.qs, self.d, self.dtype, self.interleaved)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize(self.qs[flat], self.d[flat], self.dtype)
-        return rows.view(*ids.shape, self.embedding_dim)
+        qs, d = interleaved_rows(self.qs, self.d, flat) if self.interleaved else (self.qs[flat], self.d[flat])
+        return dequantize(qs, d, self.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {format_of(self.qs, self.d)}, {self.dtype}"

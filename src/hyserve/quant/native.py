@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import native, verify
+from ..kernels import linear, native, verify
 from .experts import quantized_linears
-from .layout import QuantLinear, dequantized_linear, format_of
+from .layout import QuantEmbedding, QuantLinear, dequantized_linear, format_of, interleave_
 
 SOURCE = Path(__file__).with_name("products.c")
 ISAS = ("portable C", "AVX2", "AVX512F")
@@ -169,7 +169,7 @@ def held_args(layer: QuantLinear) -> tuple:
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         n, k = layer.out_features, layer.in_features
         pointers = (layer.qs.data_ptr(), layer.d.data_ptr(), None if bias is None else bias.data_ptr())
-        code = A8_FORMATS[format_of(layer.qs, layer.d)]
+        code = A8_FORMATS[format_of(layer.qs, layer.d)] + (INTERLEAVED if layer.interleaved else 0)
         held = (layer.qs, layer.d, bias, n, k, 0 if n * k >= Products.ONE_THREAD_BELOW else 1, pointers, code)
         layer.__dict__["c_args"] = held
     return held
@@ -201,7 +201,8 @@ class A8Products:
 
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
 KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
-A8_FORMATS = {"q8_0": 0, "q4_0": 1, "q6_0": 2}  # `a8_linear`'s code of each format
+A8_FORMATS = {"q8_0": 0, "q4_0": 1, "q6_0": 2}  # `a8_linear`'s code of each format held row after row,
+INTERLEAVED = 3  # plus this for one held interleaved (`layout.interleave_`)
 
 
 def kernel_names(model) -> set[str]:
@@ -221,14 +222,41 @@ def install(model, dtype: torch.dtype) -> dict[str, str]:
     layers = quantized_linears(model)
     if any(m.rounds_activations for m in layers):
         lib, why = a8_library()
+        if lib is None:
+            return {A8_KERNEL: why}
+        interleaved = _interleave(model, layers)
         # one row, a decode batch and a short piece's rows (tiles of 8 and a rest)
-        return {A8_KERNEL: why if lib is None else _install(A8Products(lib), layers, dtype, (1, 8, 19), True)}
+        if why := _install(A8Products(lib), layers, dtype, (1, 8, 19), True):
+            _interleave(model, interleaved, back=True)
+        return {A8_KERNEL: why}
     formats = {fmt: [m for m in layers if format_of(m.qs, m.d) == fmt] for fmt in KERNELS}
     formats = {fmt: group for fmt, group in formats.items() if group}
     lib, why = library()
     if lib is None:
         return {KERNELS[fmt]: why for fmt in formats}
     return {KERNELS[fmt]: _install(Products(lib, fmt), group, dtype) for fmt, group in formats.items()}
+
+
+def _interleave(model, layers: list[QuantLinear], back: bool = False) -> list[QuantLinear]:
+    """Interleave the values of `layers` whose rows are whole sets of 8 (`layout.interleave_`, in place), for
+    `a8_products.c`'s faster product over them, and mark an embedding that shares them (a tied head's); `back`:
+    undo it. Sibling projections (`linear.SIBLINGS`) are interleaved all or none, so that they still stack
+    (`siblings.group`: one held order a stack). Returns the layers changed."""
+    left = {id(m) for m in layers if m.out_features % 8 or not m.qs.is_contiguous()}
+    for parent in model.modules():
+        for names in linear.SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if any(id(m) in left for m in members):
+                left.update(id(m) for m in members)
+    changed = [m for m in layers if m.interleaved == back and id(m) not in left]
+    for m in changed:
+        interleave_(m.qs, m.d, back)
+        m.interleaved = not back
+    shared = {m.qs.data_ptr(): m.qs.shape for m in changed}
+    for e in model.modules():
+        if isinstance(e, QuantEmbedding) and shared.get(e.qs.data_ptr()) == e.qs.shape:
+            e.interleaved = not back
+    return changed
 
 
 def _install(
@@ -243,15 +271,14 @@ def _install(
     g = torch.Generator().manual_seed(0)
     shapes = {}
     for layer in layers:
-        shapes.setdefault(
-            (layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs, layer.d)), layer
-        )
+        key = (layer.out_features, layer.in_features, layer.bias is not None, format_of(layer.qs, layer.d))
+        shapes.setdefault((*key, layer.interleaved), layer)
     for layer in shapes.values():
         for n in rows:
             x = torch.randn(n, 1, layer.in_features, generator=g).to(dtype)
             with torch.inference_mode():
                 got = products(x, layer)
-                want = dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded)
+                want = dequantized_linear(x, layer.qs, layer.d, layer.bias, rounded, layer.interleaved)
             if got is None:
                 return "does not apply to this model's weights"
             if why := verify.mismatch(got, want, dtype):

@@ -37,6 +37,7 @@ class QuantSiblings(linear.Siblings):
         bias = None if first.bias is None else torch.cat([m.bias.detach() for m in members])
         self.stacked = QuantLinear(qs, d, bias, first.dtype)
         self.stacked.rounds_activations, self.stacked.native = first.rounds_activations, first.native
+        self.stacked.interleaved = first.interleaved  # (whole sets each: the stack's sets are the members')
         for m in members:
             a, b = self.columns[id(m)]
             m.qs, m.d = qs[a:b], d[a:b]  # views of the stack: held once
@@ -49,11 +50,19 @@ class QuantSiblings(linear.Siblings):
 
 def _alike(members: list) -> bool:
     """Whether `members` can share one product: all `QuantLinear`s of one input width, format, dtype, activation
-    rounding and C product, all with a bias or none."""
+    rounding, held order and C product, all with a bias or none."""
     if not all(type(m) is QuantLinear for m in members):
         return False
     keys = {
-        (m.in_features, format_of(m.qs, m.d), m.dtype, m.rounds_activations, id(m.native), m.bias is None)
+        (
+            m.in_features,
+            format_of(m.qs, m.d),
+            m.dtype,
+            m.rounds_activations,
+            m.interleaved,
+            id(m.native),
+            m.bias is None,
+        )
         for m in members
     }
     return len(keys) == 1
