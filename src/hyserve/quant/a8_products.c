@@ -37,7 +37,7 @@
 #define Q8 0 /* the formats, as `a8_linear` takes them: rows as layout.py holds them, */
 #define Q4 1
 #define Q6 2
-#define INTERLEAVED 3 /* or, added to one of those, sets of 8 rows interleaved (`layout.interleave`) */
+#define INTERLEAVED 3 /* or, added to one of those, sets of 8 rows interleaved (`layout.interleave_`) */
 #define BLOCK_BYTES(f) ((f) % INTERLEAVED == Q4 ? BLOCK / 2 : (f) % INTERLEAVED == Q6 ? BLOCK * 3 / 4 : BLOCK)
 #define INLINE static inline __attribute__((always_inline))
 
@@ -302,7 +302,7 @@ INLINE void set_rows(const int fmt, const int R, const uint8_t *q, long row_byte
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * SET, acc[r]);
 }
-/* The same outputs over a set whose 8 rows are interleaved (`layout.interleave`): block after block, each block's
+/* The same outputs over a set whose 8 rows are interleaved (`layout.interleave_`): block after block, each block's
  * bytes as pieces of 8 (piece c: bytes 8c .. 8c + 7 of a row's block), for each piece rows 0, 1, 4, 5 then 2, 3, 6,
  * 7; the set's scales [blocks][8]. One load takes a piece of four rows; against x's 8 values of that piece
  * (broadcast), `maddubs` and `madd` leave each row's sum in two lanes, and one `hadd` of the two groups puts rows
