@@ -23,10 +23,12 @@ swapped into all its products, interleaved block by block:
 
     python benchmarks/bench_quant.py --kernels-decode --size real-0.8b --schemes int8 --batch 8
 
-`--a8-kernels` times the products of `--quantization w8a8|w4a8` alone (`quant/a8_products.c` against the PyTorch
-path it replaced for long pieces: the input rounded, the weight dequantized, a float32 product), on random
-weights of Qwen3.5-4B's shapes (`real-4b`: its MLP's up and down products and a square projection), from one row
-(a decode step) to a 512-token prefill piece, bfloat16 activations, interleaved block by block:
+`--a8-kernels` times the products of `--quantization w8a8|w4a8` alone (`quant/a8_products.c` over the weights
+interleaved as a model holds them, over the same weights row after row as before, and the PyTorch path it
+replaced for long pieces: the input rounded, the weight dequantized, a float32 product), on random weights of
+Qwen3.5-4B's shapes (`real-4b`: its MLP's up and down products and a square projection) in each format (w4a8's
+Q6_0 head included), from one row (a decode step) to a 512-token prefill piece, bfloat16 activations, each call
+on the next of enough copies of the weight that they stream from memory, interleaved block by block:
 
     python benchmarks/bench_quant.py --a8-kernels --json benchmarks/results/quant-a8-kernels.json
 """
@@ -225,11 +227,16 @@ def kernels_main(args) -> int:
 # (n, k) of real-4b's products: the MLP's up and down, a square projection; rows from a decode step to a piece
 A8_SHAPES = [(9216, 2560), (2560, 9216), (2560, 2560)]
 A8_ROWS = (1, 8, 64, 256, 512)
+A8_FORMATS = {"int8": "w8a8", "int4": "w4a8", "int6": "w4a8 head"}  # each weight format, and what holds it
+A8_STREAM = 256 << 20  # bytes of weights each side cycles through: more than the caches hold, as a model's step
+A8_SIDES = ("interleaved", "rows", "torch")
 
 
 def a8_kernels_main(args) -> int:
-    """Seconds of one call of the C product ("c") and of PyTorch's rounded float32 product ("torch") per format,
-    shape and row count: the median over `--blocks` blocks, each side timed in turn within a block."""
+    """Seconds of one call of the C product over the weights as a model holds them (interleaved in sets of 8 rows,
+    "interleaved"), over the same weights row after row ("rows", as before) and of PyTorch's rounded float32
+    product ("torch") per format, shape and row count: the median over `--blocks` blocks, each side timed in turn
+    within a block, each call on the next of enough copies of the weight to stream it from memory."""
     import torch
 
     from hyserve.quant import layout
@@ -243,29 +250,40 @@ def a8_kernels_main(args) -> int:
     shapes, row_counts = ([(40, 256), (16, 1024)], (1, 9)) if args.quick else (A8_SHAPES, A8_ROWS)
     blocks = 2 if args.quick else args.blocks
     rows_out = []
-    for scheme in ("int8", "int4"):
+    for scheme, name in A8_FORMATS.items():
         for n, k in shapes:
             qs, d = layout.quantize(torch.randn(n, k, generator=g) * 0.05, scheme)
-            layer = layout.QuantLinear(qs, d, None, torch.bfloat16)
+            copies = 1 if args.quick else -(-A8_STREAM // (qs.numel() + 2 * d.numel()))
+            held = {"rows": [], "interleaved": []}
+            for _ in range(copies):
+                for side, layers in held.items():
+                    layers.append(layout.QuantLinear(qs.clone(), d.clone(), None, torch.bfloat16))
+                    if side == "interleaved":
+                        layout.interleave_(layers[-1].qs, layers[-1].d)
+                        layers[-1].interleaved = True
             for rows in row_counts:
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-                sides = {
-                    "c": lambda x=x, layer=layer: products(x, layer),
-                    "torch": lambda x=x, layer=layer: layout.dequantized_linear(x, layer.qs, layer.d, None, True),
-                }
                 reps = max(1, min(50, 2_000_000_000 // (n * k * rows)))  # calls per timing: tens of ms
-                times = {side: [] for side in sides}
+                times = {side: [] for side in A8_SIDES}
                 with torch.inference_mode():
+                    assert torch.equal(
+                        _a8_call(products, "interleaved", x, held, 0), _a8_call(products, "rows", x, held, 0)
+                    )
                     for _ in range(blocks):
-                        for side, call in sides.items():
-                            call()
+                        for side in A8_SIDES:
+                            _a8_call(products, side, x, held, 0)
                             t0 = time.perf_counter()
-                            for _ in range(reps):
-                                call()
+                            for i in range(reps):
+                                _a8_call(products, side, x, held, i + 1)
                             times[side].append((time.perf_counter() - t0) / reps)
-                head = {"format": "w4a8" if scheme == "int4" else "w8a8", "n": n, "k": k, "rows": rows}
-                rows_out.append(_two_sides(head, times, "c", "torch", 2 * n * k * rows, "gops"))
-                print(rows_out[-1], flush=True)
+                row = {"format": name, "n": n, "k": k, "rows": rows}
+                for side, seconds in times.items():
+                    row[f"{side}_s"] = C.median(seconds)
+                    row[f"{side}_gops"] = 2 * n * k * rows / row[f"{side}_s"] / 1e9
+                row["vs_rows"] = C.median_ratio(times["interleaved"], times["rows"])
+                row["vs_torch"] = C.median_ratio(times["interleaved"], times["torch"])
+                rows_out.append(row)
+                print(row, flush=True)
     result = {"isa": products.isa, "threads": args.threads, "blocks": blocks, "rows": rows_out}
     print(a8_table(result))
     if args.json_out:
@@ -273,18 +291,39 @@ def a8_kernels_main(args) -> int:
     return 0
 
 
+def _a8_call(products, side: str, x, held: dict, i: int):
+    """Call `i` of a side of `--a8-kernels`, on the i-th of its copies of the weight (`held`: per layout)."""
+    from hyserve.quant import layout
+
+    if side == "torch":
+        layer = held["rows"][i % len(held["rows"])]
+        return layout.dequantized_linear(x, layer.qs, layer.d, None, True)
+    return products(x, held[side][i % len(held[side])])
+
+
 def a8_table(result: dict) -> str:
     """The `--a8-kernels` table (bench_report's `quant-a8-kernels`)."""
     return C.table(
-        ["format", "n x k", "rows", "C GOP/s", "PyTorch GOP/s", "C / PyTorch speed"],
+        [
+            "weights",
+            "n x k",
+            "rows",
+            "interleaved GOP/s",
+            "rows GOP/s",
+            "PyTorch GOP/s",
+            "interleaved / rows speed",
+            "interleaved / PyTorch speed",
+        ],
         [
             [
                 r["format"],
                 f"{r['n']} x {r['k']}",
                 r["rows"],
-                f"{r['c_gops']:.1f}",
+                f"{r['interleaved_gops']:.1f}",
+                f"{r['rows_gops']:.1f}",
                 f"{r['torch_gops']:.1f}",
-                C.fmt_ratio(r["speedup"]),
+                C.fmt_ratio(r["vs_rows"]),
+                C.fmt_ratio(r["vs_torch"]),
             ]
             for r in result["rows"]
         ],

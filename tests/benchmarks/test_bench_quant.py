@@ -33,14 +33,14 @@ def test_quant_quick_writes_every_side(tmp_path):
 
 
 def test_a8_kernels_quick_times_both_sides(tmp_path):
-    """`--a8-kernels --quick`: each format, shape and row count timed on both sides, and bench_report's table."""
+    """`--a8-kernels --quick`: each format, shape and row count timed on every side, and bench_report's table."""
     result = _quick(tmp_path, "--a8-kernels")
     assert [(row["format"], row["rows"]) for row in result["rows"]] == [
-        (f, rows) for f in ("w8a8", "w4a8") for _ in range(2) for rows in (1, 9)
+        (f, rows) for f in ("w8a8", "w4a8", "w4a8 head") for _ in range(2) for rows in (1, 9)
     ]
-    assert all(row["c_s"] > 0 and row["torch_s"] > 0 for row in result["rows"])
+    assert all(row[f"{side}_s"] > 0 for row in result["rows"] for side in ("interleaved", "rows", "torch"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_report
 
     table = bench_report.quant_a8_kernels(result)
-    assert "C / PyTorch speed" in table and len(table.splitlines()) == 2 + len(result["rows"])
+    assert "interleaved / rows speed" in table and len(table.splitlines()) == 2 + len(result["rows"])
