@@ -249,9 +249,13 @@ def _interleave(model, layers: list[QuantLinear], back: bool = False) -> list[Qu
             if any(id(m) in left for m in members):
                 left.update(id(m) for m in members)
     changed = [m for m in layers if m.interleaved == back and id(m) not in left]
+    done = set()  # the values of layers that share them are changed once
     for m in changed:
-        interleave_(m.qs, m.d, back)
+        if (m.qs.data_ptr(), m.d.data_ptr()) not in done:
+            interleave_(m.qs, m.d, back)
+            done.add((m.qs.data_ptr(), m.d.data_ptr()))
         m.interleaved = not back
+        m.__dict__.pop("c_args", None)  # (`held_args`: the format's code changed)
     shared = {m.qs.data_ptr(): m.qs.shape for m in changed}
     for e in model.modules():
         if isinstance(e, QuantEmbedding) and shared.get(e.qs.data_ptr()) == e.qs.shape:
