@@ -441,6 +441,21 @@ INLINE void interleaved_rows(const int fmt, const int R, const uint8_t *q, const
 }
 #endif
 
+/* `call(R)` with R the count of input rows, a constant (1-7, or TILE) in each case. */
+#define BY_ROWS(rows, call)                                                                                            \
+    do {                                                                                                               \
+        switch (rows) {                                                                                                \
+        case 1: call(1); break;                                                                                        \
+        case 2: call(2); break;                                                                                        \
+        case 3: call(3); break;                                                                                        \
+        case 4: call(4); break;                                                                                        \
+        case 5: call(5); break;                                                                                        \
+        case 6: call(6); break;                                                                                        \
+        case 7: call(7); break;                                                                                        \
+        default: call(TILE); break;                                                                                    \
+        }                                                                                                              \
+    } while (0)
+
 /* Sets [first, last) of weight rows for every input row: GROUP sets at a time, each group passed by all the input
  * rows, TILE at a time, while its blocks are in the core's cache (a prefill piece reads each weight from memory
  * once). The last set, when n is not a multiple of 8, reads `pad` (its rows, then zeros). The outputs with the
@@ -462,29 +477,15 @@ INLINE void sets(const int fmt, int rows, long n, long k, const int8_t *xq, cons
                 const int whole = (s + 1) * SET <= n;
                 const uint8_t *qs = whole ? q + s * SET * row_bytes : pad_q;
                 const uint16_t *ds = whole ? d + s * SET * blocks : pad_d;
-                if (fmt >= INTERLEAVED) { /* (the same addresses: a set's 8 rows, its 8 rows' scales) */
-                    const int f = fmt - INTERLEAVED;
-                    switch (R) { /* R a constant in each: the accumulators stay in registers */
-                    case 1: interleaved_rows(f, 1, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 2: interleaved_rows(f, 2, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 3: interleaved_rows(f, 3, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 4: interleaved_rows(f, 4, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 5: interleaved_rows(f, 5, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 6: interleaved_rows(f, 6, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    case 7: interleaved_rows(f, 7, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    default: interleaved_rows(f, TILE, qs, ds, blocks, xr, k, dr, sr, out); break;
-                    }
-                } else
-                    switch (R) { /* R a constant in each: the accumulators stay in registers */
-                    case 1: set_rows(fmt, 1, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 2: set_rows(fmt, 2, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 3: set_rows(fmt, 3, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 4: set_rows(fmt, 4, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 5: set_rows(fmt, 5, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 6: set_rows(fmt, 6, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    case 7: set_rows(fmt, 7, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    default: set_rows(fmt, TILE, qs, row_bytes, ds, blocks, xr, k, dr, sr, out); break;
-                    }
+                /* R a constant in each case: the accumulators stay in registers */
+#define INTERLEAVED_SET(R) interleaved_rows(fmt - INTERLEAVED, R, qs, ds, blocks, xr, k, dr, sr, out)
+#define ROWS_SET(R) set_rows(fmt, R, qs, row_bytes, ds, blocks, xr, k, dr, sr, out)
+                if (fmt >= INTERLEAVED) /* (the same addresses: a set's 8 rows, its 8 rows' scales) */
+                    BY_ROWS(R, INTERLEAVED_SET);
+                else
+                    BY_ROWS(R, ROWS_SET);
+#undef INTERLEAVED_SET
+#undef ROWS_SET
                 const int outputs = whole ? SET : (int)(n - s * SET);
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < outputs; j++) {
