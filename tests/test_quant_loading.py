@@ -53,6 +53,11 @@ def test_a_tied_head_is_quantized_while_loading_as_the_head(model_dirs, tmp_path
     got = _same_either_way(tmp_path, scheme, torch.bfloat16)
     head, embedding = got.get_output_embeddings(), got.get_input_embeddings()
     assert head.qs is embedding.qs and layout.format_of(head.qs, head.d) == ("q6_0" if scheme == "w4a8" else "q8_0")
+    ids = torch.tensor([[0, 9, 17], [250, 3, 3]])
+    rows = head.weight[ids]
+    model_thread.run(lambda: quant.install_products(got, torch.bfloat16))  # w4a8: the C product's held order
+    assert head.interleaved == embedding.interleaved == (scheme == "w4a8")
+    assert torch.equal(embedding(ids), rows) and torch.equal(head.weight[ids], rows)
 
 
 def _copy_tokenizer(src, out) -> None:

@@ -105,6 +105,7 @@ def _q6_0(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 ORDER = (0, 1, 4, 5, 2, 3, 6, 7)  # a set's rows as an interleaved piece holds them (its own inverse)
+PLACES = torch.tensor(ORDER)  # row j's place in its piece: ORDER[j] (a lookup's index, made once)
 PIECE = 8  # bytes of a row's block an interleaved piece takes
 
 
@@ -142,7 +143,7 @@ def interleaved_rows(qs: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> tu
     """Rows `ids` (1-D) of interleaved values and scales, row after row: an embedding's lookup."""
     n, row_bytes = qs.shape
     blocks = d.shape[1]
-    sets, place = ids // 8, torch.tensor(ORDER)[ids % 8]  # (ORDER is its own inverse: row j's place is ORDER[j])
+    sets, place = ids // 8, PLACES[ids % 8]
     q = qs.reshape(n // 8, blocks, row_bytes // blocks // PIECE, 2, 4, PIECE)[sets, :, :, place // 4, place % 4]
     return q.reshape(len(ids), row_bytes), d.reshape(n // 8, blocks, 8)[sets, :, ids % 8]
 
