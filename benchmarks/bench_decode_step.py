@@ -11,12 +11,16 @@ run in the same process, block by block in turn, and the result is the median of
   request decoding after a 1,088-token prompt, blocks of `--steps` decode steps, the three in turn;
 - the C decode attention (`decode_step.c`'s `decode_attention`) against SDPA, one request decoding after 1,088,
   8,000 and 16,000 tokens, 6 blocks each;
+- with `--quantization w8a8,w4a8`, instead of the above: the decode layers in C over int8-activation quantized
+  weights (`decode_layer.install_fused`) against the Python between the same C products, decode steps of 1 and of
+  4 requests after a 1,088-token prompt, blocks of `--steps` steps, in turn, for each scheme;
 - transparent huge pages (`allocator.request_huge_pages`) against 4 KiB pages: a weight of the size of the
   real-0.8b model's head (248,320 x 1,024 in bfloat16, 508 MB) placed on each with `madvise`, read through by
   a one-row bfloat16 product (PyTorch's own, which reads the weight where it lies; the packed copy a decode
   step uses is allocated by oneDNN's reorder, out of reach of `madvise` before its first touch).
 
     python benchmarks/bench_decode_step.py --json benchmarks/results/decode-step.json
+    python benchmarks/bench_decode_step.py --quantization w8a8,w4a8 --json benchmarks/results/decode-step-a8.json
     python benchmarks/bench_decode_step.py --quick      # tiny model, a few blocks (tests)
 """
 
@@ -36,6 +40,10 @@ MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15  # madvise advice (linux/mman.h)
 def parse_args(argv=None):
     p = C.interleaved_parser(__doc__, "blocks")
     p.add_argument("--steps", type=int, default=6, help="decode steps per block (default 6)")
+    p.add_argument(
+        "--quantization",
+        help="comma-separated int8-activation schemes (w8a8, w4a8): time the C decode layers over each instead",
+    )
     return p.parse_args(argv)
 
 
@@ -125,6 +133,56 @@ def decode_products(rt, prompt: int, batches: list[int], blocks: int, steps: int
         "rows": rows,
         "weights": len(weights),
         "weight_bytes": sum(w.plain.nbytes for w in weights),
+        "prompt_tokens": prompt,
+        "blocks": blocks,
+        "steps": steps,
+    }
+
+
+def decode_fused(rt, prompt: int, batches: list[int], blocks: int, steps: int) -> dict:
+    """Seconds per decode step of `batches` requests each over int8-activation quantized weights, alternating block
+    by block: the decode layers in C (`decode_layer.install_fused`, as served: "c") and the Python between the same
+    C products ("python")."""
+    from hyserve.kernels import decode_layer
+
+    parts = [m.__dict__[decode_layer.PARTS] for m in rt.model.modules() if decode_layer.PARTS in m.__dict__]
+    held = {id(p): (p.fused, p.mlp_native) for p in parts}
+    if not any(m is not None for _, m in held.values()):
+        return {"skipped": "no layer took the C decode layers"}
+    ad = rt.adapter
+    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+    rows = []
+    try:
+        for batch in batches:
+            states = [ad.new_state() for _ in range(batch)]
+            for r, state in enumerate(states):
+                ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
+            ad.forward_batch(states, [1] * batch)
+            times: dict[str, list[float]] = {"c": [], "python": []}
+            for b in range(blocks):
+                for side in times:
+                    for p in parts:
+                        p.fused, p.mlp_native = held[id(p)] if side == "c" else (None, None)
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
+                    times[side].append((time.perf_counter() - t0) / steps)
+            ad.drop_batch()
+            rows.append(
+                {
+                    "requests": batch,
+                    "c_step_s": C.median(times["c"]),
+                    "python_step_s": C.median(times["python"]),
+                    "python_over_c": C.median_ratio(times["c"], times["python"]),
+                }
+            )
+    finally:
+        for p in parts:
+            p.fused, p.mlp_native = held[id(p)]
+    return {
+        "rows": rows,
+        "gdn_layers": sum(f is not None for f, _ in held.values()),
+        "mlp_blocks": sum(m is not None for _, m in held.values()),
         "prompt_tokens": prompt,
         "blocks": blocks,
         "steps": steps,
@@ -223,6 +281,8 @@ def huge_pages(rows: int, blocks: int) -> dict:
 
 
 def table(result: dict) -> str:
+    if "decode_fused" in result:
+        return fused_table(result)
     rows = []
     for r in result.get("decode_products", {}).get("rows", []):
         rows.append(
@@ -287,6 +347,22 @@ def table(result: dict) -> str:
     )
 
 
+def fused_table(result: dict) -> str:
+    rows = []
+    for scheme, d in result["decode_fused"].items():
+        for r in d.get("rows", []):
+            rows.append(
+                [
+                    f"decode step, {r['requests']} request(s) after {d['prompt_tokens']} tokens, {scheme} (ms): "
+                    "C decode layers / Python between the C products",
+                    f"{r['c_step_s'] * 1e3:.1f}",
+                    f"{r['python_step_s'] * 1e3:.1f}",
+                    f"{r['python_over_c']:.3f}x",
+                ]
+            )
+    return C.table(["", "with", "without", "without / with (median of per-block ratios)"], rows)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     C.setup_torch(args.threads)
@@ -295,8 +371,18 @@ def main(argv=None) -> int:
 
     size = "tiny" if args.quick else "real-0.8b"
     blocks = 3 if args.quick else args.blocks
-    rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
     prompt = 64 if args.quick else 1088
+    if args.quantization:
+        result = {"args": vars(args), "model": size, "decode_fused": {}}
+        for scheme in args.quantization.split(","):
+            rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu", quantization=scheme)
+            result["decode_fused"][scheme] = model_thread.run(decode_fused, rt, prompt, [1, 4], blocks, args.steps)
+            del rt
+        print(table(result))
+        if args.json_out:
+            C.write_result(args.json_out, "bench_decode_step.py", result)
+        return 0
+    rt = ModelRuntime.load(C.ensure_model("qwen3_5", size), dtype="bfloat16", device="cpu")
     result = {
         "args": vars(args),
         "model": size,

@@ -397,6 +397,7 @@ REPORTS = {
     "real-ab": ("real-ab.json", real),
     "real-ab2": ("real-ab2.json", real),
     "decode-step": ("decode-step.json", decode_step),
+    "decode-step-a8": ("decode-step-a8.json", decode_step),
     "snapshot-copy": ("snapshot-copy.json", snapshot_copy),
     "real-moe": ("real-moe.json", real),
     "gpu": ("gpu.json", gpu),

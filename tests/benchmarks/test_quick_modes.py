@@ -33,6 +33,15 @@ def test_run_py_quick_writes_results_and_plots(results):
     assert json.loads((out / "results.json").read_text()) and list(out.glob("*.png"))
 
 
+def test_decode_step_quick_mode_times_the_c_decode_layers(results):
+    out = results / "decode-step-a8.json"
+    run(["benchmarks/bench_decode_step.py", "--quick", "--quantization", "w4a8", "--json", str(out)])
+    fused = json.loads(out.read_text())["decode_fused"]["w4a8"]
+    assert fused["gdn_layers"] > 0 and fused["mlp_blocks"] > fused["gdn_layers"]
+    assert [r["requests"] for r in fused["rows"]] == [1, 4]
+    assert all(r["c_step_s"] > 0 and r["python_step_s"] > 0 for r in fused["rows"])
+
+
 @pytest.mark.parametrize(
     "script,flag,name",
     [

@@ -14,6 +14,9 @@ it and with the layers' own forward, in one process; `HYSERVE_DECODE_LAYER=0` sw
 
 In bfloat16 models the Gated DeltaNet's part between its two products (`gdn_between_products`) runs as one
 C call instead (`install_native`, `native.GdnStep`), once it has given those operations' results on probes.
+Over int8-activation quantized weights (w8a8 / w4a8), whose products are C functions too, the MLP block and the
+whole Gated DeltaNet layer each run as one C call (`install_fused`): in a small model the Python between a step's
+hundred products is a large share of the step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import linear, native, seam, verify
+from . import linear, native, norm, seam, verify
 from .seam import active
 
 PARTS = "_hyserve_decode_parts"
@@ -65,6 +68,20 @@ class Stack:
 
     def one(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)[0]
+
+    def c_product(self) -> tuple[native.CProduct, list[tuple[int, int]]] | None:
+        """(its one product as C code calls it, each member's columns in that product's output), where the
+        product has such a form (`QuantLinear.c_product`: int8-activation quantized weights); else None."""
+        group = self.members[0].__dict__.get(linear.GROUP)
+        if self.columns:
+            target = getattr(group, "stacked", None)
+        else:
+            target = self.members[0] if len(self.members) == 1 and group is None else None
+        form = getattr(target, "c_product", None)
+        product = form() if form is not None else None
+        if product is None:
+            return None
+        return product, self.columns or [(0, product.n)]
 
 
 def _linear(module) -> bool:
@@ -110,7 +127,8 @@ class Parts:
         """The layer's products (`Stack`s), as its linear layers are grouped now: again after a later grouping
         (`restack`)."""
         mlp = layer.mlp
-        self.mlp = None
+        self.mlp, self.fused, self.mlp_native = None, None, None  # (the C forms: `install_fused`, after this)
+        self.silu = type(getattr(mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
         if all(_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
             self.mlp = (Stack([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward, Stack([mlp.down_proj]).one)
         if self.gdn is not None:
@@ -152,6 +170,20 @@ def _gdn_step(p: Parts, x: torch.Tensor, cache) -> torch.Tensor | None:
     if hasattr(cache, "increase_count"):  # transformers >= 5.25 counts the tokens of an in-place conv step
         cache.increase_count(idx, 0)
     return p.out_proj(out)
+
+
+def _fused_gdn(p: Parts, hidden_states, cache) -> torch.Tensor | None:
+    """The whole Gated DeltaNet layer in one C call (`native.GdnLayer`), or None (nothing changed) where it does
+    not apply (no state yet, inputs of another form)."""
+    idx = p.index
+    conv_state = cache.get_conv_state(idx, state_idx=0)
+    recurrent = cache.get_recurrent_state(idx, state_idx=0)
+    if conv_state is None or recurrent is None:
+        return None
+    out = p.fused(hidden_states, conv_state, recurrent)
+    if out is not None and hasattr(cache, "increase_count"):
+        cache.increase_count(idx, 0)
+    return out
 
 
 def gdn_between_products(p: Parts, mixed, z, b, a, conv_state, recurrent):
@@ -229,6 +261,9 @@ def _lean(layer, p: Parts, hidden_states, position_embeddings, attention_mask, p
     linear_attention = layer.block_type == "linear_attention"
     if (linear_attention and p.gdn is None) or cache.is_recording_past(p.index):
         return None
+    if linear_attention and p.fused is not None and attention_mask is None:
+        if (out := _fused_gdn(p, hidden_states, cache)) is not None:
+            return out
     x = p.norm_in(hidden_states)
     if linear_attention:
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states
@@ -248,6 +283,8 @@ def _lean(layer, p: Parts, hidden_states, position_embeddings, attention_mask, p
             **kwargs,
         )
     hidden_states = hidden_states + mixed
+    if p.mlp_native is not None and (out := p.mlp_native(hidden_states)) is not None:
+        return out
     x = p.norm_post(hidden_states)
     if p.mlp is not None:
         stack, act, down = p.mlp
@@ -329,6 +366,125 @@ def _native_mismatch(p: Parts, step, rows: int) -> str | None:
     return verify.mismatch(got, want, torch.bfloat16) or verify.mismatch(state_a, new, torch.float32)
 
 
+FUSED = "native_decode_layer"  # the kernel report's name of `install_fused`'s C layers
+
+
+def install_fused(model) -> str | None:
+    """Give each lean layer whose products all run `a8_products.c` (w8a8 / w4a8) its MLP block in C
+    (`native.MlpBlock`), and each Gated DeltaNet layer among them the whole layer in C (`native.GdnLayer`), once
+    they give the Python path's results on probes of a layer of each kind (1 and 3 rows). Call after the
+    quantized products and their stacks are in place. Returns "" when on, why not when not, None when there is
+    nothing it is written for."""
+    layers = [(m, m.__dict__[PARTS]) for m in model.modules() if PARTS in m.__dict__]
+    made = {}
+    for layer, p in layers:
+        if (mlp := _mlp_block(layer, p)) is not None:
+            made[p] = (_gdn_layer(layer, p, mlp) if p.gdn is not None else None, mlp)
+    if not made:
+        return None
+    checked = set()
+    for p, (gdn, mlp) in made.items():
+        kind = gdn is not None
+        if kind in checked:
+            continue
+        checked.add(kind)
+        for rows in (1, 3):
+            if why := (_gdn_mismatch(p, gdn, rows) if gdn is not None else _mlp_mismatch(p, mlp, rows)):
+                return why
+    registry = seam.patches(model)
+    for p, (gdn, mlp) in made.items():
+        registry.set(FUSED, p, "mlp_native", mlp)
+        if gdn is not None:
+            registry.set(FUSED, p, "fused", gdn)
+    return ""
+
+
+def _mlp_block(layer, p: Parts):
+    """The layer's MLP block in C, where its norm has a C form and its products are int8-activation C ones."""
+    lib, _ = native.library()
+    post_norm = layer.post_attention_layernorm.__dict__.get(norm.NATIVE)
+    if lib is None or p.mlp is None or not p.silu or post_norm is None:
+        return None
+    stack, _, _ = p.mlp
+    gate_up, down = stack.c_product(), Stack([layer.mlp.down_proj]).c_product()
+    if gate_up is None or down is None or gate_up[0].address != down[0].address:
+        return None
+    (gate, up), product = gate_up[1], gate_up[0]
+    if gate[1] - gate[0] != down[0].k or up[1] - up[0] != down[0].k:
+        return None
+    return native.MlpBlock(lib, post_norm, product, down[0], gate[0], up[0])
+
+
+def _gdn_layer(layer, p: Parts, mlp: native.MlpBlock):
+    """The Gated DeltaNet layer in C, where its C step is on and its norm and products have C forms (the same
+    product function as its MLP block's)."""
+    in_norm = layer.input_layernorm.__dict__.get(norm.NATIVE)
+    in_proj, out_proj = p.in_proj.c_product(), Stack([p.gdn.out_proj]).c_product()
+    if p.native is None or in_norm is None or in_proj is None or out_proj is None:
+        return None
+    if in_proj[0].address != mlp.args.linear or out_proj[0].address != mlp.args.linear:
+        return None
+    key_dim, value_dim, _, _, hv, _ = p.dims
+    widths = (2 * key_dim + value_dim, value_dim, hv, hv)
+    if any(b - a != w for (a, b), w in zip(in_proj[1], widths)) or out_proj[0].k != value_dim:
+        return None
+    at = tuple(a for a, _ in in_proj[1])
+    return native.GdnLayer(mlp.lib, in_norm, in_proj[0], at, p.native, out_proj[0], mlp)
+
+
+def _python_mlp(p: Parts, h):
+    stack, act, down = p.mlp
+    x = p.norm_post(h)
+    gate, up = stack(x)
+    return h + down(act(gate) * up)
+
+
+def _probe_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Hidden states small enough that the residual sum keeps the layer's change to them (the norms scale every
+    input alike)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 1, width, generator=g) * 0.01).to(torch.bfloat16)
+
+
+def _change_mismatch(got: torch.Tensor, want: torch.Tensor, h: torch.Tensor) -> str | None:
+    """The C layer's change to the hidden states `h` against the Python path's, as fractions of the latter's largest
+    (a change compared inside the states it is added to would pass however wrong)."""
+    a, b = got.float() - h.float(), want.float() - h.float()
+    scale = b.abs().max().clamp_min(1e-30)
+    return verify.mismatch(a / scale, b / scale, torch.bfloat16)
+
+
+def _mlp_mismatch(p: Parts, mlp, rows: int) -> str | None:
+    h = _probe_rows(rows, mlp.hidden, rows)
+    with torch.inference_mode():
+        got = mlp(h)
+        if got is None:
+            return "it refused the layer's own shapes"
+        return _change_mismatch(got, _python_mlp(p, h), h)
+
+
+def _gdn_mismatch(p: Parts, fused, rows: int) -> str | None:
+    """The C layer against the Python path (`_lean`'s operations) on inputs of the layer's shapes."""
+    step = p.native
+    hk, dk, hv, dv = step.dims
+    h = _probe_rows(rows, fused.mlp.hidden, rows)
+    g = torch.Generator().manual_seed(rows)
+    conv_state = torch.randn(rows, step.channels, step.kernel, generator=g).to(torch.bfloat16)
+    state = torch.randn(rows, hv, dk, dv, generator=g) * 0.3
+    conv_a, conv_b, state_a, state_b = conv_state.clone(), conv_state.clone(), state.clone(), state.clone()
+    with torch.inference_mode():
+        got = fused(h, conv_a, state_a)
+        if got is None:
+            return "it refused the layer's own shapes"
+        mixed, z, b, a = p.in_proj(p.norm_in(h))
+        out = step(mixed, z, b, a, conv_b, state_b)
+        want = _python_mlp(p, h + p.out_proj(out))
+    if not torch.equal(conv_a, conv_b):
+        return "its conv state differs"
+    return _change_mismatch(got, want, h) or verify.mismatch(state_a, state_b, torch.float32)
+
+
 def uninstall(model) -> None:
+    seam.revert(model, FUSED)
     seam.revert(model, "native_gdn_step")
     seam.revert(model, "decode_layer")

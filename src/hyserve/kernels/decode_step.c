@@ -400,3 +400,94 @@ int products(int rows, int n, int k, const uint16_t *x, long x_stride, const uin
     return -1;
 }
 #endif
+
+/* `gdn_layer` and `mlp_block`: a Qwen3.5 decoder layer for one token per row (`decode_layer._lean`'s operations)
+ * in one call, over int8-activation quantized weights. Between the layer's products a decode step ran a dozen
+ * Python calls; here they are C. The products are `a8_products.c`'s `a8_linear` (built apart; its address comes
+ * in `linear`) with the arguments the Python path gives it, the norms are `zero_centered_norm`, the Gated
+ * DeltaNet step is `gdn_step`, the residual sums round to bfloat16 as PyTorch's do: the same results as the
+ * Python path but for SiLU (`silu`'s exp against PyTorch's: a bfloat16 ulp, rarely). */
+typedef int (*A8Linear)(int fmt, int rows, int n, int k, const void *x, long x_stride, int bf16, const void *q,
+                        const uint16_t *d, const float *bias, void *y, int threads);
+
+typedef struct {
+    int fmt, n, k;  /* `a8_linear`'s format code and shape */
+    const void *q;
+    const uint16_t *d;
+    const float *bias;  /* or NULL */
+} A8Weight;
+
+typedef struct {
+    A8Linear linear;
+    int rows, hidden, inter, threads;
+    long one_thread_below;          /* products of fewer rows x n x k weights run on one thread, as in Python */
+    const float *norm_scale;        /* post-attention norm: 1 + weight, float32 */
+    float norm_eps;
+    A8Weight gate_up, down;         /* gate_up's output: gate at `gate_at`, up at `up_at` */
+    int gate_at, up_at;
+} Mlp;
+
+typedef struct {
+    Mlp mlp;
+    const float *norm_scale;        /* input norm: 1 + weight, float32 */
+    float norm_eps;
+    A8Weight in_proj, out_proj;     /* in_proj's output: conv input, z, b, a at these columns */
+    int mixed_at, z_at, b_at, a_at;
+    GdnStep gdn;                    /* dims and constants; the caller sets conv_state, state and state_len */
+} GdnLayer;
+
+static int product(const Mlp *m, const A8Weight *w, const uint16_t *x, uint16_t *y) {
+    const int threads = (long)m->rows * w->n * w->k >= m->one_thread_below ? m->threads : 1;
+    return m->linear(w->fmt, m->rows, w->n, w->k, x, w->k, 1, w->q, w->d, w->bias, y, threads);
+}
+
+/* out = h + down(silu(gate) * up) of the norm of h (out may be h). 0, or -1 when memory ran out or a product
+ * refused (out unwritten then). */
+int mlp_block(const Mlp *m, const uint16_t *h, uint16_t *out) {
+    const long rows = m->rows, hidden = m->hidden, inter = m->inter, width = m->gate_up.n;
+    uint16_t *x = malloc(sizeof(uint16_t) * rows * (hidden + width + inter + hidden));
+    if (!x) return -1;
+    uint16_t *gu = x + rows * hidden, *act = gu + rows * width, *y = act + rows * inter;
+    zero_centered_norm(m->rows, m->hidden, h, hidden, m->norm_scale, m->norm_eps, x);
+    int code = product(m, &m->gate_up, x, gu);
+    if (code == 0) {
+        for (long r = 0; r < rows; r++)
+            for (long i = 0; i < inter; i++) {
+                const float g = bf(gu[r * width + m->gate_at + i]), u = bf(gu[r * width + m->up_at + i]);
+                act[r * inter + i] = to_bf(round_bf(silu(g)) * u);
+            }
+        code = product(m, &m->down, act, y);
+    }
+    if (code == 0)
+        for (long i = 0; i < rows * hidden; i++) out[i] = to_bf(bf(h[i]) + bf(y[i]));
+    free(x);
+    return code;
+}
+
+/* out = the layer's output for h [rows, hidden]: the input norm, in_proj, `gdn_step` (conv and recurrent states
+ * updated in place), out_proj, the residual sum, then `mlp_block`. 0, or -1 when memory ran out or a product
+ * refused (the states may have been updated then: the caller trusts none of them). */
+int gdn_layer(const GdnLayer *L, const uint16_t *h, uint16_t *out) {
+    const Mlp *m = &L->mlp;
+    const long rows = m->rows, hidden = m->hidden, width = L->in_proj.n, value_dim = (long)L->gdn.hv * L->gdn.dv;
+    uint16_t *x = malloc(sizeof(uint16_t) * rows * (hidden + width + value_dim + hidden));
+    if (!x) return -1;
+    uint16_t *y = x + rows * hidden, *o = y + rows * width, *mixed = o + rows * value_dim;
+    zero_centered_norm(m->rows, m->hidden, h, hidden, L->norm_scale, L->norm_eps, x);
+    int code = product(m, &L->in_proj, x, y);
+    if (code == 0) {
+        GdnStep g = L->gdn;
+        g.rows = m->rows, g.threads = m->threads;
+        g.mixed = y + L->mixed_at, g.z = y + L->z_at, g.b = y + L->b_at, g.a = y + L->a_at;
+        g.mixed_stride = g.z_stride = g.b_stride = g.a_stride = width;
+        g.out = o;
+        code = gdn_step(&g);
+    }
+    if (code == 0) code = product(m, &L->out_proj, o, mixed);
+    if (code == 0) {
+        for (long i = 0; i < rows * hidden; i++) out[i] = to_bf(bf(h[i]) + bf(mixed[i]));
+        code = mlp_block(m, out, out);
+    }
+    free(x);
+    return code;
+}

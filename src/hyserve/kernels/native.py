@@ -1,6 +1,8 @@
 """C kernels built at load with the machine's C compiler (`decode_step.c`, for bfloat16 models): a decode
 step's products of a few rows with a weight (`Products`), the Gated DeltaNet decode step between its two
-products (`GdnStep`) and a decode step's attention (`DecodeAttention`).
+products (`GdnStep`), a decode step's attention (`DecodeAttention`) and, over int8-activation quantized
+weights (whose products `a8_products.c` builds apart and hands in by address), a decoder layer's MLP block and a
+whole Gated DeltaNet layer (`MlpBlock`, `GdnLayer`).
 
 A decode step of a hybrid model runs a few dozen small operations per Gated DeltaNet layer, each paying
 its dispatch, and reads each layer's recurrent state from memory six times; in C it is one call per layer
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -101,6 +104,43 @@ class _Attention(ctypes.Structure):
     )
 
 
+class _A8Weight(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("fmt", "n", "k")] + [(n, ctypes.c_void_p) for n in ("q", "d", "bias")]
+
+
+class _Mlp(ctypes.Structure):
+    _fields_ = (
+        [("linear", ctypes.c_void_p)]
+        + [(n, ctypes.c_int) for n in ("rows", "hidden", "inter", "threads")]
+        + [("one_thread_below", ctypes.c_long), ("norm_scale", ctypes.c_void_p), ("norm_eps", ctypes.c_float)]
+        + [("gate_up", _A8Weight), ("down", _A8Weight), ("gate_at", ctypes.c_int), ("up_at", ctypes.c_int)]
+    )
+
+
+class _GdnLayer(ctypes.Structure):
+    _fields_ = (
+        [("mlp", _Mlp), ("norm_scale", ctypes.c_void_p), ("norm_eps", ctypes.c_float)]
+        + [("in_proj", _A8Weight), ("out_proj", _A8Weight)]
+        + [(n, ctypes.c_int) for n in ("mixed_at", "z_at", "b_at", "a_at")]
+        + [("gdn", _GdnStep)]
+    )
+
+
+class CProduct(NamedTuple):
+    """A quantized layer's C product as C code calls it (`a8_products.c`'s `a8_linear`, at `address`): its
+    arguments, and `keep`, the tensors they point into (held as long as this is)."""
+
+    address: int
+    fmt: int
+    n: int
+    k: int
+    q: int
+    d: int
+    bias: int | None
+    one_thread_below: int
+    keep: tuple
+
+
 def build(source: Path) -> tuple[ctypes.CDLL | None, str]:
     """(the library built from the C file `source` for this CPU and compiler, cached by their hash, and loaded,
     "") or (None, why not). Also `hyserve.quant`'s products."""
@@ -162,6 +202,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.zero_centered_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.zero_centered_norm.argtypes += [ctypes.c_float, ctypes.c_void_p]
     lib.zero_centered_norm.restype = ctypes.c_int
+    lib.mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p]
+    lib.gdn_layer.argtypes = [ctypes.POINTER(_GdnLayer), ctypes.c_void_p, ctypes.c_void_p]
+    lib.mlp_block.restype = lib.gdn_layer.restype = ctypes.c_int
     return lib, ""
 
 
@@ -344,3 +387,92 @@ class ZeroCenteredNorm:
         args = (flat.data_ptr(), flat.stride(0), self.scale.data_ptr(), self.eps, y.data_ptr())
         self.lib.zero_centered_norm(rows, n, *args)
         return y
+
+
+def _weight(product: CProduct) -> _A8Weight:
+    return _A8Weight(fmt=product.fmt, n=product.n, k=product.k, q=product.q, d=product.d, bias=product.bias)
+
+
+class MlpBlock:
+    """A decoder layer's MLP block for one token per row (its norm, gate and up product, SiLU, down product and
+    the residual sum), in C (`mlp_block`) over int8-activation quantized weights: `norm`, the post-attention
+    norm's C form (`ZeroCenteredNorm`); `gate_up`, the stacked gate and up product, whose output holds gate at
+    columns `gate_at` and up at `up_at`; `down`. Called with the layer's hidden states after the mixer
+    (bfloat16 [rows, 1, hidden], contiguous), returns the layer's output, or None (nothing done) for another form."""
+
+    def __init__(self, lib, norm: ZeroCenteredNorm, gate_up: CProduct, down: CProduct, gate_at: int, up_at: int):
+        self.lib, self.hidden, self.keep = lib, down.n, (norm, gate_up, down)
+        self.args = _Mlp(
+            linear=gate_up.address,
+            hidden=down.n,
+            inter=down.k,
+            one_thread_below=gate_up.one_thread_below,
+            norm_scale=norm.scale.data_ptr(),
+            norm_eps=norm.eps,
+            gate_up=_weight(gate_up),
+            down=_weight(down),
+            gate_at=gate_at,
+            up_at=up_at,
+        )
+
+    def fits(self, h: torch.Tensor) -> bool:
+        return h.dtype == torch.bfloat16 and h.dim() == 3 and h.shape[1:] == (1, self.hidden) and h.is_contiguous()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
+        if not self.fits(h):
+            return None
+        out = torch.empty_like(h)
+        m = self.args
+        m.rows, m.threads = h.shape[0], torch.get_num_threads()
+        if self.lib.mlp_block(ctypes.byref(m), h.data_ptr(), out.data_ptr()) != 0:
+            raise MemoryError("the native MLP block could not allocate its scratch")
+        return out
+
+
+class GdnLayer:
+    """A Qwen3.5 Gated DeltaNet decoder layer for one token per row, in C (`gdn_layer`) over int8-activation
+    quantized weights: the input norm (`norm`, its C form), the stacked in-projection (`in_proj`, its output's
+    conv input, z, b and a at the columns `at`), the Gated DeltaNet step (`step`, its `GdnStep`), the
+    out-projection, the residual sum and `mlp`'s block. Called with the hidden states (bfloat16 [rows, 1,
+    hidden], contiguous) and the layer's conv and recurrent states (as `GdnStep` takes them, updated in place),
+    returns the layer's output, or None (nothing changed) for inputs of another form."""
+
+    def __init__(self, lib, norm: ZeroCenteredNorm, in_proj: CProduct, at: tuple, step: GdnStep, out_proj, mlp):
+        self.lib, self.step, self.mlp, self.keep = lib, step, mlp, (norm, in_proj, out_proj)
+        self.args = _GdnLayer(
+            mlp=mlp.args,
+            norm_scale=norm.scale.data_ptr(),
+            norm_eps=norm.eps,
+            in_proj=_weight(in_proj),
+            out_proj=_weight(out_proj),
+            mixed_at=at[0],
+            z_at=at[1],
+            b_at=at[2],
+            a_at=at[3],
+            gdn=step.args,
+        )
+        hk, dk, hv, dv = step.dims
+        self.state_shape = (hv, dk, dv)
+
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor | None:
+        rows = h.shape[0]
+        if not (
+            self.step.ok
+            and self.mlp.fits(h)
+            and conv_state.dtype == torch.bfloat16
+            and conv_state.is_contiguous()
+            and conv_state.shape[:2] == (rows, self.step.channels)
+            and conv_state.shape[2] >= self.step.kernel
+            and state.dtype == torch.float32
+            and state.is_contiguous()
+            and state.shape[0] == rows
+            and state.shape[1:] == self.state_shape
+        ):
+            return None
+        out = torch.empty_like(h)
+        a = self.args
+        a.mlp.rows, a.mlp.threads = rows, torch.get_num_threads()
+        a.gdn.state_len, a.gdn.conv_state, a.gdn.state = conv_state.shape[2], conv_state.data_ptr(), state.data_ptr()
+        if self.lib.gdn_layer(ctypes.byref(a), h.data_ptr(), out.data_ptr()) != 0:
+            raise MemoryError("the native Gated DeltaNet layer could not allocate its scratch")
+        return out

@@ -287,8 +287,8 @@ class ModelRuntime:
 
 def _install_quantized_products(model, adapter, dtype) -> None:
     """The quantized weights' C products (`native_int8`, `native_int4` or `native_a8` in the kernel report, so
-    that the disk cache's fingerprint tells quantized states from others), or why each is off: then its products
-    dequantize first."""
+    that the disk cache's fingerprint tells quantized states from others) and the decode layers in C over them
+    (`native_decode_layer`), or why each is off: then its products dequantize first, its layers run call by call."""
     from ..quant import native
 
     if not kernels.enabled():
@@ -297,7 +297,9 @@ def _install_quantized_products(model, adapter, dtype) -> None:
         decided = quant.install_products(model, dtype)
     for name, why in decided.items():
         adapter.kernels.set(name, not why, why)
-        if why and not why.startswith("disabled"):
+        if why and not why.startswith("disabled") and name == kernels.decode_layer.FUSED:
+            log.warning("the C decode layers are off, each operation runs alone (slower, same results): %s", why)
+        elif why and not why.startswith("disabled"):
             log.warning(
                 "the C product %s is off, its weights are dequantized for every product (slower, same results): %s",
                 name,

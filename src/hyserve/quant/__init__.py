@@ -176,11 +176,14 @@ def runs_all_experts(model) -> bool:
 
 
 def install_products(model, dtype: torch.dtype) -> dict[str, str]:
-    """The C products for a decode step's few rows over the quantized weights (`native.install`): per kernel
-    name, "" or why off."""
+    """The C products for a decode step's few rows over the quantized weights (`native.install`), then the decode
+    layers in C over them (`kernels.decode_layer.install_fused`): per kernel name, "" or why off."""
+    from ..kernels import decode_layer
     from . import native, siblings
 
     decided = native.install(model, dtype)
     if stacks := siblings.group(model):
         log.info("quantized sibling projections stacked: %d groups, one product each", stacks)
+    if (why := decode_layer.install_fused(model)) is not None:
+        decided[decode_layer.FUSED] = why
     return decided

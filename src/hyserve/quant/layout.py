@@ -257,6 +257,11 @@ class QuantLinear(torch.nn.Module):
             return y
         return dequantized_linear(x, self.qs, self.d, self.bias, self.rounds_activations, self.interleaved)
 
+    def c_product(self):
+        """Its C product as C code calls it (`kernels.native.CProduct`), where that is `a8_products.c`'s: else None."""
+        form = getattr(self.native, "c_form", None)
+        return form(self) if form is not None and self.rounds_activations else None
+
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.rounds_activations else ""
         a8 += ", interleaved" if self.interleaved else ""

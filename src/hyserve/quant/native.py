@@ -198,6 +198,13 @@ class A8Products:
         threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
         return _linear_call(self.lib.a8_linear, (held[7],), x, rows, held, threads)
 
+    def c_form(self, layer: QuantLinear) -> native.CProduct:
+        """`layer`'s product as C code calls it (`kernels.native`'s fused decode layers): `a8_linear`'s address and
+        the arguments this call passes it, the threads chosen by the same rule."""
+        held = held_args(layer)
+        address = ctypes.cast(self.lib.a8_linear, ctypes.c_void_p).value
+        return native.CProduct(address, held[7], held[3], held[4], *held[6], Products.ONE_THREAD_BELOW, held)
+
 
 DIRECT = (torch.float32, torch.bfloat16)  # activation dtypes `q*_linear` reads and writes itself
 KERNELS = {"q8_0": "native_int8", "q4_0": "native_int4"}  # the kernel report's name of each format's product
