@@ -451,7 +451,7 @@ class GdnLayer:
             a_at=at[3],
             gdn=step.args,
         )
-        hk, dk, hv, dv = step.dims
+        _, dk, hv, dv = step.dims
         self.state_shape = (hv, dk, dv)
 
     def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor | None:
