@@ -90,6 +90,39 @@ def decode_layers(rt, prompt: int, blocks: int, steps: int) -> dict:
     return {**out, "layers": len(layers), "prompt_tokens": prompt, "blocks": blocks, "steps": steps}
 
 
+def _batches_in_turn(rt, prompt: int, batches: list[int], blocks: int, steps: int, sides: dict) -> list[dict]:
+    """For each batch size of `batches`: that many requests after `prompt` tokens each, then blocks of `steps` decode
+    steps, each side of `sides` (name: a function that switches the model to it) in turn block by block. Returns one
+    row per batch size: `requests`, `<side>_step_s` (the median per step) and `<second>_over_<first>` (the median of
+    the per-block ratios of the second side's time to the first's). The caller puts its model back."""
+    ad = rt.adapter
+    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
+    first, second = list(sides)
+    rows = []
+    for batch in batches:
+        states = [ad.new_state() for _ in range(batch)]
+        for r, state in enumerate(states):
+            ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
+        ad.forward_batch(states, [1] * batch)
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for b in range(blocks):
+            for side, switch in sides.items():
+                switch()
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
+                times[side].append((time.perf_counter() - t0) / steps)
+        ad.drop_batch()
+        rows.append(
+            {
+                "requests": batch,
+                **{f"{side}_step_s": C.median(t) for side, t in times.items()},
+                f"{second}_over_{first}": C.median_ratio(times[first], times[second]),
+            }
+        )
+    return rows
+
+
 def decode_products(rt, prompt: int, batches: list[int], blocks: int, steps: int) -> dict:
     """Seconds per decode step of `batches` requests each, the C products (`native.Products`) against
     oneDNN's packed products (`linear.Packed.onednn`) for every packed weight, alternating block by block."""
@@ -99,36 +132,17 @@ def decode_products(rt, prompt: int, batches: list[int], blocks: int, steps: int
     if not weights:
         return {"skipped": "the C products are off"}
     native = weights[0].native
-    ad = rt.adapter
-    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
-    rows = []
-    try:
-        for batch in batches:
-            states = [ad.new_state() for _ in range(batch)]
-            for r, state in enumerate(states):
-                ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
-            ad.forward_batch(states, [1] * batch)
-            times: dict[str, list[float]] = {"c": [], "onednn": []}
-            for b in range(blocks):
-                for side in times:
-                    for w in weights:
-                        w.native = native if side == "c" else None
-                    t0 = time.perf_counter()
-                    for i in range(steps):
-                        ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
-                    times[side].append((time.perf_counter() - t0) / steps)
-            ad.drop_batch()
-            rows.append(
-                {
-                    "requests": batch,
-                    "c_step_s": C.median(times["c"]),
-                    "onednn_step_s": C.median(times["onednn"]),
-                    "onednn_over_c": C.median_ratio(times["c"], times["onednn"]),
-                }
-            )
-    finally:
+
+    def use(products):
         for w in weights:
-            w.native = native
+            w.native = products
+
+    try:
+        rows = _batches_in_turn(
+            rt, prompt, batches, blocks, steps, {"c": lambda: use(native), "onednn": lambda: use(None)}
+        )
+    finally:
+        use(native)
     return {
         "rows": rows,
         "weights": len(weights),
@@ -149,36 +163,17 @@ def decode_fused(rt, prompt: int, batches: list[int], blocks: int, steps: int) -
     held = {id(p): (p.fused, p.mlp_native) for p in parts}
     if not any(m is not None for _, m in held.values()):
         return {"skipped": "no layer took the C decode layers"}
-    ad = rt.adapter
-    vocab = min(rt.model.config.get_text_config().vocab_size, len(rt.tokenizer))
-    rows = []
-    try:
-        for batch in batches:
-            states = [ad.new_state() for _ in range(batch)]
-            for r, state in enumerate(states):
-                ad.forward(state, [(17 * i + 3 + r) % vocab for i in range(prompt)])
-            ad.forward_batch(states, [1] * batch)
-            times: dict[str, list[float]] = {"c": [], "python": []}
-            for b in range(blocks):
-                for side in times:
-                    for p in parts:
-                        p.fused, p.mlp_native = held[id(p)] if side == "c" else (None, None)
-                    t0 = time.perf_counter()
-                    for i in range(steps):
-                        ad.forward_batch(states, [(b + i + r) % vocab for r in range(batch)])
-                    times[side].append((time.perf_counter() - t0) / steps)
-            ad.drop_batch()
-            rows.append(
-                {
-                    "requests": batch,
-                    "c_step_s": C.median(times["c"]),
-                    "python_step_s": C.median(times["python"]),
-                    "python_over_c": C.median_ratio(times["c"], times["python"]),
-                }
-            )
-    finally:
+
+    def use(c: bool):
         for p in parts:
-            p.fused, p.mlp_native = held[id(p)]
+            p.fused, p.mlp_native = held[id(p)] if c else (None, None)
+
+    try:
+        rows = _batches_in_turn(
+            rt, prompt, batches, blocks, steps, {"c": lambda: use(True), "python": lambda: use(False)}
+        )
+    finally:
+        use(True)
     return {
         "rows": rows,
         "gdn_layers": sum(f is not None for f, _ in held.values()),
