@@ -239,14 +239,15 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
     long = {"model": MODEL, "max_tokens": 800, "min_tokens": 800, "temperature": 0}
     admin = {"Authorization": f"Bearer {ADMIN}"}
 
-    def routed_to_holder_since(t0: float) -> int:
+    def routed_since(t0: float) -> int:
         events = cluster.get("/v1/routing/events", params={"limit": 200}, headers=admin).json()["events"]
-        return sum(e.get("event") == "routed" and e.get("replica") == holder and e["ts"] >= t0 for e in events)
+        return sum(e.get("event") == "routed" and e["ts"] >= t0 for e in events)
 
     t0 = time.time()
     with ThreadPoolExecutor(6) as pool:
-        # six long requests extending the conversation: they go to the holder, which then has at least the
-        # router's imbalance (4) more in flight than the other even if that one still counts a request or two
+        # six long requests extending the conversation: they go to the holder until it has the router's imbalance
+        # (4) more in flight than the other; the router's loads may lag (all six to the holder) or not (the fifth
+        # to the other, the sixth to the holder again): either way the holder ends 4 or more ahead
         busy = [
             pool.submit(
                 cluster.post,
@@ -256,11 +257,12 @@ def test_a_conversation_sent_away_from_its_overloaded_holder_takes_its_state_alo
             for i in range(6)
         ]
         deadline = time.time() + 60
-        while routed_to_holder_since(t0) < 6:  # the router has sent all six (a fixed sleep raced on a busy CI)
+        while routed_since(t0) < 6:  # the router has sent all six (a fixed sleep raced on a busy CI)
             assert time.time() < deadline and not any(f.done() for f in busy)
             time.sleep(0.05)
         moved = chat(cluster, messages)
-        assert all(f.result(timeout=120).headers["x-hyserve-replica"] == holder for f in busy)
+        served = [f.result(timeout=120).headers["x-hyserve-replica"] for f in busy]
+        assert served.count(holder) >= 5, served
     events = cluster.get("/v1/routing/events", params={"limit": 10}, headers=admin).json()["events"]
     assert moved.headers["x-hyserve-replica"] != holder, events
     assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fetched checkpoint
