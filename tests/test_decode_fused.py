@@ -15,7 +15,8 @@ from hyserve.kernels import decode_layer, native, seam, verify
 from hyserve.models.runtime import ModelRuntime
 
 from .test_decode_layer import _decode_logits, _lean_layers
-from .test_quant import _greedy
+from .test_engine_cache import SCRIPT
+from .test_quant import _chat_matches_cache_off, _greedy
 
 
 def _parts(rt):
@@ -39,6 +40,15 @@ def test_the_c_layers_give_the_python_paths_logits_and_tokens(model_dirs, scheme
     assert verify.mismatch(fused, python, torch.bfloat16) is None
     assert (fused.float() - python.float()).abs().max() <= 0.05 * python.float().abs().max()
     assert _greedy(rt, n=8) == tokens
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_a_six_turn_chat_with_the_c_layers_matches_cache_off(make_service, scheme):
+    """The bfloat16 chat of `test_quant`'s weight-only settings, with the C layers decoding every reply: the cache-on
+    tokens are the cache-off ones (numbers within bfloat16's 2e-2 between a cached turn's pieces and a whole prompt)."""
+    _chat_matches_cache_off(
+        make_service, "qwen3_5", SCRIPT, 2e-2, False, kernel=decode_layer.FUSED, dtype="bfloat16", quantization=scheme
+    )
 
 
 def test_a_decode_step_runs_the_c_layers(model_dirs, monkeypatch):
