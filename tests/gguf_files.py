@@ -124,7 +124,8 @@ def requantize(
     reverse: bool = False,
 ) -> Path:
     """`src` (an F32 file, e.g. from llama.cpp's converter) rewritten with the same metadata, each tensor in
-    `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers) or F32
+    `qtype_of(name, shape)` (a `gguf.GGMLQuantizationType`, quantized by gguf's reference quantizers, K-quants by
+    `kquantize`) or F32
     where that is None. `split_max_tensors`: written as a split (`out`-0000i-of-0000n.gguf, as llama.cpp's
     gguf-split names the parts) of that many tensors a part; the first part's path is returned. `meta`: key ->
     new value of existing metadata fields (same type) or new uint32 ones; `extra`: name -> F32 array, tensors
@@ -148,7 +149,9 @@ def requantize(
             w.add_key_value(key, value, gguf.GGUFValueType.UINT32)
     for t in reversed(r.tensors) if reverse else r.tensors:
         data = np.array(t.data, dtype=np.float32)
-        if (qtype := qtype_of(t.name, data.shape)) is not None:
+        if (qtype := qtype_of(t.name, data.shape)) is not None and qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
+            w.add_tensor(t.name, kquantize(data.reshape(-1, data.shape[-1]), qtype.name), raw_dtype=qtype)
+        elif qtype is not None:
             w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(t.name, data)
@@ -191,3 +194,49 @@ def converted_once(converter: Path, folders, tmp_path_factory):
         return done[arch, outtype]
 
     return get
+
+
+def kquantize(data: np.ndarray, kind: str) -> np.ndarray:
+    """`data` [n, k] (k a multiple of 256) as Q4_K, Q5_K or Q6_K blocks (uint8 [n, k / 256 * block bytes]): a plain
+    min/max quantizer (gguf-py has none for these types; llama-quantize searches its scales better), whose blocks
+    are laid out as ggml's, so that gguf-py's `dequantize` reads them back close to `data`."""
+    n, k = data.shape
+    x = data.astype(np.float32).reshape(n * k // 256, 8, 32)
+    nb = x.shape[0]
+    f16 = lambda v: v.astype(np.float16)  # noqa: E731
+    if kind == "Q6_K":
+        g = x.reshape(nb, 16, 16)
+        s = np.abs(g).max(-1) / 31
+        d = f16(np.abs(s).max(-1) / 127)
+        dd = d.astype(np.float32)[:, None]
+        sc = np.clip(np.round(np.divide(s, dd, out=np.zeros_like(s), where=dd > 0)), -128, 127).astype(np.int8)
+        step = dd * sc
+        q = np.clip(np.round(np.divide(g, step[..., None], out=np.zeros_like(g), where=step[..., None] != 0)), -32, 31)
+        u = (q + 32).astype(np.uint8).reshape(nb, 2, 4, 32)  # sub-block 4h + t
+        ql = np.zeros((nb, 2, 64), np.uint8)
+        qh = np.zeros((nb, 2, 32), np.uint8)
+        for t in range(4):
+            half = slice(32 * (t & 1), 32 * (t & 1) + 32)
+            ql[:, :, half] |= (u[:, :, t] & 15) << (4 if t >= 2 else 0)
+            qh |= (u[:, :, t] >> 4) << (2 * t)
+        out = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d[:, None].view(np.uint8)], 1)
+        return out.reshape(n, -1)
+    top = 15 if kind == "Q4_K" else 31
+    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    s, m = (hi - lo) / top, -lo
+    d, dmin = f16(s.max(-1) / 63), f16(m.max(-1) / 63)
+    dd, dm = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(s, dd, out=np.zeros_like(s), where=dd > 0)), 0, 63).astype(np.uint8)
+    mq = np.clip(np.round(np.divide(m, dm, out=np.zeros_like(m), where=dm > 0)), 0, 63).astype(np.uint8)
+    step = (dd * sc)[..., None]
+    u = np.clip(np.round(np.divide(x + (dm * mq)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, top)
+    u = u.astype(np.uint8)  # [nb, 8, 32]
+    scales = np.zeros((nb, 12), np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (mq[:, :4] & 63) | ((mq[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((mq[:, 4:] & 15) << 4)
+    qs = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).reshape(nb, 128)
+    parts = [d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales]
+    if kind == "Q5_K":
+        parts.append(np.bitwise_or.reduce((u >> 4) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    return np.concatenate([*parts, qs], 1).reshape(n, -1)

@@ -17,7 +17,6 @@ from hyserve.gguf.families import attention  # noqa: E402
 from hyserve.gguf.file import GGUFError  # noqa: E402
 from hyserve.gguf.loader import file_metadata  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
-from hyserve.quant.layout import QuantLinear  # noqa: E402
 
 from .gguf_files import converted_once, requantize  # noqa: E402
 from .test_engine_cache import SCRIPT, run_chat  # noqa: E402
@@ -146,9 +145,11 @@ def test_a_q8_0_file_is_its_folder_at_int8_and_serves_cache_on_as_off(converted,
 
 def test_a_split_file_with_q4_0_and_other_types(converted, loaded, tmp_path):
     """A llama file split in parts (as gguf-split writes them) serves as the whole; its permuted q/k rows in Q4_0
-    stay the file's nibbles (hyserve's int4 of the folder's), Q5_0 is dequantized (and with --quantization int8
-    quantized again), a missing part is named."""
+    stay the file's nibbles (hyserve's int4 of the folder's), Q5_0 the file's blocks (`quant.ggml_blocks`, kept with
+    --quantization int8 too), a missing part is named."""
     from gguf import GGMLQuantizationType as Q
+
+    from hyserve.quant.ggml_blocks import GgmlLinear
 
     def qtype(name, shape):
         if len(shape) != 2 or shape[1] % 32:
@@ -160,7 +161,7 @@ def test_a_split_file_with_q4_0_and_other_types(converted, loaded, tmp_path):
     assert len(parts) >= 3 and first == parts[0]
     rt = ModelRuntime.load(parts[1], device="cpu")
     kept, int4, int8 = _blocks(rt.model), _blocks(loaded("llama", "int4").model), _blocks(loaded("llama", "int8").model)
-    assert rt.gguf_tensors.kept == {"Q4_0": 4, "Q8_0": len(kept) - 4} and rt.gguf_tensors.converted["Q5_0"] == 2
+    assert rt.gguf_tensors.kept == {"Q4_0": 4, "Q8_0": len(kept) - 4, "Q5_0": 2} and not rt.gguf_tensors.why
     for name, (qs, d) in kept.items():
         ours = int4[name] if name.endswith(("q_proj", "k_proj")) else int8[name]
         assert torch.equal(qs, ours[0]) and torch.equal(d, ours[1]), name
@@ -168,7 +169,7 @@ def test_a_split_file_with_q4_0_and_other_types(converted, loaded, tmp_path):
     assert torch.isfinite(_logits(rt)).all()
     requant = ModelRuntime.load(first, device="cpu", quantization="int8")
     down = requant.model.model.layers[0].mlp.down_proj
-    assert isinstance(down, QuantLinear) and down.qs.dtype == torch.int8  # Q5_0 -> float -> int8
+    assert isinstance(down, GgmlLinear) and down.kind == "Q5_0" and not down.rounds_activations  # weight-only
     parts[1].unlink()
     assert f"1 of them is missing: {parts[1].name}" in _refused(first)
 

@@ -123,7 +123,10 @@ def test_q4_0_experts_up_before_gate_and_a_fallback(converted, quantized, folder
     assert not _experts(rt.model) and not rt.gguf_tensors.kept and rt.gguf_tensors.converted["Q8_0"] == 2 * 4
     line = rt.gguf_tensors.describe()
     assert line.startswith("none kept quantized")
-    assert line.endswith("(the Q8_0/Q4_0 ones: 4 of stacked experts whose other weight is not Q8_0/Q4_0)")
+    assert line.endswith(
+        "(the quantized ones: 4 of stacked experts in Q5_0 (quant.experts holds Q8_0 / Q4_0 only); 4 of stacked "
+        "experts whose other weight is not Q8_0/Q4_0)"
+    )
     folder = ModelRuntime.load(folders("qwen3_5_moe"), device="cpu")
     want, got = _logits(folder), _logits(rt)
     assert (got - want).abs().max() < 0.05 * want.abs().max()

@@ -105,10 +105,13 @@ def test_a_q8_0_file_under_w8a8_rounds_the_inputs_of_its_kept_blocks(converted, 
     assert not torch.equal(_logits(rt), _logits(ModelRuntime.load(path, device="cpu")))
 
 
-def test_q4_0_blocks_are_kept_and_other_types_dequantized(converted, model_dirs, tmp_path):
-    """Q4_0 stays as the file's nibbles (hyserve's int4 of the weight); Q5_0 is dequantized, and with
-    --quantization int8 quantized again; an embedding in Q4_0 stays a quantized embedding."""
+def test_q4_0_and_q5_0_blocks_are_kept_and_float_tensors_quantized_on_request(converted, model_dirs, tmp_path):
+    """Q4_0 stays as the file's nibbles (hyserve's int4 of the weight), Q5_0 as the file's blocks
+    (`quant.ggml_blocks`); with --quantization int8 both stay and only what the file holds in float is quantized;
+    an embedding in Q4_0 stays a quantized embedding."""
     from gguf import GGMLQuantizationType as Q
+
+    from hyserve.quant.ggml_blocks import GgmlLinear
 
     def qtype(name, shape):
         if len(shape) != 2 or shape[1] % 32 or "ssm_out" in name or name == "output.weight":
@@ -124,13 +127,14 @@ def test_q4_0_blocks_are_kept_and_other_types_dequantized(converted, model_dirs,
     assert len(kept) >= 10
     for name, (qs, d) in kept.items():
         assert qs.dtype == torch.uint8 and torch.equal(qs, ours[name][0]) and torch.equal(d, ours[name][1]), name
-    assert rt.gguf_tensors.kept == {"Q4_0": len(kept)} and rt.gguf_tensors.converted["Q5_0"] == 4
+    assert rt.gguf_tensors.kept == {"Q4_0": len(kept), "Q5_0": 4} and "Q5_0" not in rt.gguf_tensors.converted
+    assert all(isinstance(layer.mlp.down_proj, GgmlLinear) for layer in rt.model.model.layers)
     assert torch.isfinite(_logits(rt)).all()
     requant = ModelRuntime.load(path, device="cpu", quantization="int8")
     down = requant.model.model.layers[0].mlp.down_proj
-    assert isinstance(down, QuantLinear) and down.qs.dtype == torch.int8  # Q5_0 -> float -> int8
+    assert isinstance(down, GgmlLinear) and torch.equal(down.blocks, rt.model.model.layers[0].mlp.down_proj.blocks)
     assert torch.equal(requant.model.model.layers[0].mlp.up_proj.qs, rt.model.model.layers[0].mlp.up_proj.qs)
-    assert requant.quantization.layers == 4 + 3 + 1  # the down_projs, the out_projs and the head
+    assert requant.quantization.layers == 3 + 1  # the out_projs and the head, F32 in the file
 
 
 def test_env_says_what_was_kept_and_what_was_converted(converted):
@@ -138,7 +142,7 @@ def test_env_says_what_was_kept_and_what_was_converted(converted):
     assert r.returncode == 0, r.stderr
     assert (
         "gguf: qwen3_5-q8_0.gguf, architecture qwen35, tensors 33 Q8_0, 23 F32: 30 Q8_0 kept quantized as the "
-        "file's blocks; 23 F32, 3 Q8_0 dequantized to float32 (the Q8_0/Q4_0 ones: 3 whose conversion moves "
+        "file's blocks; 23 F32, 3 Q8_0 dequantized to float32 (the quantized ones: 3 whose conversion moves "
         "weights within blocks or changes them)"
     ) in r.stdout
 

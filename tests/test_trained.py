@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
+from hyserve import model_thread  # noqa: E402
 from hyserve.engine import GenerationRequest  # noqa: E402
 from hyserve.engine.sampling import SamplingParams  # noqa: E402
 from hyserve.engine.speculative import SpeculativeConfig  # noqa: E402
@@ -60,9 +61,12 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def trained():
-    """make(**ServiceConfig options): a service on the one runtime loaded for the module (loading takes a minute)."""
+    """make(**ServiceConfig options): a service on the one runtime loaded for the module (loading takes a minute).
+    Weight-only (`--quantization int8`: the file's Q4_1 blocks times the activations as they are), so that its
+    numbers are transformers' loading the same file (`test_int8_activations_keep_the_models_answers` below takes
+    the default, activations rounded to Q8_0 blocks as llama.cpp does)."""
     path = smollm2_gguf()
-    runtime = ModelRuntime.load(path, device="cpu")
+    runtime = ModelRuntime.load(path, device="cpu", quantization="int8")
     built = []
 
     def make(**options):
@@ -166,3 +170,16 @@ def test_the_tokens_are_those_of_transformers_loading_the_same_file(trained):
             want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :]
         assert got == want.tolist()[: len(got)] and len(got) > 4, (question, got, want)
     svc.engine.stop()
+
+
+def test_int8_activations_keep_the_models_answers(trained):
+    """The default for the file's Q4_1 blocks rounds each product's input to Q8_0 blocks (llama.cpp's computation,
+    faster): over a passage, its most likely next token is the weight-only one's almost everywhere."""
+    rounded = ModelRuntime.load(smollm2_gguf(), device="cpu")
+    assert rounded.kernels.on("native_ggml") and trained.runtime.kernels.on("native_ggml")
+    ids = trained.runtime.encode(" ".join([PASSAGE, *(q for q, _ in FACTS), PASSAGE]))
+    with torch.no_grad():
+        a = model_thread.run(lambda: rounded.model(torch.tensor([ids])).logits[0])
+        b = model_thread.run(lambda: trained.runtime.model(torch.tensor([ids])).logits[0])
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    assert agree > 0.9 and len(ids) > 80 and not torch.equal(a, b), (agree, len(ids))

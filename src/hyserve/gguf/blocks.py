@@ -1,4 +1,5 @@
-"""A GGUF Q8_0 / Q4_0 tensor's blocks as `quant.layout` holds them, and whether a family's transform of it only
+"""A GGUF Q8_0 / Q4_0 tensor's blocks as `quant.layout` holds them (`Blocks`), another quantized type's as the
+file has them (`RawBlocks`, for `quant.ggml_blocks`), and whether a family's transform of it only
 moves whole rows and whole blocks (so the blocks can be kept as they are, not dequantized and re-quantized).
 
 In the file a row of k weights is k / 32 blocks of (float16 d, then 32 int8 for Q8_0 or 16 nibble bytes for
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..quant.ggml_blocks import TYPES
 from ..quant.layout import BLOCK
 
 # ggml type name -> (bytes of a block, bytes of its values)
 KEPT = {"Q8_0": (34, 32), "Q4_0": (18, 16)}
+RAW = tuple(t for t in TYPES if t not in KEPT)  # the other types held as the file's blocks (`quant.ggml_blocks`)
 
 
 @dataclass
@@ -48,11 +51,57 @@ class Blocks:
         is given (stacked experts)."""
         flat = self.rows()
         n, nb = flat.d.shape
+        if _all(rows, n) and _all(blocks, nb) and not lead:
+            return flat  # nothing moved (most weights): no copy
         qs = flat.qs.reshape(n, nb, -1)[rows][:, blocks].reshape(len(rows), -1)
         d = flat.d[rows][:, blocks]
         if lead:
             qs, d = qs.reshape(*lead, -1, qs.shape[-1]), d.reshape(*lead, -1, d.shape[-1])
         return Blocks(self.kind, qs, d)
+
+
+@dataclass
+class RawBlocks:
+    """One weight of a `RAW` type as the file's bytes: [..., n, k / weights a block * bytes a block] uint8."""
+
+    kind: str
+    raw: torch.Tensor
+    k: int
+
+    @property
+    def block(self) -> int:
+        return TYPES[self.kind][1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.raw.shape[:-1], self.k)
+
+    def rows(self) -> RawBlocks:
+        return RawBlocks(self.kind, self.raw.reshape(-1, self.raw.shape[-1]), self.k)
+
+    def select(self, rows: torch.Tensor, blocks: torch.Tensor, lead: tuple[int, ...] = ()) -> RawBlocks:
+        """As `Blocks.select`."""
+        flat = self.rows().raw
+        if _all(rows, flat.shape[0]) and _all(blocks, self.k // self.block) and not lead:
+            return RawBlocks(self.kind, flat, self.k)  # nothing moved (most weights): no copy
+        size = TYPES[self.kind][2]
+        raw = flat.reshape(flat.shape[0], -1, size)[rows][:, blocks].reshape(len(rows), -1)
+        if lead:
+            raw = raw.reshape(*lead, -1, raw.shape[-1])
+        return RawBlocks(self.kind, raw, len(blocks) * self.block)
+
+
+def _all(index: torch.Tensor, n: int) -> bool:
+    """Whether `index` is 0, 1, ..., n - 1."""
+    return len(index) == n and torch.equal(index, torch.arange(n))
+
+
+def split_raw(kind: str, raw: np.ndarray) -> RawBlocks:
+    """The file's bytes of a [..., n, k] weight of a `RAW` type: a view of the file's copy-on-write mapping
+    (`file.readers`; a copy where the mapping is read-only)."""
+    _, weights, size = TYPES[kind]
+    data = torch.from_numpy(raw if raw.flags.writeable else np.array(raw))
+    return RawBlocks(kind, data, raw.shape[-1] // size * weights)
 
 
 def split(kind: str, raw: np.ndarray) -> Blocks:
@@ -69,24 +118,26 @@ def split(kind: str, raw: np.ndarray) -> Blocks:
 EXACT = 1 << 24  # float32 holds every integer below it: the most rows (or columns) a probe can number
 
 
-def probes(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(each weight's row, counted through the leading dimensions, and each weight's column) as float32 arrays of
-    `shape` (exact below `EXACT`)."""
+def probes(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each weight's row, counted through the leading dimensions, and each weight's column) as float32 tensors of
+    `shape` (exact below `EXACT`): views that repeat one row or one column (no memory of the weight's size: a
+    248k-row embedding's probes as arrays took 2 GB at load), materialized only by a transform that reorders them."""
     *lead, k = shape
     n = int(np.prod(lead))
-    rows = np.repeat(np.arange(n, dtype=np.float32)[:, None], k, axis=1).reshape(shape)
-    cols = np.repeat(np.arange(k, dtype=np.float32)[None, :], n, axis=0).reshape(shape)
+    rows = torch.arange(n, dtype=torch.float32).reshape(*lead, 1).expand(shape)
+    cols = torch.arange(k, dtype=torch.float32).expand(shape)
     return rows, cols
 
 
-def moved(row_out, col_out, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def moved(row_out, col_out, shape: tuple[int, ...], block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(input rows, input blocks) that the transform's outputs of `probes(shape)` are made of, or None where
-    they are not whole rows and whole blocks of the input (values changed, columns mixed within a block, ...).
-    Rows are counted through the leading dimensions, of the input and of the output alike (`Blocks.rows`)."""
+    they are not whole rows and whole blocks (of `block` weights) of the input (values changed, columns mixed
+    within a block, ...). Rows are counted through the leading dimensions, of the input and of the output alike
+    (`Blocks.rows`)."""
     r, c = torch.as_tensor(row_out), torch.as_tensor(col_out)
     *lead, k = shape
     n = int(np.prod(lead))
-    if r.dim() < 2 or r.shape != c.shape or r.shape[-1] % BLOCK or not r.dtype.is_floating_point:
+    if r.dim() < 2 or r.shape != c.shape or r.shape[-1] % block or not r.dtype.is_floating_point:
         return None
     r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
     rows, cols = r[:, 0], c[0]
@@ -96,8 +147,8 @@ def moved(row_out, col_out, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch
         return None
     if rows.numel() and (rows.min() < 0 or rows.max() >= n or cols.min() < 0 or cols.max() >= k):
         return None
-    cols = cols.long().reshape(-1, BLOCK)
+    cols = cols.long().reshape(-1, block)
     starts = cols[:, 0]
-    if not (torch.equal(cols, starts[:, None] + torch.arange(BLOCK)) and bool((starts % BLOCK == 0).all())):
+    if not (torch.equal(cols, starts[:, None] + torch.arange(block)) and bool((starts % block == 0).all())):
         return None
-    return rows.long(), starts // BLOCK
+    return rows.long(), starts // block

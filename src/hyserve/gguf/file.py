@@ -97,16 +97,18 @@ def reader(path: Path):
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _readers:
         _readers.clear()
-        _readers[key] = GGUFReader(path)
+        _readers[key] = GGUFReader(path, mode="c")  # (`readers`)
     return _readers[key]
 
 
 def readers(path: Path) -> list:
-    """Parsed readers of every part of `path` (one for a file not split), the first holding the metadata."""
+    """Parsed readers of every part of `path` (one for a file not split), the first holding the metadata. The file is
+    mapped copy-on-write: a weight held as the file's blocks is a view of the mapping (its pages the file's, read
+    from disk once and shared with the page cache, as llama.cpp maps its files), never written."""
     first = reader(path)  # checks the packages are there
     from gguf import GGUFReader
 
-    return [first] + [GGUFReader(p) for p in split_parts(path)[1:]]
+    return [first] + [GGUFReader(p, mode="c") for p in split_parts(path)[1:]]
 
 
 def inspect(path: str | Path) -> GGUFInfo:

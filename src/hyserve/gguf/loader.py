@@ -1,9 +1,10 @@
 """hyserve's own GGUF loader, for the architectures a module of `families` covers: the HF config and model
-built from the file's metadata, each tensor turned back into the HF one by its family module, and Q8_0 / Q4_0
-weights kept as the file's blocks where the family's transform only moves whole rows and blocks: a linear
-layer's or the embedding's as `quant.layout.QuantLinear` / `QuantEmbedding`, a MoE block's stacked experts as
-`quant.experts.QuantExperts` (on CPU, where both its weights are kept). Every other tensor (F32, F16, K-quants,
-...) is dequantized by gguf to the model's dtype.
+built from the file's metadata, each tensor turned back into the HF one by its family module, and quantized
+weights kept as the file's blocks where the family's transform only moves whole rows and blocks: Q8_0 / Q4_0 ones
+of a linear layer or the embedding as `quant.layout.QuantLinear` / `QuantEmbedding`, a MoE block's stacked experts
+as `quant.experts.QuantExperts` (on CPU, where both its weights are kept); Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+ones of a linear layer or the embedding, on CPU, as `quant.ggml_blocks.GgmlLinear` / `GgmlEmbedding`. Every other
+tensor (F32, F16, other types, stacked experts of those types) is dequantized by gguf to the model's dtype.
 
 The model is served as if from its HF folder: the tokenizer and chat template come from the metadata through
 transformers' GGUF tokenizer conversion.
@@ -34,7 +35,7 @@ class Loaded:
     kept: Counter = field(default_factory=Counter)  # ggml type -> HF weights held as the file's blocks
     experts: Counter = field(default_factory=Counter)  # ggml type -> of those, stacked expert weights
     converted: Counter = field(default_factory=Counter)  # ggml type -> GGUF tensors dequantized
-    why: dict[str, str] = field(default_factory=dict)  # a Q8_0/Q4_0 tensor (or HF weight) dequantized -> why
+    why: dict[str, str] = field(default_factory=dict)  # a quantized tensor (or HF weight) dequantized -> why
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -48,7 +49,7 @@ class Loaded:
         line = "; ".join(parts)
         if self.why:
             reasons = Counter(self.why.values())
-            line += " (the Q8_0/Q4_0 ones: " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ")"
+            line += " (the quantized ones: " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ")"
         return line
 
 
@@ -108,7 +109,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
         raw = np.asarray(t.data)
         try:
             entries = None
-            if kind in blocks.KEPT:
+            if kind in blocks.KEPT or (kind in blocks.RAW and device == "cpu"):
                 entries = _kept(family, t.name, kind, raw, meta, cfg)
                 if entries is None:
                     done.why[t.name] = "whose conversion moves weights within blocks or changes them"
@@ -144,7 +145,14 @@ def load(path: Path, dtype: torch.dtype, device: str):
     experts: dict[str, dict[str, blocks.Blocks]] = {}  # experts module -> its weights kept as blocks, by name
     for hf, its_pieces in pieces.items():
         value = _assemble(hf, its_pieces, shapes[hf], modules, done, device)
-        if isinstance(value, blocks.Blocks) and len(value.shape) == 3:
+        if isinstance(value, blocks.RawBlocks) and len(value.shape) == 3:
+            done.why[hf] = f"of stacked experts in {value.kind} (quant.experts holds Q8_0 / Q4_0 only)"
+            done.converted.update([value.kind] * len(its_pieces))
+            state[hf] = _float(value).to(dtype)
+        elif isinstance(value, blocks.RawBlocks):
+            _install(model, modules, hf, value, dtype)
+            done.kept[value.kind] += 1
+        elif isinstance(value, blocks.Blocks) and len(value.shape) == 3:
             owner, _, attr = hf.rpartition(".")
             experts.setdefault(owner, {})[attr] = value
         elif isinstance(value, blocks.Blocks):
@@ -177,9 +185,10 @@ def load(path: Path, dtype: torch.dtype, device: str):
 
 
 def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
-    """The entries of a Q8_0 / Q4_0 weight (2-D, or 3-D stacked experts) as the file's blocks, or None where its
-    transform changes values or moves weights within blocks."""
-    source = blocks.split(kind, raw)
+    """The entries of a quantized weight (2-D, or 3-D stacked experts) as the file's blocks (`Blocks` for Q8_0 /
+    Q4_0, else `RawBlocks`), or None where its transform changes values or moves weights within blocks."""
+    source = blocks.split(kind, raw) if kind in blocks.KEPT else blocks.split_raw(kind, raw)
+    block = getattr(source, "block", blocks.BLOCK)
     if source.rows().shape[0] >= blocks.EXACT or source.shape[-1] >= blocks.EXACT or len(source.shape) > 3:
         return None
     row_probe, col_probe = blocks.probes(source.shape)
@@ -191,7 +200,7 @@ def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
         rows_out, cols_out = (part.data, cols_out.data) if part else (rows_out, cols_out)
         if part is not None and part.dim >= rows_out.dim() - 1:  # slices along the columns: not whole rows
             return None
-        found = blocks.moved(rows_out, cols_out, source.shape)
+        found = blocks.moved(rows_out, cols_out, source.shape, block)
         if found is None:
             return None
         out = source.select(*found, lead=tuple(rows_out.shape[:-2]))
@@ -216,17 +225,26 @@ def _not_held(hf: str, shape: tuple, modules: dict, device: str) -> str | None:
 def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded, device: str):
     """One HF tensor from its pieces: Blocks where every piece is of one kept type and the weight can be held
     so (`_not_held`), else a float tensor."""
-    kinds = {v.kind for _, v in parts if isinstance(v, blocks.Blocks)}
+    held = (blocks.Blocks, blocks.RawBlocks)
+    kinds = {v.kind for _, v in parts if isinstance(v, held)}
     why = _not_held(hf, shape, modules, device) if kinds else None
-    if kinds and why is None and (len(kinds) > 1 or any(not isinstance(v, blocks.Blocks) for _, v in parts)):
+    if kinds and why is None and (len(kinds) > 1 or any(not isinstance(v, held) for _, v in parts)):
         why = "of a weight whose pieces differ in type"
     if why is not None:
         done.why[hf] = why
-        done.converted.update(v.kind for _, v in parts if isinstance(v, blocks.Blocks))
+        done.converted.update(v.kind for _, v in parts if isinstance(v, held))
     elif kinds:
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]
         first = parts[0][1]
+        if isinstance(first, blocks.RawBlocks):
+            raw = torch.empty((*shape[:-1], first.raw.shape[-1]), dtype=torch.uint8)
+            covered = torch.zeros(shape[parts[0][0].dim], dtype=torch.bool)
+            for part, v in parts:
+                raw.index_copy_(part.dim, part.index, v.raw)
+                covered[part.index] = True
+            _check_covered(hf, covered)
+            return blocks.RawBlocks(first.kind, raw, shape[-1])
         qs = torch.empty((*shape[:-1], first.qs.shape[-1]), dtype=first.qs.dtype)
         d = torch.empty((*shape[:-1], first.d.shape[-1]), dtype=torch.float16)
         covered = torch.zeros(shape[parts[0][0].dim], dtype=torch.bool)
@@ -249,6 +267,11 @@ def _assemble(hf: str, parts: list, shape: tuple, modules: dict, done: Loaded, d
 
 
 def _float(v) -> torch.Tensor:
+    if isinstance(v, blocks.RawBlocks):
+        from ..quant import ggml_blocks
+
+        flat = v.rows()
+        return ggml_blocks.dequantize(flat.raw.contiguous(), v.kind, v.k).reshape(v.shape)
     if isinstance(v, blocks.Blocks):
         from ..quant.layout import dequantize
 
@@ -262,13 +285,18 @@ def _check_covered(hf: str, covered: torch.Tensor) -> None:
         raise GGUFError(f"the file's tensors fill only {int(covered.sum())} of the {covered.numel()} slices of {hf}")
 
 
-def _install(model, modules: dict, hf: str, b: blocks.Blocks, dtype: torch.dtype) -> None:
+def _install(model, modules: dict, hf: str, b: blocks.Blocks | blocks.RawBlocks, dtype: torch.dtype) -> None:
+    from ..quant.ggml_blocks import GgmlEmbedding, GgmlLinear
     from ..quant.layout import QuantEmbedding, QuantLinear
 
     parent_name, _, attr = hf.removesuffix(".weight").rpartition(".")
     owner = modules[hf.removesuffix(".weight")]
     parent = modules[parent_name]
-    if isinstance(owner, torch.nn.Embedding):
+    if isinstance(b, blocks.RawBlocks) and isinstance(owner, torch.nn.Embedding):
+        setattr(parent, attr, GgmlEmbedding(b.raw.contiguous(), b.kind, b.k, dtype))
+    elif isinstance(b, blocks.RawBlocks):
+        setattr(parent, attr, GgmlLinear(b.raw.contiguous(), b.kind, b.k, owner.bias, dtype))
+    elif isinstance(owner, torch.nn.Embedding):
         setattr(parent, attr, QuantEmbedding(b.qs, b.d, dtype))
     else:  # a bias (still on the meta device) is filled from the state dict
         setattr(parent, attr, QuantLinear(b.qs, b.d, owner.bias, dtype))
@@ -284,10 +312,14 @@ def _install_experts(modules: dict, name: str, up: blocks.Blocks, down: blocks.B
 def _tie(model) -> None:
     """The head tied to the embedding, as transformers ties it; a kept-quantized embedding is shared as blocks
     (one tensor, as `quant.apply` does)."""
+    from ..quant.ggml_blocks import GgmlEmbedding, GgmlLinear
     from ..quant.layout import QuantEmbedding, QuantLinear
 
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(embedding, QuantEmbedding):
+    if isinstance(embedding, GgmlEmbedding):
+        e = embedding
+        model.set_output_embeddings(GgmlLinear(e.blocks, e.kind, e.embedding_dim, None, e.dtype))
+    elif isinstance(embedding, QuantEmbedding):
         model.set_output_embeddings(QuantLinear(embedding.qs, embedding.d, None, embedding.dtype))
     else:
         head.weight = embedding.weight

@@ -143,6 +143,8 @@ class ModelRuntime:
         )
         adapter = adapter_for(model)
         quantized = None
+        if quantization in quant.WEIGHT_ONLY and (n := quant.ggml_blocks.take_activations_as_they_are(model)):
+            log.info("the file's other blocks (%d layers): weight-only products, activations as they are", n)
         if quantization is not None:
             t0 = time.perf_counter()
             quantized = quant.apply(model, quantization, made and made.held)
@@ -155,7 +157,7 @@ class ModelRuntime:
             log.info("experts: %s (checked against eager in %.1f s)", impl, time.perf_counter() - t0)
             t0 = time.perf_counter()
         kernels.install(model, adapter, model.config.get_text_config().vocab_size)
-        held = (quant.QuantLinear, quant.QuantExperts)
+        held = (quant.QuantLinear, quant.QuantExperts, quant.GgmlLinear)
         if quantized is not None or any(isinstance(m, held) for m in model.modules()):
             _install_quantized_products(model, adapter, _DTYPES[dtype])  # ours, or a GGUF file's kept blocks
         on = [name for name, status in adapter.kernels.status.items() if status == "on"]
@@ -286,13 +288,15 @@ class ModelRuntime:
 
 
 def _install_quantized_products(model, adapter, dtype) -> None:
-    """The quantized weights' C products (`native_int8`, `native_int4` or `native_a8` in the kernel report, so
-    that the disk cache's fingerprint tells quantized states from others) and the decode layers in C over them
-    (`native_decode_layer`), or why each is off: then its products dequantize first, its layers run call by call."""
-    from ..quant import native
+    """The quantized weights' C products (`native_int8`, `native_int4`, `native_a8` or `native_ggml` in the kernel
+    report, so that the disk cache's fingerprint tells quantized states from others) and the decode layers in C over
+    them (`native_decode_layer`), or why each is off: then its products dequantize first, its layers run call by
+    call."""
+    from ..quant import ggml_native, native
 
     if not kernels.enabled():
-        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(native.kernel_names(model))}
+        names = native.kernel_names(model) | ({ggml_native.KERNEL} if quant.ggml_blocks.held_layers(model) else set())
+        decided = {name: "disabled (HYSERVE_KERNELS=0)" for name in sorted(names)}
     else:
         decided = quant.install_products(model, dtype)
     for name, why in decided.items():

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import human_bytes
-from . import checkpoint, loading  # noqa: F401  (quant.checkpoint.refusal, quant.loading.load)
+from . import checkpoint, ggml_blocks, loading  # noqa: F401  (quant.checkpoint.refusal, quant.loading.load)
 from .experts import QuantExperts, fits_blocks, fused_weights, quantized_linears
-from .formats import FORMATS, HEADS, INT8_ACTIVATIONS, ROUTERS, SCHEMES, WEIGHTS
+from .formats import FORMATS, HEADS, INT8_ACTIVATIONS, ROUTERS, SCHEMES, WEIGHT_ONLY, WEIGHTS  # noqa: F401
+from .ggml_blocks import GgmlEmbedding, GgmlLinear  # noqa: F401  (re-exported: the runtime and env look for it)
 from .layout import BLOCK, QuantEmbedding, QuantLinear, format_of, quantize
 
 log = logging.getLogger("hyserve.quant")
@@ -176,12 +177,14 @@ def runs_all_experts(model) -> bool:
 
 
 def install_products(model, dtype: torch.dtype) -> dict[str, str]:
-    """The C products for a decode step's few rows over the quantized weights (`native.install`), then the decode
+    """The C products for a decode step's few rows over the quantized weights (`native.install`; a GGUF file's
+    blocks of other types: `ggml_native.install`), then the decode
     layers in C over them (`kernels.decode_layer.install_fused`): per kernel name, "" or why off."""
     from ..kernels import decode_layer
-    from . import native, siblings
+    from . import ggml_native, native, siblings
 
     decided = native.install(model, dtype)
+    decided.update(ggml_native.install(model, dtype))  # a GGUF file's other types, held as its blocks
     if stacks := siblings.group(model):
         log.info("quantized sibling projections stacked: %d groups, one product each", stacks)
     if (why := decode_layer.install_fused(model)) is not None:

@@ -7,6 +7,7 @@ files: faster where widening the weights to float bounds a product (4 bits), at 
 SCHEMES = ("int8", "int4", "w8a8", "w4a8")
 WEIGHTS = {"int8": "int8", "int4": "int4", "w8a8": "int8", "w4a8": "int4"}  # each scheme's format of the weights
 INT8_ACTIVATIONS = ("w8a8", "w4a8")
+WEIGHT_ONLY = ("int8", "int4")
 # The output head's (and a tied embedding's) format per scheme: its errors land on every logit, so it is never
 # below 6 bits (llama.cpp's Q8_0 files hold it at Q8_0, its Q4_0 and Q4_K_M files at Q6_K). w4a8's is 6-bit
 # (`layout`'s Q6_0); int4's stays Q8_0 until the weight-only products (`products.c`) take 6-bit weights.
