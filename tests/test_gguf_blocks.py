@@ -76,7 +76,11 @@ def test_the_product_is_the_reference_and_a_row_is_the_same_in_any_batch(kind, d
         lib, why = ggml_native.load(isa)
         products = ggml_native.GgmlProducts(lib)
         got = products(x, layer)
-        assert verify.mismatch(got, want, dtype) is None, (isa, verify.mismatch(got, want, dtype))
+        # relative to each row's largest output: random blocks (offsets far from their weights' mean) make sums
+        # that cancel to near 0, where float32 rounding of the large terms is all that is left
+        scale = want.float().abs().amax(-1, keepdim=True)
+        why = verify.mismatch(got.float() / scale, want.float() / scale, dtype)
+        assert why is None, (isa, why)
         for rows in (1, 2, 3, 5, 8):  # each row alone, and in batches of other sizes: bit for bit
             parts = torch.cat([products(x[a : a + rows], layer) for a in range(0, 19, rows)])
             assert torch.equal(parts, got), (isa, rows)
@@ -190,13 +194,14 @@ def test_a_file_of_each_type_is_held_as_its_blocks_and_serves_cache_on_as_off(fi
     assert_same_replies(on, off)
 
 
-NEAR_TIE = 5e-3  # logprob gap under which activations rounded to int8 may order two tokens either way (see below)
+NEAR_TIE = 2e-2  # logprob gap under which activations rounded to int8 may order two tokens either way (see below)
 
 
 def assert_same_replies(on: list, off: list) -> None:
     """Cache on's greedy tokens are cache off's, up to a near tie. Products that round their inputs to int8 turn a
     float32 difference of ~1e-7 (a prefill split at another token: cache on takes checkpoints inside its pieces)
-    into ~1e-3 in the logits when a value sits on a rounding edge, as in llama.cpp; so two tokens whose logprobs
+    into up to ~1e-2 in the logits when a value sits on a rounding edge (blocks of 256 for K-quants), as in
+    llama.cpp; so two tokens whose logprobs
     cache off puts within NEAR_TIE of each other may come out swapped. The first difference must be such a tie,
     with the logprobs up to it close; the chat stops being compared there (its history then differs)."""
     compared = 0

@@ -90,7 +90,8 @@ def _same_blocks(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("arch", VARIANTS)
 def test_a_q8_0_files_experts_are_its_folders_at_int8(converted, quantized, make_service, arch):
-    rt, int8 = ModelRuntime.load(converted(arch, "q8_0"), device="cpu"), quantized(arch, "int8")
+    rt = ModelRuntime.load(converted(arch, "q8_0"), device="cpu", quantization="int8")  # weight-only: int8's numbers
+    int8 = quantized(arch, "int8")
     kept = _experts(rt.model)
     assert len(kept) >= 2
     _same_blocks(kept, _experts(int8.model))  # llama.cpp's Q8_0 of each expert's slice is hyserve's int8 of it
@@ -100,8 +101,8 @@ def test_a_q8_0_files_experts_are_its_folders_at_int8(converted, quantized, make
     assert f"kept quantized as the file's blocks ({2 * len(kept)} of them stacked expert weights" in loaded.describe()
     assert torch.equal(_logits(rt), _logits(int8))
     assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
-    on = run_chat(make_service(arch, model_dir=rt.model_dir), SCRIPT[:2])
-    off = run_chat(make_service(arch, model_dir=rt.model_dir, cache_enabled=False), SCRIPT[:2])
+    on = run_chat(make_service(arch, model_dir=rt.model_dir, quantization="int8"), SCRIPT[:2])
+    off = run_chat(make_service(arch, model_dir=rt.model_dir, quantization="int8", cache_enabled=False), SCRIPT[:2])
     assert [t[0] for t in on] == [t[0] for t in off] and on[1][1] > 0 and all(t[1] == 0 for t in off)
 
 
@@ -112,7 +113,7 @@ def test_q4_0_experts_up_before_gate_and_a_fallback(converted, quantized, folder
 
     f32 = converted("qwen3_5_moe", "f32")
     q4 = requantize(f32, tmp_path / "q4.gguf", lambda name, shape: Q.Q4_0 if "_exps" in name else None, reverse=True)
-    rt = ModelRuntime.load(q4, device="cpu")
+    rt = ModelRuntime.load(q4, device="cpu", quantization="int4")  # weight-only: the experts' rows not interleaved
     _same_blocks(_experts(rt.model), _experts(quantized("qwen3_5_moe", "int4").model))
     assert rt.gguf_tensors.kept == rt.gguf_tensors.experts == {"Q4_0": 2 * len(_experts(rt.model))}
 

@@ -39,7 +39,15 @@ def converted(llama_cpp_converter, model_dirs, tmp_path_factory):  # noqa: F811 
 
 
 def _blocks(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {name: (m.qs, m.d) for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    """Each quantized linear layer's and embedding's values and scales, row after row (a file's Q8_0 / Q4_0 blocks
+    under the default int8-activation products are held interleaved: `layout.interleave_`)."""
+    from hyserve.quant.layout import _rows
+
+    return {
+        name: _rows(m.qs, m.d) if m.interleaved else (m.qs, m.d)
+        for name, m in model.named_modules()
+        if isinstance(m, (QuantLinear, QuantEmbedding))
+    }
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -76,14 +84,16 @@ def test_a_q8_0_file_keeps_its_blocks_and_serves_cache_on_as_off(converted, mode
     # and Qwen3-Next's experts (gate_up_proj, down_proj of its 4 MoE layers: tests/test_gguf_experts.py)
     experts = 2 * 4 if arch == "qwen3_next" else 0
     assert rt.gguf_tensors.kept == {"Q8_0": len(kept) + experts} and rt.gguf_tensors.experts.total() == experts
-    assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
-    want, got = _logits(int8), _logits(rt)
+    weight_only = ModelRuntime.load(path, device="cpu", quantization="int8")  # the folder's int8 numbers
+    assert weight_only.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
+    assert rt.kernels.on("native_a8")  # the default: int8-activation products, as w8a8's
+    want, got = _logits(int8), _logits(weight_only)
     if arch == "qwen3_next":  # every weight the file's blocks, which are int8's
         assert torch.equal(got, want)
     else:  # not equal: Qwen3.5's out_proj is float here
         assert (got - want).abs().max() < 0.005 * want.abs().max()
-    on = run_chat(make_service(arch, model_dir=path), SCRIPT[:3])
-    off = run_chat(make_service(arch, model_dir=path, cache_enabled=False), SCRIPT[:3])
+    on = run_chat(make_service(arch, model_dir=path, quantization="int8"), SCRIPT[:3])
+    off = run_chat(make_service(arch, model_dir=path, quantization="int8", cache_enabled=False), SCRIPT[:3])
     assert [t[0] for t in on] == [t[0] for t in off] and on[2][1] > 0 and all(t[1] == 0 for t in off)
 
 
@@ -102,7 +112,9 @@ def test_a_q8_0_file_under_w8a8_rounds_the_inputs_of_its_kept_blocks(converted, 
     assert all(isinstance(m.native, qnative.A8Products) for m in layers)
     folder = ModelRuntime.load(model_dirs["qwen3_next"], device="cpu", quantization="w8a8")
     assert torch.equal(_logits(rt), _logits(folder))
-    assert not torch.equal(_logits(rt), _logits(ModelRuntime.load(path, device="cpu")))
+    # the file's default: the same (its blocks computed as llama.cpp computes them), not weight-only int8's
+    assert torch.equal(_logits(rt), _logits(ModelRuntime.load(path, device="cpu")))
+    assert not torch.equal(_logits(rt), _logits(ModelRuntime.load(path, device="cpu", quantization="int8")))
 
 
 def test_q4_0_and_q5_0_blocks_are_kept_and_float_tensors_quantized_on_request(converted, model_dirs, tmp_path):
@@ -133,7 +145,8 @@ def test_q4_0_and_q5_0_blocks_are_kept_and_float_tensors_quantized_on_request(co
     requant = ModelRuntime.load(path, device="cpu", quantization="int8")
     down = requant.model.model.layers[0].mlp.down_proj
     assert isinstance(down, GgmlLinear) and torch.equal(down.blocks, rt.model.model.layers[0].mlp.down_proj.blocks)
-    assert torch.equal(requant.model.model.layers[0].mlp.up_proj.qs, rt.model.model.layers[0].mlp.up_proj.qs)
+    up = "model.layers.0.mlp.up_proj"
+    assert all(torch.equal(a, b) for a, b in zip(_blocks(requant.model)[up], _blocks(rt.model)[up]))
     assert requant.quantization.layers == 3 + 1  # the out_projs and the head, F32 in the file
 
 
@@ -218,7 +231,7 @@ def test_a_q8_0_file_of_block_wide_heads_is_its_folder_at_int8(
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    rt = ModelRuntime.load(out, device="cpu")
+    rt = ModelRuntime.load(out, device="cpu", quantization="int8")
     int8 = ModelRuntime.load(tmp_path / "hf", device="cpu", quantization="int8")
     assert set(_blocks(rt.model)) == set(_blocks(int8.model)) and not rt.gguf_tensors.why
     assert torch.equal(_logits(rt), _logits(int8))

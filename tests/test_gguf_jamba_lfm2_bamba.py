@@ -130,7 +130,7 @@ def test_llama_cpp_converted_files_serve_as_their_folder(converted, folders, mak
 @pytest.mark.parametrize("arch", list(VARIANTS))
 def test_a_q8_0_file_keeps_its_blocks(converted, folders, arch):
     """The Q8_0 linear weights stay the file's blocks, which are hyserve's int8 of the folder's weights."""
-    rt = ModelRuntime.load(converted(arch, "q8_0"), device="cpu")
+    rt = ModelRuntime.load(converted(arch, "q8_0"), device="cpu", quantization="int8")  # weight-only
     int8 = ModelRuntime.load(folders(arch), device="cpu", quantization="int8")
     kept, ours = _blocks(rt.model), _blocks(int8.model)
     assert len(kept) >= 8 and "model.layers.2.self_attn.q_proj" in kept

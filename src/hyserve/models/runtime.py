@@ -143,8 +143,18 @@ class ModelRuntime:
         )
         adapter = adapter_for(model)
         quantized = None
-        if quantization in quant.WEIGHT_ONLY and (n := quant.ggml_blocks.take_activations_as_they_are(model)):
-            log.info("the file's other blocks (%d layers): weight-only products, activations as they are", n)
+        if is_gguf and quantization is None:  # the file's blocks computed as llama.cpp computes them: the fast path
+            quant.round_activations_of_kept(model)
+        if is_gguf:
+            log.info(
+                "the file's quantized blocks: %s",
+                f"weight-only products, activations as they are (--quantization {quantization})"
+                if quantization in quant.WEIGHT_ONLY
+                else "each product's input rounded to Q8_0 blocks (Q8_K for K-quants), as llama.cpp computes "
+                "(--quantization int8 or int4: weight-only, transformers' numbers)",
+            )
+        if quantization in quant.WEIGHT_ONLY:
+            quant.ggml_blocks.take_activations_as_they_are(model)
         if quantization is not None:
             t0 = time.perf_counter()
             quantized = quant.apply(model, quantization, made and made.held)

@@ -169,6 +169,14 @@ def apply(model, scheme: str, held: dict[int, tuple[torch.Tensor, torch.Tensor]]
     return done
 
 
+def round_activations_of_kept(model) -> None:
+    """A GGUF file's Q8_0 / Q4_0 blocks kept as they are (`QuantLinear`s, experts' too) multiplied as w8a8 / w4a8
+    multiply: their inputs rounded to Q8_0 blocks, the int8-activation C products and decode layers (the other
+    types' `GgmlLinear`s round theirs already)."""
+    for layer in quantized_linears(model):
+        layer.rounds_activations = True
+
+
 def runs_all_experts(model) -> bool:
     """Whether every MoE experts module of `model` is a `QuantExperts` (then transformers' experts
     implementations run nowhere, and choosing one is moot)."""

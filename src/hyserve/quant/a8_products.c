@@ -32,6 +32,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if !defined(__clang__) && defined(__GNUC__)
+/* GCC 12 at -O2 and up with -march=native on a CPU with AVX512-VNNI (AMD Zen 4) turns the portable loops' signed
+ * int8 dot products into vpdpbusd, which multiplies unsigned by signed bytes: wrong sums (tests/test_quant_a8.py
+ * caught it). This file's intrinsics are AVX2's; VNNI is not used on purpose anywhere in it. */
+#pragma GCC target("no-avx512vnni")
+#endif
 
 #define BLOCK 32
 #define Q8 0 /* the formats, as `a8_linear` takes them: rows as layout.py holds them, */

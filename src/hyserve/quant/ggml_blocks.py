@@ -34,6 +34,11 @@ TYPES = {
 }
 
 
+# Values per block of the activations' rounding: 256 (llama.cpp's Q8_K) for the K-quants, whose products then sum
+# a super-block in integers and take one float multiply-add per 256 weights; 32 (Q8_0) for the others
+ACTIVATION_BLOCK = {kind: 256 if weights == 256 else 32 for kind, (_, weights, _) in TYPES.items()}
+
+
 def row_bytes(kind: str, k: int) -> int:
     _, weights, size = TYPES[kind]
     return k // weights * size
@@ -61,10 +66,11 @@ def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
 def reference_linear(
     x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None, rounded: bool = True
 ) -> torch.Tensor:
-    """x rounded to Q8_0 blocks (`rounded`; else as it is), times the dequantized weight in float32 (a slice of rows
-    at a time, `CHUNK`: a 248k-row head never makes a whole float copy), plus the bias, rounded once to x's dtype."""
+    """x rounded to Q8_0 blocks (Q8_K's 256 for a K-quant; `rounded`, else as it is), times the dequantized weight
+    in float32 (a slice of rows at a time, `CHUNK`: a 248k-row head never makes a whole float copy), plus the bias,
+    rounded once to x's dtype."""
     k = x.shape[-1]
-    xf = round_activations(x) if rounded else x.float()
+    xf = round_activations(x, ACTIVATION_BLOCK[kind]) if rounded else x.float()
     step = max(1, CHUNK // k)
     parts = []
     for a in range(0, blocks.shape[0], step):

@@ -278,6 +278,181 @@ INLINE void row_outputs(const int fmt, const int R, const uint8_t *row, int k, c
 }
 #endif
 
+/* The K-quants against rows of x rounded to Q8_K blocks of 256 (llama.cpp's Q8_K): per block d = amax / 127 and
+ * q = roundf(x * (1 / d)) (0 where d is 0; `layout.round_activations` with blocks of 256, in the same float32
+ * operations), and the sums of q per 16 (`s16`, int16). Then a super-block's integer sums, scales included, are exact
+ * and one float multiply-add per 256 weights and row takes them: Q4_K / Q5_K sum sc * (u . q) over its 8 sub-blocks
+ * and m * (sum of q) apart, Q6_K s * (u . q) over its 16 groups and 32 s (sum of q) apart. */
+static void round_rows_k(int rows, int k, const void *x, long x_stride, int bf16, int8_t *q, float *d, int16_t *s16) {
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < k / QK_K; b++) {
+            const long at = (long)r * x_stride + (long)b * QK_K;
+            float v[QK_K], amax = 0.0f;
+            for (int i = 0; i < QK_K; i++) {
+                v[i] = bf16 ? bf2f(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+                const float a = fabsf(v[i]);
+                amax = (a > amax || a != a || amax != amax) ? (amax != amax ? amax : a) : amax;
+            }
+            const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+            int8_t *qb = q + (long)r * k + (long)b * QK_K;
+            for (int i = 0; i < QK_K; i++) {
+                const float p = v[i] * inv, t = truncf(p);
+                float u = fabsf(p - t) >= 0.5f ? t + (p < 0.0f ? -1.0f : 1.0f) : t; /* roundf */
+                u = u > 127.0f ? 127.0f : u < -127.0f ? -127.0f : (u == u ? u : 0.0f);
+                qb[i] = (int8_t)u;
+            }
+            d[(long)r * (k / QK_K) + b] = db;
+            for (int g = 0; g < QK_K / 16; g++) {
+                int32_t sum = 0;
+                for (int i = 0; i < 16; i++) sum += qb[16 * g + i];
+                s16[(long)r * (k / 16) + (long)b * 16 + g] = (int16_t)sum; /* |sum| <= 16 * 127 */
+            }
+        }
+}
+
+#if A8_ISA == 1
+INLINE int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Shuffle masks over eight int16 held in both 128-bit lanes: int16 j everywhere (`same_mask`), or int16 2j in the
+ * low lane and 2j + 1 in the high one (`pair_mask`). */
+INLINE __m256i same_mask(int j) { return _mm256_set1_epi16((short)((2 * j) | (2 * j + 1) << 8)); }
+INLINE __m256i pair_mask(int j) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)((4 * j + 2) | (4 * j + 3) << 8)),
+                            _mm_set1_epi16((short)((4 * j) | (4 * j + 1) << 8)));
+}
+
+INLINE void k_outputs(const int fmt, const int R, const uint8_t *row, int k, const int8_t *xq, const float *xd,
+                      const int16_t *s16, float *out) {
+    const int blocks = k / QK_K;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[G_TILE], offv[G_TILE];
+    for (int r = 0; r < R; r++) acc[r] = offv[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + (long)b * G_BYTES[fmt];
+        _mm_prefetch((const char *)blk + 1024, _MM_HINT_T0);
+        __m256i sumi[G_TILE];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        if (fmt == G_Q6_K) {
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const __m256i all16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            const __m256i first8 = _mm256_permute2x128_si256(all16, all16, 0x00), last8 = _mm256_permute2x128_si256(all16, all16, 0x11);
+            for (int j = 0; j < 8; j++) {
+                const int h = j / 4, t = j % 4;
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t & 1)));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i u = _mm256_or_si256(
+                    _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(l, 4) : l, low4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), _mm256_set1_epi8(3)), 4));
+                const __m256i s = _mm256_shuffle_epi8(j < 4 ? first8 : last8, pair_mask(j % 4));
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (long)r * k + (long)b * QK_K + 32 * j));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), s));
+                }
+            }
+            const float d = h2f(rd16(blk + 208));
+            for (int r = 0; r < R; r++) { /* the -32 of every weight: 32 s times the sums of q per 16 */
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(s16 + (long)r * (k / 16) + (long)b * 16));
+                const float dd = d * xd[(long)r * blocks + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(dd), acc[r]);
+                offv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(all16, bs)), _mm256_set1_ps(-32.0f * dd),
+                                          offv[r]);
+            }
+        } else {
+            uint32_t w[4]; /* the 12 bytes of scales and mins -> sc[0..7] in bytes 0-7, m[0..7] in bytes 8-15 */
+            memcpy(w, blk + 4, 12);
+            const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+            w[0] = w0 & 0x3f3f3f3fu;
+            w[1] = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+            w[2] = w1 & 0x3f3f3f3fu;
+            w[3] = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+            const __m128i both = _mm_loadu_si128((const __m128i *)w);
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
+            const __m128i mbytes = _mm_srli_si128(both, 8); /* m_j twice, as int16: madd with the sums per 16 */
+            const __m256i mdup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mbytes, mbytes));
+            const uint8_t *qs = blk + (fmt == G_Q4_K ? 16 : 48);
+            const __m256i qh = fmt == G_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                if (fmt == G_Q5_K) {
+                    const __m256i one = _mm256_set1_epi8(1);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+                }
+                const __m256i s_lo = _mm256_shuffle_epi8(sc16, same_mask(2 * c)), s_hi = _mm256_shuffle_epi8(sc16, same_mask(2 * c + 1));
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xb = xq + (long)r * k + (long)b * QK_K + 64 * c;
+                    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)), s_lo);
+                    const __m256i ph =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 32))), s_hi);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                }
+            }
+            const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+            for (int r = 0; r < R; r++) { /* lane j: m_j times the sum of q over sub-block j (its two halves) */
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(s16 + (long)r * (k / 16) + (long)b * 16));
+                const float dx = xd[(long)r * blocks + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * dx), acc[r]);
+                offv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mdup)), _mm256_set1_ps(-(dmin * dx)),
+                                          offv[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offv[r]), _mm256_extractf128_ps(offv[r], 1));
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        out[r] = _mm_cvtss_f32(t) + _mm_cvtss_f32(o);
+    }
+}
+#else
+INLINE void k_outputs(const int fmt, const int R, const uint8_t *row, int k, const int8_t *xq, const float *xd,
+                      const int16_t *s16, float *out) {
+    const int blocks = k / QK_K;
+    float acc[G_TILE], off[G_TILE];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + (long)b * G_BYTES[fmt];
+        for (int r = 0; r < R; r++) {
+            const int8_t *xb = xq + (long)r * k + (long)b * QK_K;
+            const int16_t *bs = s16 + (long)r * (k / 16) + (long)b * 16;
+            int32_t sumi = 0, msum = 0;
+            for (int j = 0; j < 8; j++) {
+                Sub s;
+                sub_block(fmt, blk, j, &s);
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < 16; i++) lo += s.w[i] * xb[32 * j + i];
+                for (int i = 16; i < 32; i++) hi += s.w[i] * xb[32 * j + i];
+                if (fmt == G_Q6_K) sumi += s.s0 * lo + s.s1 * hi;
+                else {
+                    int sc, m;
+                    scale_min(blk + 4, j, &sc, &m);
+                    sumi += sc * (lo + hi);
+                    msum += m * (bs[2 * j] + bs[2 * j + 1]);
+                }
+            }
+            const float dx = xd[(long)r * blocks + b];
+            if (fmt == G_Q6_K) acc[r] = acc[r] + (float)sumi * (h2f(rd16(blk + 208)) * dx);
+            else {
+                acc[r] = acc[r] + (float)sumi * (h2f(rd16(blk)) * dx);
+                off[r] = off[r] + -(h2f(rd16(blk + 2)) * dx) * (float)msum;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r] + off[r];
+}
+#endif
+
 /* The same with the activations as they are (float32 x, `xs` its sums per 32): per sub-block the float sum of
  * w * x, times a, plus b times the sum of x; weight-only, as `--quantization int8|int4` asks. */
 #if A8_ISA == 1
@@ -373,9 +548,11 @@ INLINE void float_outputs(const int fmt, const int R, const uint8_t *row, int k,
 
 /* Weight rows [first, last) for every input row: G_GROUP weight rows at a time, passed by every tile of input rows
  * while they are in the core's cache; outputs with the bias added, written in y's dtype. */
+static inline int is_k(int fmt) { return fmt == G_Q4_K || fmt == G_Q5_K || fmt == G_Q6_K; }
+
 INLINE void ggml_rows(const int fmt, int rows, long n, int k, const int8_t *xq, const float *xd, const float *xsf,
-                      const float *xf, const uint8_t *q, long row_bytes, const float *bias, void *y, int bf16,
-                      long first, long last) {
+                      const float *xf, const float *dk, const int16_t *s16, const uint8_t *q, long row_bytes,
+                      const float *bias, void *y, int bf16, long first, long last) {
     const int subs = k / 32;
     float out[G_TILE];
     for (long g = first; g < last; g += G_GROUP) {
@@ -386,7 +563,14 @@ INLINE void ggml_rows(const int fmt, int rows, long n, int k, const int8_t *xq, 
             const float *dr = xd + (long)r0 * subs, *sr = xsf + (long)r0 * subs, *fr = xf + (long)r0 * k;
             for (long j = g; j < end; j++) {
                 const uint8_t *row = q + j * row_bytes;
-                if (xf) { /* R a constant in each case: the accumulators stay in registers */
+                if (is_k(fmt) && !xf) { /* R a constant in each case: the accumulators stay in registers */
+                    switch (R) {
+                    case 1: k_outputs(fmt, 1, row, k, xr, dk + (long)r0 * (k / QK_K), s16 + (long)r0 * (k / 16), out); break;
+                    case 2: k_outputs(fmt, 2, row, k, xr, dk + (long)r0 * (k / QK_K), s16 + (long)r0 * (k / 16), out); break;
+                    case 3: k_outputs(fmt, 3, row, k, xr, dk + (long)r0 * (k / QK_K), s16 + (long)r0 * (k / 16), out); break;
+                    default: k_outputs(fmt, G_TILE, row, k, xr, dk + (long)r0 * (k / QK_K), s16 + (long)r0 * (k / 16), out); break;
+                    }
+                } else if (xf) {
                     switch (R) {
                     case 1: float_outputs(fmt, 1, row, k, fr, sr, out); break;
                     case 2: float_outputs(fmt, 2, row, k, fr, sr, out); break;
@@ -427,13 +611,17 @@ int ggml_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, i
     const int subs = k / 32;
     const long row_bytes = (long)(k / G_WEIGHTS[fmt]) * G_BYTES[fmt];
     const size_t xq_bytes = ((size_t)rows * k + 63) / 64 * 64, xf_bytes = as_is ? sizeof(float) * (size_t)rows * k : 0;
-    char *scratch = malloc(xq_bytes + xf_bytes + (sizeof(float) * 2 + sizeof(int32_t)) * (size_t)rows * subs);
+    const int k_rounded = is_k(fmt) && !as_is; /* Q8_K activations: dk per 256, s16 per 16 */
+    char *scratch = malloc(xq_bytes + xf_bytes + (sizeof(float) * 2 + sizeof(int32_t)) * (size_t)rows * subs +
+                           (sizeof(float) + sizeof(int16_t) * 16) * (size_t)rows * (k / QK_K + 1));
     if (!scratch) return -1;
     int8_t *xq = (int8_t *)scratch;
     float *xf = as_is ? (float *)(scratch + xq_bytes) : NULL;
     float *xd = (float *)(scratch + xq_bytes + xf_bytes);
     float *xsf = xd + (size_t)rows * subs;
     int32_t *xs = (int32_t *)(xsf + (size_t)rows * subs);
+    float *dk = (float *)(xs + (size_t)rows * subs);
+    int16_t *s16 = (int16_t *)(dk + (size_t)rows * (k / QK_K + 1));
     const size_t x_size = bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel num_threads(threads)
     {
@@ -449,6 +637,9 @@ int ggml_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, i
                     if (i % 32 == 0) xsf[r * subs + i / 32] = v;
                     else xsf[r * subs + i / 32] = xsf[r * subs + i / 32] + v;
                 }
+        else if (k_rounded)
+            round_rows_k(r_last - r_first, k, (const char *)x + (size_t)r_first * x_stride * x_size, x_stride, bf16,
+                         xq + (size_t)r_first * k, dk + (size_t)r_first * (k / QK_K), s16 + (size_t)r_first * (k / 16));
         else {
             round_rows(r_last - r_first, k, (const char *)x + (size_t)r_first * x_stride * x_size, x_stride, bf16,
                        xq + (size_t)r_first * k, xd + (size_t)r_first * subs, xs + (size_t)r_first * subs);
@@ -457,7 +648,7 @@ int ggml_linear(int fmt, int rows, int n, int k, const void *x, long x_stride, i
 #pragma omp barrier
         const long per = (n + nt - 1) / nt, first = t * per < n ? t * per : n, last = first + per < n ? first + per : n;
         switch (fmt) { /* a constant in each: the format's branches leave the inner loops */
-#define G_CASE(f) case f: ggml_rows(f, rows, n, k, xq, xd, xsf, xf, q, row_bytes, bias, y, bf16, first, last); break
+#define G_CASE(f) case f: ggml_rows(f, rows, n, k, xq, xd, xsf, xf, dk, s16, q, row_bytes, bias, y, bf16, first, last); break
         G_CASE(G_Q4_0); G_CASE(G_Q4_1); G_CASE(G_Q5_0); G_CASE(G_Q5_1); G_CASE(G_Q8_0);
         G_CASE(G_Q4_K); G_CASE(G_Q5_K); default: G_CASE(G_Q6_K);
 #undef G_CASE

@@ -175,12 +175,13 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, interleave
     return values.mul_(d.float()[..., None]).reshape(n, blocks * BLOCK).to(dtype)
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to Q8_0 blocks along its last dimension and back, in float32: per 32 values d = amax / 127 and
-    q = roundf(x * (1 / d)) (0 where d is 0), then q * d. The float32 operations of `a8_products.c`'s `round_rows`,
-    so that both round each value alike (`--quantization w8a8|w4a8`: the activations as llama.cpp rounds them)."""
+def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x rounded to Q8_0 blocks along its last dimension and back, in float32: per 32 values (`block`: 256 for
+    llama.cpp's Q8_K) d = amax / 127 and q = roundf(x * (1 / d)) (0 where d is 0), then q * d. The float32 operations
+    of `a8_products.c`'s `round_rows` (`ggml_products.c`'s `round_rows_k`), so that both round each value alike
+    (`--quantization w8a8|w4a8`, a GGUF file's blocks: the activations as llama.cpp rounds them)."""
     shape = x.shape
-    q, d = _q8_0(x.float().reshape(-1, shape[-1] // BLOCK, BLOCK))
+    q, d = _q8_0(x.float().reshape(-1, shape[-1] // block, block))
     return (q * d[..., None]).reshape(shape)
 
 
