@@ -261,7 +261,11 @@ def main(argv=None) -> int:
     for x in schemes:
         runtimes[x] = ModelRuntime.load(f32, dtype="float32", device="cpu", quantization=x)
     types = [t for t in args.llama_types.split(",") if t]
-    quantize = Q.find_llama_quantize(args.llama_quantize, None)
+    quantize = None
+    if types:
+        import bench_peers
+
+        quantize = Q.find_llama_quantize(args.llama_quantize, bench_peers.find_llama_server(None))
     files = llama_files(f32, types, quantize) if types else {}
     for qtype, file in files.items():  # the file as it is: its blocks, hyserve's defaults
         runtimes[f"{qtype} file"] = ModelRuntime.load(file, dtype="float32", device="cpu")

@@ -203,6 +203,22 @@ def peers_quant(r: dict) -> str:
     )
 
 
+def peers_same_file(r: dict) -> str:
+    """`bench_peers.py --same-file`: one GGUF file served by both, and each side's fraction of the read-bandwidth
+    limit of one-request decode."""
+    lim = (r.get("throughput") or {}).get("limit")
+    line = (
+        f"Read bandwidth {lim['bandwidth_gbs']:.1f} GB/s (2 threads, best of 10 sums over 1 GiB, in this run); "
+        f"{lim['bytes_per_token'] / 2**20:.1f} MiB of weights streamed per token (every tensor but the embedding): "
+        f"limit {lim['limit_tok_s']:.1f} tokens/s. One request decodes at **{lim['hyserve_fraction']:.2f}** of it "
+        f"(hyserve) and {lim['llama_fraction']:.2f} (llama-server)."
+        if lim
+        else "No bandwidth measured in this run."
+    )
+    text = peers_quant(r).replace(f"hyserve `--quantization {r['quantization']['scheme']}`", "hyserve serving the file")
+    return text + "\n\n" + line
+
+
 def speculative(r: dict) -> str:
     import bench_speculative as S
 
@@ -423,6 +439,9 @@ REPORTS = {
     "peers-real-4b-w8a8": ("peers-real-4b-w8a8.json", peers_quant),
     "peers-real-4b-w4a8": ("peers-real-4b-w4a8.json", peers_quant),
     "peers-real-4b-w4a8-chat": ("peers-real-4b-w4a8-chat.json", peers_quant),
+    "same-file-real-0.8b-Q4_K_M": ("peers-same-file-real-0.8b-Q4_K_M.json", peers_same_file),
+    "same-file-real-0.8b-Q4_0": ("peers-same-file-real-0.8b-Q4_0.json", peers_same_file),
+    "same-file-real-0.8b-Q8_0": ("peers-same-file-real-0.8b-Q8_0.json", peers_same_file),
     "speculative": ("speculative.json", speculative),
     "speculative-smollm2": ("speculative-smollm2.json", speculative_trained),
     "load": ("load.json", load),

@@ -67,6 +67,7 @@ class RawBlocks:
     kind: str
     raw: torch.Tensor
     k: int
+    input_order: torch.Tensor | None = None  # the file's column of each HF column, where they were reordered
 
     @property
     def block(self) -> int:
@@ -127,6 +128,24 @@ def probes(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(n, dtype=torch.float32).reshape(*lead, 1).expand(shape)
     cols = torch.arange(k, dtype=torch.float32).expand(shape)
     return rows, cols
+
+
+def columns_reordered(row_out, col_out, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input rows, the input column of each output column) where the transform's outputs of `probes(shape)` (2-D)
+    are whole rows of the input with their columns reordered (any permutation), else None."""
+    r, c = torch.as_tensor(row_out), torch.as_tensor(col_out)
+    n, k = shape
+    if r.dim() != 2 or r.shape != c.shape or r.shape[-1] != k or not r.dtype.is_floating_point:
+        return None
+    rows, cols = r[:, 0], c[0]
+    if not (torch.equal(r, rows[:, None].expand_as(r)) and torch.equal(c, cols[None].expand_as(c))):
+        return None
+    if not (torch.equal(rows, rows.round()) and bool((rows >= 0).all() and (rows < n).all())):
+        return None
+    order = cols.long()
+    if not torch.equal(order.sort().values, torch.arange(k)):
+        return None
+    return rows.long(), order
 
 
 def moved(row_out, col_out, shape: tuple[int, ...], block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,6 +12,7 @@ transformers' GGUF tokenizer conversion.
 
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +105,7 @@ def load(path: Path, dtype: torch.dtype, device: str):
     done = Loaded(dtype)
     pieces: dict[str, list[tuple[Part | None, object]]] = {}  # HF name -> (where, Blocks or float tensor)
 
-    for t in (t for r in parts for t in r.tensors):
+    for part_reader, t in ((p, t) for p in parts for t in p.tensors):
         kind = t.tensor_type.name
         raw = np.asarray(t.data)
         try:
@@ -122,6 +123,8 @@ def load(path: Path, dtype: torch.dtype, device: str):
                 f"{path.name}: tensor {t.name} ({kind}) has no place in a {config.model_type} model "
                 f"(a newer or other converter's layout?)"
             ) from exc
+        if not any(isinstance(v[1] if isinstance(v, tuple) else v, blocks.RawBlocks) for _, v in entries):
+            _release(part_reader, t)  # copied or converted: its pages of the file are not needed again
         for hf, value in entries:
             if hf not in shapes:
                 raise GGUFError(
@@ -184,6 +187,21 @@ def load(path: Path, dtype: torch.dtype, device: str):
     return model.to(device).eval(), tokenizer(path), done
 
 
+def _release(reader, t) -> None:
+    """Drop tensor `t`'s pages of the mapped file from this process: a weight copied out of the file (Q8_0 / Q4_0
+    values split from their scales) or converted no longer needs them, and the load's peak memory would otherwise
+    hold the file and its copies at once. The mapping is private and never written, so a page dropped is read
+    from the file again if anything touches it (a neighbour's view sharing a page)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
 def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
     """The entries of a quantized weight (2-D, or 3-D stacked experts) as the file's blocks (`Blocks` for Q8_0 /
     Q4_0, else `RawBlocks`), or None where its transform changes values or moves weights within blocks."""
@@ -201,6 +219,16 @@ def _kept(family, name: str, kind: str, raw: np.ndarray, meta: dict, cfg: dict):
         if part is not None and part.dim >= rows_out.dim() - 1:  # slices along the columns: not whole rows
             return None
         found = blocks.moved(rows_out, cols_out, source.shape, block)
+        if found is None and isinstance(source, blocks.RawBlocks) and part is None and rows_out.dim() == 2:
+            # whole rows, columns reordered within blocks (Qwen3.5's value heads in `ssm_out`, narrower than a
+            # K-quant block): the file's rows, and the input put in the file's column order at each product
+            found = blocks.columns_reordered(rows_out, cols_out, source.shape)
+            if found is not None:
+                rows, order = found
+                out = source.select(rows, torch.arange(source.k // block))
+                out.input_order = order
+                entries.append((hf, (None, out)))
+                continue
         if found is None:
             return None
         out = source.select(*found, lead=tuple(rows_out.shape[:-2]))
@@ -295,7 +323,7 @@ def _install(model, modules: dict, hf: str, b: blocks.Blocks | blocks.RawBlocks,
     if isinstance(b, blocks.RawBlocks) and isinstance(owner, torch.nn.Embedding):
         setattr(parent, attr, GgmlEmbedding(b.raw.contiguous(), b.kind, b.k, dtype))
     elif isinstance(b, blocks.RawBlocks):
-        setattr(parent, attr, GgmlLinear(b.raw.contiguous(), b.kind, b.k, owner.bias, dtype))
+        setattr(parent, attr, GgmlLinear(b.raw.contiguous(), b.kind, b.k, owner.bias, dtype, b.input_order))
     elif isinstance(owner, torch.nn.Embedding):
         setattr(parent, attr, QuantEmbedding(b.qs, b.d, dtype))
     else:  # a bias (still on the meta device) is filled from the state dict

@@ -84,12 +84,24 @@ class GgmlLinear(torch.nn.Module):
 
     linear_like = True  # the lean decode layers take it as they take an `nn.Linear` (`kernels.decode_layer`)
 
-    def __init__(self, blocks: torch.Tensor, kind: str, k: int, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        kind: str,
+        k: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_order: torch.Tensor | None = None,
+    ):
+        """`input_order`: the file's column of each of the layer's input columns, where the converter reordered
+        them within blocks (then each input is put in the file's order before the product: a gather of one row
+        of activations, not a float copy of the weight)."""
         super().__init__()
         if blocks.shape[1] != row_bytes(kind, k):
             raise ValueError(f"{kind} rows of {k} weights take {row_bytes(kind, k)} bytes, not {blocks.shape[1]}")
         self.kind, self.in_features, self.out_features = kind, k, blocks.shape[0]
         self.register_buffer("blocks", blocks)
+        self.gather = None if input_order is None else torch.argsort(input_order)  # file column -> input column
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.dtype = dtype
         self.native = None  # `ggml_native.GgmlProducts`, set once the load-time check passed
@@ -100,17 +112,20 @@ class GgmlLinear(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, made on each access and not kept (for code that reads its dtype or device)."""
-        return dequantize(self.blocks, self.kind, self.in_features).to(self.dtype)
+        w = dequantize(self.blocks, self.kind, self.in_features)
+        return (w if self.gather is None else w[:, torch.argsort(self.gather)]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather is not None:
+            x = x.index_select(-1, self.gather)
         if self.native is not None and active() and (y := self.native(x, self)) is not None:
             return y
         return reference_linear(x, self.blocks, self.kind, self.bias, self.rounds_activations)
 
     def c_product(self):
-        """Its C product as C code calls it (`kernels.native.CProduct`), or None."""
+        """Its C product as C code calls it (`kernels.native.CProduct`), or None (also where inputs are reordered)."""
         form = getattr(self.native, "c_form", None)
-        return form(self) if form is not None else None
+        return form(self) if form is not None and self.gather is None else None
 
     def extra_repr(self) -> str:
         a8 = ", int8 activations" if self.rounds_activations else ""
