@@ -13,7 +13,7 @@ import torch
 
 from ..kernels import native, verify
 from .ggml_blocks import TYPES, GgmlLinear, held_layers, reference_linear
-from .native import A8_SOURCE, DIRECT, Products, _linear_call
+from .native import A8_SOURCE, Products, every_row_call
 
 SOURCE = Path(__file__).with_name("ggml_products.c")
 KERNEL = "native_ggml"  # the kernel report's name of the products over a GGUF file's blocks
@@ -83,12 +83,7 @@ class GgmlProducts:
 
     def __call__(self, x: torch.Tensor, layer: GgmlLinear) -> torch.Tensor | None:
         held = held_args(layer)
-        n, k = held[3], held[4]
-        if not (x.dtype in DIRECT and x.shape[-1] == k and x.is_cpu and x.numel()):
-            return None
-        rows = x.numel() // k
-        threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
-        return _linear_call(self.lib.ggml_linear, (_code(layer, held),), x, rows, held, threads)
+        return every_row_call(self.lib.ggml_linear, _code(layer, held), x, held)
 
     def c_form(self, layer: GgmlLinear) -> native.CProduct:
         """`layer`'s product as C code calls it (`kernels.native`'s fused decode layers)."""

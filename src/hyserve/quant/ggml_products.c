@@ -143,6 +143,16 @@ int ggml_dequantize(int fmt, long rows, int k, const uint8_t *q, long row_bytes,
 static inline int has_offset(int fmt) { return fmt == G_Q4_1 || fmt == G_Q5_1 || fmt == G_Q4_K || fmt == G_Q5_K; }
 
 #if A8_ISA == 1
+/* The 8 lanes' sum, in one fixed order. */
+INLINE float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#if A8_ISA == 1
 /* A sub-block's 32 integers in one vector (as `sub_block` gives them), for the AVX2 product. */
 INLINE __m256i sub_vector(const int fmt, const uint8_t *blk, int j) {
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -247,12 +257,7 @@ INLINE void row_outputs(const int fmt, const int R, const uint8_t *row, int k, c
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[r] = _mm_cvtss_f32(s) + off[r];
-    }
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) + off[r];
 }
 #else
 INLINE void row_outputs(const int fmt, const int R, const uint8_t *row, int k, const int8_t *xq, const float *xd,
@@ -311,13 +316,6 @@ static void round_rows_k(int rows, int k, const void *x, long x_stride, int bf16
 }
 
 #if A8_ISA == 1
-INLINE int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* Shuffle masks over eight int16 held in both 128-bit lanes: int16 j everywhere (`same_mask`), or int16 2j in the
  * low lane and 2j + 1 in the high one (`pair_mask`). */
 INLINE __m256i same_mask(int j) { return _mm256_set1_epi16((short)((2 * j) | (2 * j + 1) << 8)); }
@@ -405,15 +403,7 @@ INLINE void k_outputs(const int fmt, const int R, const uint8_t *row, int k, con
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offv[r]), _mm256_extractf128_ps(offv[r], 1));
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        o = _mm_add_ss(o, _mm_movehdup_ps(o));
-        out[r] = _mm_cvtss_f32(t) + _mm_cvtss_f32(o);
-    }
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) + hsum_ps(offv[r]);
 }
 #else
 INLINE void k_outputs(const int fmt, const int R, const uint8_t *row, int k, const int8_t *xq, const float *xd,
@@ -516,12 +506,7 @@ INLINE void float_outputs(const int fmt, const int R, const uint8_t *row, int k,
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        out[r] = _mm_cvtss_f32(t) + off[r];
-    }
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) + off[r];
 }
 #else
 INLINE void float_outputs(const int fmt, const int R, const uint8_t *row, int k, const float *x, const float *xs,

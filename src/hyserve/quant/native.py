@@ -160,6 +160,18 @@ def _linear_call(fn, lead: tuple, x: torch.Tensor, rows: int, held: tuple, threa
     return y if code == 0 else None
 
 
+def every_row_call(fn, code: int, x: torch.Tensor, held: tuple) -> torch.Tensor | None:
+    """`fn` (`a8_linear`, or `ggml_products.c`'s `ggml_linear`: one argument list) of format `code` on all of x's
+    rows, the threads by `Products.ONE_THREAD_BELOW`; None for inputs of another dtype or device. `held`: the layer's
+    held arguments (`held_args`)."""
+    n, k = held[3], held[4]
+    if not (x.dtype in DIRECT and x.shape[-1] == k and x.is_cpu and x.numel()):
+        return None
+    rows = x.numel() // k
+    threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
+    return _linear_call(fn, (code,), x, rows, held, threads)
+
+
 def held_args(layer: QuantLinear) -> tuple:
     """(qs, d, bias as float32 or None, n, k, threads: 0 for all, or 1 below `Products.ONE_THREAD_BELOW` weights,
     the pointers of qs, d and bias, the format's code in `a8_linear`), kept on the layer once made (the tensors with
@@ -191,12 +203,7 @@ class A8Products:
     def __call__(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor | None:
         """[..., k] -> [..., n] in x's dtype, or None (nothing done) for inputs of another dtype or device."""
         held = held_args(layer)
-        n, k = held[3], held[4]
-        if not (x.dtype in DIRECT and x.shape[-1] == k and x.is_cpu and x.numel()):
-            return None
-        rows = x.numel() // k
-        threads = torch.get_num_threads() if rows * n * k >= Products.ONE_THREAD_BELOW else 1
-        return _linear_call(self.lib.a8_linear, (held[7],), x, rows, held, threads)
+        return every_row_call(self.lib.a8_linear, held[7], x, held)
 
     def c_form(self, layer: QuantLinear) -> native.CProduct:
         """`layer`'s product as C code calls it (`kernels.native`'s fused decode layers): `a8_linear`'s address and
