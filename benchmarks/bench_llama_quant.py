@@ -158,7 +158,8 @@ def quant_table(result: dict) -> str:
 
     scheme = result["quantization"]["scheme"]
     values = peer_values(result)
-    headers = ["", "hyserve, the same file" if result["args"].get("same_file") else f"hyserve {scheme}"]
+    same = result.get("args", {}).get("same_file")
+    headers = ["", "hyserve, the same file" if same else f"hyserve {scheme}"]
     for qtype in values:
         headers += [f"llama {qtype}", f"hyserve / {qtype}"]
     headers.append("target")
