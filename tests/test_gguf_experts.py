@@ -99,7 +99,9 @@ def test_a_q8_0_files_experts_are_its_folders_at_int8(converted, quantized, make
     loaded = rt.gguf_tensors
     assert not loaded.why and loaded.experts == {"Q8_0": 2 * len(kept)}
     assert f"kept quantized as the file's blocks ({2 * len(kept)} of them stacked expert weights" in loaded.describe()
-    assert torch.equal(_logits(rt), _logits(int8))
+    # the same blocks (above) and float weights, so the same logits up to the last bit: PyTorch's float32 products
+    # may sum in another order for tensors laid out apart (3e-8 of 0.4 on a Zen 4 EPYC; bit for bit on a Zen 3)
+    torch.testing.assert_close(_logits(rt), _logits(int8), rtol=1e-6, atol=1e-6)
     assert rt.kernels.status.get("native_int8") == int8.kernels.status.get("native_int8")
     on = run_chat(make_service(arch, model_dir=rt.model_dir, quantization="int8"), SCRIPT[:2])
     off = run_chat(make_service(arch, model_dir=rt.model_dir, quantization="int8", cache_enabled=False), SCRIPT[:2])
