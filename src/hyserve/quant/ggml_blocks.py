@@ -46,11 +46,11 @@ def row_bytes(kind: str, k: int) -> int:
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
     """Rows of blocks [n, row_bytes] (uint8) -> float32 [n, k], bit for bit gguf-py's `dequantize`."""
-    from . import ggml_native
+    from . import ggml_library
 
     n = blocks.shape[0]
     out = torch.empty(n, k, dtype=torch.float32)
-    lib, _ = ggml_native.library()
+    lib, _ = ggml_library.library()
     if n and lib is not None and blocks.is_contiguous():
         code = lib.ggml_dequantize(TYPES[kind][0], n, k, blocks.data_ptr(), blocks.shape[1], out.data_ptr())
         if code == 0:
