@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 
 from hyserve.kernels import verify  # noqa: E402
 from hyserve.models.runtime import ModelRuntime  # noqa: E402
-from hyserve.quant import ggml_blocks, ggml_native  # noqa: E402
+from hyserve.quant import ggml_blocks, ggml_library, ggml_native  # noqa: E402
 from hyserve.quant.ggml_blocks import TYPES, GgmlEmbedding, GgmlLinear  # noqa: E402
 
 from .gguf_files import convert as run_converter  # noqa: E402
@@ -27,7 +27,7 @@ KINDS = list(TYPES)
 
 def _isas() -> list[int]:
     """The instruction sets of `ggml_products.c` this CPU runs: portable C, and AVX2 where it has it."""
-    lib, why = ggml_native.library()
+    lib, why = ggml_library.library()
     assert lib is not None, why
     return list(range(lib.a8_isa() + 1))
 
@@ -53,7 +53,7 @@ def test_dequantize_is_gguf_py_bit_for_bit(kind):
     blocks = _random_blocks(kind, 37, 512, rng)
     want = dequantize(blocks.numpy(), GGMLQuantizationType[kind]).reshape(37, 512).astype(np.float32)
     for isa in _isas():
-        lib, why = ggml_native.load(isa)
+        lib, why = ggml_library.load(isa)
         assert lib is not None, why
         out = torch.empty(37, 512)
         assert lib.ggml_dequantize(TYPES[kind][0], 37, 512, blocks.data_ptr(), blocks.shape[1], out.data_ptr()) == 0
@@ -73,7 +73,7 @@ def test_the_product_is_the_reference_and_a_row_is_the_same_in_any_batch(kind, d
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     want = ggml_blocks.reference_linear(x, blocks, kind, layer.bias, rounded)
     for isa in _isas():
-        lib, why = ggml_native.load(isa)
+        lib, why = ggml_library.load(isa)
         products = ggml_native.GgmlProducts(lib)
         got = products(x, layer)
         # relative to each row's largest output: random blocks (offsets far from their weights' mean) make sums
@@ -188,7 +188,7 @@ def test_a_file_of_each_type_is_held_as_its_blocks_and_serves_cache_on_as_off(fi
     want = _logits(rt)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
     for m in layers:
-        m.native = ggml_native.GgmlProducts(ggml_native.library()[0])
+        m.native = ggml_native.GgmlProducts(ggml_library.library()[0])
     on = run_chat(make_service("qwen3_5", model_dir=path), SCRIPT[:3], logprobs=2)
     off = run_chat(make_service("qwen3_5", model_dir=path, cache_enabled=False), SCRIPT[:3], logprobs=2)
     assert on[1][2] > 0 and on[2][2] > 0 and all(t[2] == 0 for t in off)

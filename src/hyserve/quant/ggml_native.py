@@ -10,7 +10,7 @@ import torch
 
 from ..kernels import native, verify
 from .ggml_blocks import TYPES, GgmlLinear, held_layers, reference_linear
-from .ggml_library import SOURCE, library, load, source  # noqa: F401  (the tests build each instruction set)
+from .ggml_library import library
 from .native import Products, every_row_call
 
 KERNEL = "native_ggml"  # the kernel report's name of the products over a GGUF file's blocks

@@ -1,6 +1,6 @@
 /* `ggml_linear`: y = x @ W^T (+ bias) over a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
  * Q6_K), the activations rounded to Q8_0 blocks of 32 as `a8_products.c` rounds them (this file is compiled after
- * it, in one unit: `quant.ggml_native.source`, for its `round_rows` and conversions). `ggml_dequantize`: rows of
+ * it, in one unit: `quant.ggml_library.source`, for its `round_rows` and conversions). `ggml_dequantize`: rows of
  * blocks to float32, bit for bit what gguf-py's `dequantize` computes.
  *
  * Why not dequantize at load, or re-quantize: a Q4_K_M file held as float32 is 7x its size and streams 7x the
